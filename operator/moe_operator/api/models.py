@@ -1,0 +1,452 @@
+"""MoEDeployment v1alpha1: spec and status as pydantic models.
+
+These models are the single source of truth for the API. The CRD in `crds/` is generated from
+them (`python -m moe_operator.api.crd`), and a unit test fails when the two drift. Field
+descriptions become `kubectl explain` text, so write them for the person reading it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from .types import DNS_SUBDOMAIN_PATTERN, SHA256_PATTERN, ExpertIdStr, Quantity
+
+GROUP = "serving.moe.io"
+VERSION = "v1alpha1"
+KIND = "MoEDeployment"
+PLURAL = "moedeployments"
+SINGULAR = "moedeployment"
+SHORT_NAMES = ["moed"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+
+class ApiModel(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are errors."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_default=True
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# spec.model
+
+
+class ModelSource(ApiModel):
+    """The checkpoint to serve."""
+
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        pattern=r"^/",
+        description=(
+            "Absolute path, as seen by the Ray nodes, of a directory in Hugging Face layout: "
+            "config.json, one or more *.safetensors files (with model.safetensors.index.json "
+            "when sharded) and optionally tokenizer.json. Only safetensors are ever loaded. "
+            "The path must lie under one of the operator's allowed model roots."
+        ),
+    )
+    family: Literal["mixtral"] = Field(
+        default="mixtral",
+        description="Model family, which fixes the weight names and the expert layout. "
+        "Mixtral (model.layers.L.block_sparse_moe.experts.E.w1/w2/w3) is supported.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="Compute dtype. auto keeps the checkpoint's torch_dtype.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="Name reported by GET /v1/models and expected in the request's model field. "
+        "Defaults to the MoEDeployment's name.",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=16,
+        le=1_048_576,
+        description="Longest sequence (prompt + completion) in tokens. Defaults to the "
+        "checkpoint's max_position_embeddings.",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# spec.ray
+
+
+class SecretKeyRef(ApiModel):
+    """A key in a Secret in the MoEDeployment's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
+                      description="Name of the Secret.")
+    key: str = Field(default="token", min_length=1, max_length=253, description="Key within the Secret.")
+
+
+class KubeRayCluster(ApiModel):
+    """The Ray cluster the operator creates through KubeRay (a RayService it owns)."""
+
+    ray_version: str = Field(
+        default="2.60.0", pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$", description="Ray version of the image."
+    )
+    image: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Container image for head and workers; it must have moe-operator's worker "
+        "package (moe_workers) installed.",
+    )
+    worker_replicas: int = Field(default=1, ge=0, le=1000, description="Ray worker Pods.")
+    worker_cpu: Quantity = Field(default="4", description="CPU request and limit of each worker Pod.")
+    worker_memory: Quantity = Field(default="16Gi", description="Memory request and limit of each worker Pod.")
+    worker_gpus: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu per worker Pod.")
+
+
+class RayTarget(ApiModel):
+    """Where the Serve application runs."""
+
+    mode: Literal["Existing", "KubeRay"] = Field(
+        default="Existing",
+        description="Existing: deploy onto a running Ray cluster through its dashboard REST API "
+        "(address below, or the operator's default). KubeRay: the operator owns a RayService "
+        "(ray.io/v1) whose serveConfigV2 is the rendered application.",
+    )
+    address: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^\s/]+(:[0-9]{1,5})?/?$",
+        description="Dashboard URL of an existing Ray cluster, for example http://ray-head:8265. "
+        "Defaults to the operator's --ray-address setting; in standalone mode a local Ray head is "
+        "started when neither is set. Only used with mode Existing.",
+    )
+    auth_token_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret holding the Ray dashboard token (sent as x-ray-authorization: "
+        "Bearer <token>). Ray enables token authentication by default.",
+    )
+    kube_ray: KubeRayCluster | None = Field(
+        default=None, description="Cluster settings used with mode KubeRay (required there)."
+    )
+
+    @model_validator(mode="after")
+    def _kuberay_needs_cluster(self) -> "RayTarget":
+        if self.mode == "KubeRay" and self.kube_ray is None:
+            raise ValueError("ray.kubeRay is required when ray.mode is KubeRay")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# spec.ingress
+
+
+class IngressSpec(ApiModel):
+    """The Ingress deployment: HTTP API, batching, embeddings, attention, routers, lm_head."""
+
+    replicas: int = Field(default=1, ge=1, le=64, description="Ingress replicas.")
+    num_cpus: float = Field(default=1.0, gt=0, le=512, description="CPUs reserved per replica (Ray num_cpus; fractions allowed).")
+    num_gpus: float = Field(default=0.0, ge=0, le=16, description="GPUs reserved per replica (Ray num_gpus; fractions allowed).")
+    route_prefix: str = Field(
+        default="/",
+        pattern=r"^/[A-Za-z0-9._~/-]*$",
+        max_length=256,
+        description="HTTP route prefix of the application on the Ray Serve proxy; give each "
+        "MoEDeployment sharing one Ray cluster its own prefix.",
+    )
+    max_batch_size: int = Field(
+        default=32, ge=1, le=4096, description="Most sequences sharing one decode step (continuous batching)."
+    )
+    kv_cache_budget: Quantity = Field(
+        default="1Gi",
+        description="Memory the KV cache may use per replica. Requests wait when it is full.",
+    )
+    max_queued_requests: int = Field(
+        default=64,
+        ge=0,
+        le=100_000,
+        description="Requests that may wait for KV cache space; beyond this they are refused "
+        "with 503 and Retry-After.",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# spec.experts
+
+
+class HotTier(ApiModel):
+    """Accelerator memory (host memory in compute layout when there is no accelerator)."""
+
+    budget: Quantity = Field(description="Bytes of expert weights kept ready to compute, per replica.")
+
+
+class WarmTier(ApiModel):
+    """Host RAM."""
+
+    budget: Quantity = Field(description="Bytes of expert weights kept in host RAM, per replica.")
+    pinned: bool = Field(default=True, description="Use pinned (page-locked) memory when CUDA is present.")
+
+
+class ColdTier(ApiModel):
+    """Local NVMe cache of safetensors files, read lazily per expert (mmap)."""
+
+    path: str = Field(
+        default="/var/cache/moe-experts",
+        pattern=r"^/",
+        max_length=4096,
+        description="Absolute path of the cache directory on each Ray node.",
+    )
+    budget: Quantity | None = Field(
+        default=None, description="Most bytes the cache may hold per node; unset means unbounded."
+    )
+
+
+class PrefetchSpec(ApiModel):
+    """Router-guided prefetch."""
+
+    enabled: bool = Field(default=True, description="Promote experts the ingress says it will call next.")
+    lookahead_layers: int = Field(
+        default=1, ge=0, le=8, description="Layers ahead whose experts are predicted and prefetched."
+    )
+
+
+class TierSpec(ApiModel):
+    """Where each replica keeps its experts, with byte budgets per tier."""
+
+    hot: HotTier = Field(description="Hot tier: experts ready to compute.")
+    warm: WarmTier = Field(description="Warm tier: host RAM.")
+    cold: ColdTier = Field(default_factory=ColdTier, description="Cold tier: local NVMe cache directory.")
+    policy: Literal["RecencyFrequency", "LRU", "LFU"] = Field(
+        default="RecencyFrequency",
+        description="Eviction and promotion policy. RecencyFrequency weighs both; LRU and LFU "
+        "use one of them.",
+    )
+    idle_demotion_seconds: int = Field(
+        default=300, ge=0, le=86_400,
+        description="An expert unused this long moves down one tier; 0 disables idle demotion.",
+    )
+    prefetch: PrefetchSpec = Field(default_factory=PrefetchSpec, description="Router-guided prefetch.")
+
+
+class WeightsSource(ApiModel):
+    """A safetensors file holding one expert's tensors."""
+
+    path: str = Field(
+        min_length=1, max_length=4096, pattern=r"^/.*\.safetensors$",
+        description="Absolute path of a .safetensors file with the expert's w1, w2 and w3 "
+        "(under the names the checkpoint uses, or just w1.weight, w2.weight, w3.weight). Must "
+        "lie under one of the operator's allowed weight roots.",
+    )
+    sha256: str | None = Field(
+        default=None, pattern=SHA256_PATTERN,
+        description="Expected sha256 of the file (64 lowercase hex digits); the swap is refused "
+        "when it differs.",
+    )
+
+
+class ExpertOverride(ApiModel):
+    """Replace one expert's weights (hot-swap). Removing the entry rolls back."""
+
+    expert: ExpertIdStr = Field(description="Expert id LAYER.EXPERT, for example 3.12.")
+    weights: WeightsSource = Field(description="The new weights.")
+
+
+class ExpertsSpec(ApiModel):
+    """The ExpertShard deployments: how experts are split, replicated and stored."""
+
+    groups: int = Field(
+        default=4, ge=1, le=1024,
+        description="Number of shard groups (ExpertShard deployments). Each hosts a subset of "
+        "the experts of every layer.",
+    )
+    replicas_per_group: int = Field(
+        default=1, ge=0, le=256,
+        description="Replicas of each shard group. The scale subresource (kubectl scale, HPA) "
+        "sets this field; the autoscaler respects it.",
+    )
+    num_cpus: float = Field(default=1.0, gt=0, le=512, description="CPUs reserved per shard replica (Ray num_cpus).")
+    num_gpus: float = Field(default=0.0, ge=0, le=16, description="GPUs reserved per shard replica (Ray num_gpus).")
+    tiers: TierSpec = Field(description="Byte budgets and policy of the hot, warm and cold tiers.")
+    overrides: list[ExpertOverride] = Field(
+        default_factory=list, max_length=4096,
+        description="Experts whose weights replace the checkpoint's (hot-swap), at most one "
+        "entry per expert.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["expert"]},
+    )
+
+    @field_validator("overrides")
+    @classmethod
+    def _one_override_per_expert(cls, overrides: list[ExpertOverride]) -> list[ExpertOverride]:
+        first: dict[str, int] = {}
+        for i, o in enumerate(overrides):
+            if o.expert in first:
+                raise ValueError(f"entry [{i}] overrides expert {o.expert} again (first at [{first[o.expert]}])")
+            first[o.expert] = i
+        return overrides
+
+
+# ---------------------------------------------------------------------------------------------
+# spec.autoscaling
+
+
+class MetricsSource(ApiModel):
+    """Where the autoscaler reads per-expert load."""
+
+    source: Literal["Direct", "Prometheus"] = Field(
+        default="Direct",
+        description="Direct scrapes the Ray metrics endpoints; Prometheus queries a Prometheus "
+        "server's HTTP API (PromQL).",
+    )
+    prometheus_url: str | None = Field(
+        default=None, pattern=r"^https?://\S+$",
+        description="Prometheus base URL, required with source Prometheus.",
+    )
+    scrape_interval_seconds: int = Field(default=15, ge=1, le=3600, description="How often load is read.")
+
+    @model_validator(mode="after")
+    def _prometheus_needs_url(self) -> "MetricsSource":
+        if self.source == "Prometheus" and not self.prometheus_url:
+            raise ValueError("metrics.prometheusUrl is required when metrics.source is Prometheus")
+        return self
+
+
+class AutoscalingSpec(ApiModel):
+    """React to how the experts are actually used: replicate, move, and scale."""
+
+    mode: Literal["Off", "Recommend", "Auto"] = Field(
+        default="Off",
+        description="Off: no decisions. Recommend: write the plan into status only. Auto: apply it.",
+    )
+    imbalance_threshold: float = Field(
+        default=1.25, ge=1.0, le=100.0,
+        description="Rebalance when max/mean shard-group load stays above this value.",
+    )
+    window_seconds: int = Field(default=60, ge=5, le=86_400, description="Window over which load is averaged.")
+    stabilization_window_seconds: int = Field(
+        default=120, ge=0, le=86_400,
+        description="Imbalance must last this long before a decision is taken.",
+    )
+    cooldown_seconds: int = Field(default=300, ge=0, le=86_400, description="Least time between two applied decisions.")
+    max_moves_per_step: int = Field(default=8, ge=1, le=10_000, description="Most expert copies added or moved by one decision.")
+    redundant_expert_slots: int = Field(
+        default=0, ge=0, le=65_536,
+        description="Extra expert copies (over one per expert) the planner may place to replicate hot experts.",
+    )
+    min_replicas_per_group: int = Field(default=1, ge=0, le=256, description="Fewest replicas per shard group.")
+    max_replicas_per_group: int = Field(default=4, ge=1, le=256, description="Most replicas per shard group.")
+    target_tokens_per_second_per_replica: float | None = Field(
+        default=None, gt=0,
+        description="Scale replicas so each serves about this many expert-tokens per second; "
+        "unset disables replica scaling on load.",
+    )
+    metrics: MetricsSource = Field(default_factory=MetricsSource, description="Where load is read.")
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> "AutoscalingSpec":
+        if self.min_replicas_per_group > self.max_replicas_per_group:
+            raise ValueError(
+                f"autoscaling.minReplicasPerGroup ({self.min_replicas_per_group}) is above "
+                f"maxReplicasPerGroup ({self.max_replicas_per_group})"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# spec
+
+
+class MoEDeploymentSpec(ApiModel):
+    """Desired state of a MoEDeployment: a Mixture-of-Experts model served on Ray Serve with
+    expert parallelism."""
+
+    model: ModelSource = Field(description="The checkpoint to serve.")
+    ray: RayTarget = Field(default_factory=RayTarget, description="The Ray cluster the application runs on.")
+    ingress: IngressSpec = Field(default_factory=IngressSpec, description="The Ingress deployment (dense part, HTTP API).")
+    experts: ExpertsSpec = Field(description="Expert shard groups, tiers and overrides.")
+    autoscaling: AutoscalingSpec = Field(
+        default_factory=AutoscalingSpec, description="Load-aware rebalancing and scaling."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# status
+
+
+class Condition(ApiModel):
+    """A Kubernetes-style condition."""
+
+    type: str = Field(description="Ready, Progressing or Degraded.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(default="", description="CamelCase reason code.")
+    message: str = Field(default="", description="Human-readable detail.")
+    observed_generation: int | None = Field(default=None, description="Spec generation the condition was computed for.")
+    last_transition_time: str | None = Field(default=None, description="When status last changed (RFC 3339).")
+
+
+class GroupStatus(ApiModel):
+    """One shard group as observed."""
+
+    name: str = Field(description="Deployment name, ExpertShard-<k>.")
+    replicas: int = Field(default=0, description="Desired replicas.")
+    ready_replicas: int = Field(default=0, description="Replicas running.")
+    experts: int = Field(default=0, description="Expert copies hosted.")
+
+
+class TierSummary(ApiModel):
+    """Aggregated residency of one tier across replicas."""
+
+    experts: int = Field(default=0, description="Expert copies resident.")
+    bytes: int = Field(default=0, description="Bytes resident.")
+
+
+class SwapRecord(ApiModel):
+    """One hot-swap as it happened."""
+
+    expert: str = Field(description="Expert id.")
+    digest: str = Field(default="", description="Content digest of the new version.")
+    outcome: Literal["Pending", "Serving", "Failed", "RolledBack"] = Field(description="Result.")
+    reason: str = Field(default="", description="Why it failed, when it did.")
+    started_at: str | None = Field(default=None, description="When the swap was requested.")
+    duration_seconds: float | None = Field(default=None, description="From request to serving on every replica.")
+
+
+class AutoscalingStatus(ApiModel):
+    """The autoscaler's last decision."""
+
+    last_decision: str = Field(default="", description="What was decided: None, Rebalance, ScaleUp, ScaleDown.")
+    reason: str = Field(default="", description="Why.")
+    imbalance_before: float | None = Field(default=None, description="max/mean group load before.")
+    imbalance_after: float | None = Field(default=None, description="Expected max/mean group load after.")
+    time: str | None = Field(default=None, description="When (RFC 3339).")
+
+
+class MoEDeploymentStatus(ApiModel):
+    """Observed state, written by the operator."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    observed_generation: int | None = Field(default=None, description="Last spec generation reconciled.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Progressing and Degraded.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    endpoint: str | None = Field(default=None, description="Base URL of the OpenAI-compatible API.")
+    replicas: int = Field(default=0, description="Ready replicas per shard group (the least across groups); the scale subresource reads it.")
+    selector: str = Field(default="", description="Label selector of the application's Pods (scale subresource).")
+    groups: list[GroupStatus] = Field(default_factory=list, description="Per shard group.")
+    tiers: dict[str, TierSummary] = Field(default_factory=dict, description="Residency per tier (hot, warm, cold).")
+    overridden_experts: int = Field(default=0, description="Experts serving an override.")
+    imbalance: float | None = Field(default=None, description="max/mean shard-group load over the last window.")
+    last_swaps: list[SwapRecord] = Field(default_factory=list, max_length=20, description="Most recent hot-swaps, newest first.")
+    autoscaling: AutoscalingStatus | None = Field(default=None, description="Last autoscaling decision.")
+
+
+class MoEDeployment(ApiModel):
+    """A whole object, as read from a manifest or the API."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    api_version: Literal["serving.moe.io/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["MoEDeployment"]
+    metadata: dict = Field(default_factory=dict)
+    spec: MoEDeploymentSpec
+    status: MoEDeploymentStatus | None = None

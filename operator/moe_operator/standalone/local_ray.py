@@ -1,0 +1,132 @@
+"""A local Ray head on loopback, with the dashboard (Serve REST API) and token authentication.
+
+Used by standalone mode (`moectl up` with no Ray address) and by the tests. The head runs as
+`ray start --head --block` in its own process session, so stopping it kills exactly the
+processes it started (by process group id), never other Ray clusters on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Ray reserves 10002-19999 for workers by default; our servers stay outside that range and the
+# workers get a narrowed range of their own.
+_WORKER_PORTS = (20000, 29999)
+
+
+def free_port(avoid: range = range(10002, 30000)) -> int:
+    """A free TCP port on 127.0.0.1 outside Ray's worker port range."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise RuntimeError("no free loopback port outside Ray's worker range")
+
+
+@dataclass
+class LocalRayHead:
+    """A Ray head started by us; `start()` then `stop()`."""
+
+    work_dir: Path
+    num_cpus: float | None = None
+    gcs_port: int = field(default_factory=free_port)
+    dashboard_port: int = field(default_factory=free_port)
+    serve_http_port: int = field(default_factory=free_port)
+    token: str = field(default_factory=lambda: secrets.token_hex(24))
+    process: subprocess.Popen | None = None
+
+    @property
+    def gcs_address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @property
+    def token_path(self) -> Path:
+        return self.work_dir / "auth_token"
+
+    def client_env(self) -> dict[str, str]:
+        """Environment for processes that talk to this head (ray.init, serve, the Ray CLI)."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path),
+                "RAY_ADDRESS": self.gcs_address}
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"x-ray-authorization": f"Bearer {self.token}"}
+
+    def start(self, timeout_s: float = 120.0) -> "LocalRayHead":
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.token_path.write_text(self.token)
+        self.token_path.chmod(0o600)
+        # Ray's temp dir ends up in unix socket paths (limit 107 bytes): keep it short.
+        temp_dir = Path("/tmp") / f"moe-ray-{os.getpid()}-{self.gcs_port}"
+        cmd = [
+            str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+            "--node-ip-address", "127.0.0.1",
+            "--port", str(self.gcs_port),
+            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
+            "--include-dashboard", "true",
+            "--min-worker-port", str(_WORKER_PORTS[0]), "--max-worker-port", str(_WORKER_PORTS[1]),
+            "--temp-dir", str(temp_dir),
+            "--disable-usage-stats",
+        ]
+        if self.num_cpus is not None:
+            cmd += ["--num-cpus", str(self.num_cpus)]
+        env = {**os.environ, **self.client_env(), "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("RAY_ADDRESS")
+        log = open(self.work_dir / "ray-head.log", "wb")
+        self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"ray start exited with {self.process.returncode}; see {self.work_dir / 'ray-head.log'}"
+                )
+            if self._dashboard_ready():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"Ray dashboard not ready after {timeout_s:.0f} s; see {self.work_dir / 'ray-head.log'}")
+
+    def _dashboard_ready(self) -> bool:
+        req = urllib.request.Request(self.dashboard_url + "/api/version", headers=self.auth_headers())
+        try:
+            with urllib.request.urlopen(req, timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process is None:
+            return
+        pgid = self.process.pid  # start_new_session: the process group id is the leader's pid
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+            # the leader is gone; make sure nothing else of its group lingers
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.5)
+        self.process = None

@@ -1,0 +1,105 @@
+"""Session fixtures: a real kube-apiserver + etcd (scripts/testenv) and a local Ray head.
+
+Both start once per test session, on free loopback ports with fresh state directories, and are
+stopped by process id at the end. `scripts/testenv install` must have run (the README's test
+command does it); a missing binary fails the fixture with the command to run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TESTENV = REPO / "scripts" / "testenv"
+sys.path.insert(0, str(REPO / "tests"))
+
+
+@dataclass
+class KubeEnv:
+    """The running control plane and its clients."""
+
+    dir: Path
+    kubeconfig: Path
+    developer_kubeconfig: Path
+    server: str
+    bin_dir: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig),
+                "PATH": f"{self.bin_dir}:{os.environ.get('PATH', '')}"}
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                kubeconfig: Path | None = None) -> subprocess.CompletedProcess:
+        env = self.env
+        if kubeconfig is not None:
+            env["KUBECONFIG"] = str(kubeconfig)
+        proc = subprocess.run([str(self.bin_dir / "kubectl"), *args], input=input, env=env,
+                              capture_output=True, text=True, timeout=120)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
+        return proc
+
+    def kubectl_json(self, *args: str) -> dict:
+        return json.loads(self.kubectl(*args, "-o", "json").stdout)
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([str(self.bin_dir / "helm"), *args], env=self.env,
+                              capture_output=True, text=True, timeout=300)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
+        return proc
+
+
+def _cache_bin() -> Path:
+    cache = Path(os.environ.get("MOE_CACHE_DIR", Path.home() / ".cache" / "moe-operator"))
+    return cache / "bin"
+
+
+@pytest.fixture(scope="session")
+def k8s(tmp_path_factory) -> KubeEnv:
+    bin_dir = _cache_bin()
+    missing = [b for b in ("etcd", "kube-apiserver", "kubectl", "helm") if not (bin_dir / b).exists()]
+    if missing:
+        pytest.fail(f"test environment not installed ({', '.join(missing)} missing in {bin_dir}); "
+                    f"run: scripts/testenv install", pytrace=False)
+    state = tmp_path_factory.mktemp("testenv")
+    proc = subprocess.run([str(TESTENV), "start", str(state)], capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        pytest.fail(f"scripts/testenv start failed: {proc.stderr}", pytrace=False)
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.splitlines()
+                   if line.startswith("export ") and "PATH=" not in line)
+    env = KubeEnv(dir=state, kubeconfig=Path(exports["KUBECONFIG"]),
+                  developer_kubeconfig=Path(exports["MOE_TESTENV_DEVELOPER_KUBECONFIG"]),
+                  server=exports["MOE_TESTENV_SERVER"], bin_dir=bin_dir)
+    try:
+        yield env
+    finally:
+        subprocess.run([str(TESTENV), "stop", str(state)], timeout=60)
+
+
+@pytest.fixture(scope="session")
+def crd_installed(k8s: KubeEnv) -> KubeEnv:
+    k8s.kubectl("apply", "-f", str(REPO / "crds"))
+    k8s.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                "crd/moedeployments.serving.moe.io")
+    return k8s
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    from moe_operator.standalone.local_ray import LocalRayHead
+
+    head = LocalRayHead(work_dir=tmp_path_factory.mktemp("ray"), num_cpus=4)
+    head.start()
+    try:
+        yield head
+    finally:
+        head.stop()

@@ -1,0 +1,77 @@
+"""Invalid MoEDeployment manifests, each with the field its error must name.
+
+Used twice: the real apiserver must reject each one through the CRD schema (tests/e2e), and the
+operator's own parser must reject the same ones (tests/unit), so neither path lets them through.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+VALID: dict[str, Any] = {
+    "apiVersion": "serving.moe.io/v1alpha1",
+    "kind": "MoEDeployment",
+    "metadata": {"name": "invalid-case"},
+    "spec": {
+        "model": {"path": "/models/mixtral-tiny"},
+        "experts": {
+            "groups": 2,
+            "tiers": {"hot": {"budget": "256Mi"}, "warm": {"budget": "1Gi"}},
+            "overrides": [{"expert": "1.3", "weights": {"path": "/models/patch.safetensors"}}],
+        },
+    },
+}
+
+
+def _set(path: str, value: Any) -> Callable[[dict], None]:
+    def apply(doc: dict) -> None:
+        *parents, last = path.split(".")
+        node = doc
+        for p in parents:
+            node = node[int(p)] if p.isdigit() else node.setdefault(p, {})
+        if value is _DELETE:
+            del node[last]
+        elif isinstance(node, list) and int(last) == len(node):
+            node.append(value)
+        else:
+            node[int(last) if last.isdigit() else last] = value
+    return apply
+
+
+_DELETE = object()
+
+# (case id, mutation, field path the error must name); list-level rules (a duplicate entry) are
+# reported by the apiserver at the entry and by pydantic at the list, so both paths are accepted.
+CASES: list[tuple[str, Callable[[dict], None], str]] = [
+    ("groups-wrong-type", _set("spec.experts.groups", "four"), "spec.experts.groups"),
+    ("groups-zero", _set("spec.experts.groups", 0), "spec.experts.groups"),
+    ("groups-too-many", _set("spec.experts.groups", 5000), "spec.experts.groups"),
+    ("replicas-negative", _set("spec.experts.replicasPerGroup", -1), "spec.experts.replicasPerGroup"),
+    ("autoscaling-mode-unknown", _set("spec.autoscaling.mode", "Sometimes"), "spec.autoscaling.mode"),
+    ("tier-policy-unknown", _set("spec.experts.tiers.policy", "FIFO"), "spec.experts.tiers.policy"),
+    ("dtype-unknown", _set("spec.model.dtype", "int4"), "spec.model.dtype"),
+    ("model-path-missing", _set("spec.model.path", _DELETE), "spec.model.path"),
+    ("model-path-relative", _set("spec.model.path", "models/mixtral"), "spec.model.path"),
+    ("tiers-missing", _set("spec.experts.tiers", _DELETE), "spec.experts.tiers"),
+    ("hot-budget-malformed", _set("spec.experts.tiers.hot.budget", "16GB"), "spec.experts.tiers.hot.budget"),
+    ("warm-budget-not-a-quantity", _set("spec.experts.tiers.warm.budget", "lots"), "spec.experts.tiers.warm.budget"),
+    ("expert-id-dash", _set("spec.experts.overrides.0.expert", "3-12"), "spec.experts.overrides[0].expert"),
+    ("expert-id-three-parts", _set("spec.experts.overrides.0.expert", "3.12.1"), "spec.experts.overrides[0].expert"),
+    ("sha256-malformed", _set("spec.experts.overrides.0.weights.sha256", "xyz"), "spec.experts.overrides[0].weights.sha256"),
+    ("weights-not-safetensors", _set("spec.experts.overrides.0.weights.path", "/models/patch.bin"), "spec.experts.overrides[0].weights.path"),
+    ("imbalance-threshold-below-one", _set("spec.autoscaling.imbalanceThreshold", 0.5), "spec.autoscaling.imbalanceThreshold"),
+    ("ingress-cpus-zero", _set("spec.ingress.numCpus", 0), "spec.ingress.numCpus"),
+    ("ray-mode-unknown", _set("spec.ray.mode", "Docker"), "spec.ray.mode"),
+    ("ray-address-no-scheme", _set("spec.ray.address", "ray-head:8265"), "spec.ray.address"),
+    ("prefetch-lookahead-too-far", _set("spec.experts.tiers.prefetch.lookaheadLayers", 99), "spec.experts.tiers.prefetch.lookaheadLayers"),
+    ("duplicate-override", _set("spec.experts.overrides.1", {"expert": "1.3", "weights": {"path": "/models/other.safetensors"}}), "spec.experts.overrides[1]"),
+]
+
+
+def build(mutation: Callable[[dict], None], name: str) -> dict:
+    doc = copy.deepcopy(VALID)
+    doc["metadata"]["name"] = name
+    if mutation is not None:
+        mutation(doc)
+    return doc

@@ -1,0 +1,100 @@
+"""The MoEDeployment models and validation, without a cluster."""
+
+from __future__ import annotations
+
+import glob
+import math
+
+import pytest
+import yaml
+from hypothesis import given, strategies as st
+
+from invalid_manifests import CASES, VALID, build
+from moe_operator.api.models import MoEDeployment, MoEDeploymentSpec
+from moe_operator.api.types import ExpertId, parse_quantity, quantity_bytes
+from moe_operator.api.validation import SpecError, parse_spec
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("16Gi", 16 * 2**30), ("512Mi", 512 * 2**20), ("2G", 2e9), ("1k", 1000), ("1.5Gi", 1.5 * 2**30),
+    ("1e3", 1000), ("500m", 0.5), (1024, 1024), ("0", 0),
+])
+def test_quantity_parsing(text, expected):
+    assert math.isclose(parse_quantity(text), expected)
+
+
+@pytest.mark.parametrize("bad", ["16GB", "lots", "", "1.2.3Gi", "Gi", "-1Gi", True])
+def test_quantity_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_quantity(bad)
+
+
+@given(st.integers(min_value=0, max_value=2**40), st.sampled_from(["", "Ki", "Mi", "Gi"]))
+def test_quantity_bytes_round_trip(n, suffix):
+    factor = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}[suffix]
+    assert quantity_bytes(f"{n}{suffix}") == n * factor
+
+
+@given(st.integers(0, 999_999), st.integers(0, 999_999))
+def test_expert_id_round_trip(layer, expert):
+    eid = ExpertId(layer, expert)
+    assert ExpertId.parse(str(eid)) == eid
+
+
+@pytest.mark.parametrize("bad", ["3-12", "3.12.1", "a.b", "03.1", "3.", ".3", "", "-1.2"])
+def test_expert_id_rejects(bad):
+    with pytest.raises(ValueError, match="not an expert id"):
+        ExpertId.parse(bad)
+
+
+def test_defaults_fill_in():
+    spec = parse_spec(VALID["spec"])
+    assert spec.model.family == "mixtral" and spec.model.dtype == "auto"
+    assert spec.ray.mode == "Existing" and spec.ray.address is None
+    assert spec.experts.replicas_per_group == 1
+    assert spec.experts.tiers.policy == "RecencyFrequency"
+    assert spec.experts.tiers.cold.path == "/var/cache/moe-experts"
+    assert spec.autoscaling.mode == "Off"
+    assert spec.ingress.route_prefix == "/"
+
+
+def test_round_trip_uses_camel_case():
+    spec = parse_spec(VALID["spec"])
+    dumped = spec.model_dump(by_alias=True, exclude_none=True)
+    assert dumped["experts"]["replicasPerGroup"] == 1
+    assert MoEDeploymentSpec.model_validate(dumped) == spec
+
+
+@pytest.mark.parametrize("case_id,mutation,path", CASES, ids=[c[0] for c in CASES])
+def test_invalid_manifests_rejected_by_parser(case_id, mutation, path):
+    doc = build(mutation, case_id)
+    with pytest.raises(SpecError) as err:
+        parse_spec(doc["spec"])
+    accepted = {path, path.rsplit("[", 1)[0]} if path.endswith("]") else {path}
+    assert any(p + ":" in line for line in err.value.problems for p in accepted), err.value.problems
+
+
+@pytest.mark.parametrize("spec_patch,needle", [
+    ({"ray": {"mode": "KubeRay"}}, "ray.kubeRay is required"),
+    ({"autoscaling": {"minReplicasPerGroup": 5, "maxReplicasPerGroup": 2}}, "minReplicasPerGroup (5) is above"),
+    ({"autoscaling": {"metrics": {"source": "Prometheus"}}}, "prometheusUrl is required"),
+    ({"experts": {"groups": 2, "tiers": {"hot": {"budget": "1Gi"}, "warm": {"budget": "1Gi"}}, "shards": 3}},
+     "spec.experts.shards: Extra inputs are not permitted"),
+])
+def test_cross_field_rules(spec_patch, needle):
+    spec = {**VALID["spec"], **spec_patch}
+    with pytest.raises(SpecError) as err:
+        parse_spec(spec)
+    assert needle in str(err.value)
+
+
+def test_missing_spec():
+    with pytest.raises(SpecError, match="spec: required field is missing"):
+        parse_spec(None)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("examples/*.yaml")))
+def test_examples_parse(path):
+    for doc in yaml.safe_load_all(open(path)):
+        if doc and doc.get("kind") == "MoEDeployment":
+            MoEDeployment.model_validate(doc)
