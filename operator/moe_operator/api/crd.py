@@ -48,7 +48,7 @@ def _structural(node: Any) -> Any:
             node["type"] = "number"
     if isinstance(node.get("description"), str):
         node["description"] = " ".join(node["description"].split())
-    if node.get("default", 0) is None:
+    if node.get("default", 0) in (None, ""):  # apiserver v1.20 stores "" as null and refuses it
         node.pop("default")
     for key in ("title", "examples"):
         node.pop(key, None)
@@ -74,9 +74,18 @@ def to_structural(model: type) -> dict[str, Any]:
     return _structural(_resolve(schema, defs))
 
 
+def _without_defaults(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_without_defaults(n) for n in node]
+    if isinstance(node, dict):
+        return {k: _without_defaults(v) for k, v in node.items() if k != "default"}
+    return node
+
+
 def build_crd() -> dict[str, Any]:
     spec_schema = to_structural(models.MoEDeploymentSpec)
-    status_schema = to_structural(models.MoEDeploymentStatus)
+    # status is written by the operator only: defaulting it on the server would hide omissions
+    status_schema = _without_defaults(to_structural(models.MoEDeploymentStatus))
     status_schema["description"] = "Observed state, written by the operator."
     root = {
         "type": "object",
