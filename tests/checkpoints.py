@@ -1,0 +1,32 @@
+"""Tiny random Mixtral checkpoints written by transformers itself (the real Hugging Face layout)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def make_mixtral(path: Path, *, vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                 max_position_embeddings=128, dtype=torch.float32, seed=0, max_shard_size=None,
+                 tie_word_embeddings=False):
+    """Write a random MixtralForCausalLM to `path`; returns the transformers model (eval, fp32 copy kept)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                        num_key_value_heads=num_key_value_heads, num_local_experts=num_local_experts,
+                        num_experts_per_tok=num_experts_per_tok, max_position_embeddings=max_position_embeddings,
+                        tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(cfg).eval()
+    # transformers' default init (std 0.02) gives near-uniform routing; widen the router so top-k
+    # choices are decisive and a routing bug cannot hide behind ties
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(25.0)
+    model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return model

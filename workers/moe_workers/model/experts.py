@@ -1,0 +1,30 @@
+"""Experts held in one process: weights per (layer, expert), computed per dispatch."""
+
+from __future__ import annotations
+
+import torch
+
+from .checkpoint import Checkpoint
+from .layers import combine, expert_mlp, group_by_expert
+
+
+class LocalExperts:
+    """All (or some) experts of a checkpoint in this process, in compute layout."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, experts: list[tuple[int, int]] | None = None):
+        cfg = ckpt.config
+        ids = experts if experts is not None else [(l, e) for l in range(cfg.num_layers) for e in range(cfg.num_experts)]
+        self.weights = {eid: {k: t.contiguous() for k, t in ckpt.expert(*eid, dtype=dtype).items()} for eid in ids}
+
+    def forward(self, layer: int, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """{expert: its tokens' hidden states} -> {expert: its outputs}."""
+        out = {}
+        for e, x in inputs.items():
+            w = self.weights[(layer, e)]
+            out[e] = expert_mlp(x, w["w1"], w["w2"], w["w3"])
+        return out
+
+    def moe(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        groups = group_by_expert(indices)
+        outputs = self.forward(layer, {e: x[rows] for e, (rows, _) in groups.items()})
+        return combine(x.shape[0], x.shape[1], x.dtype, groups, outputs, weights)

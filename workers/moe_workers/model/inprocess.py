@@ -1,0 +1,70 @@
+"""The whole model in one process: the reference our served app is compared and benchmarked against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import Checkpoint
+from .dense import Chunk, DenseModel, KVCache, StepBatch
+from .experts import LocalExperts
+from .sampling import sample
+
+
+class InProcessModel:
+    def __init__(self, path: str | Path, dtype: str | torch.dtype | None = None, max_len: int | None = None,
+                 max_sequences: int = 8):
+        self.ckpt = Checkpoint(path)
+        self.cfg = self.ckpt.config.with_dtype(dtype)
+        self.dense = DenseModel(self.cfg, self.ckpt.dense_state())
+        self.experts = LocalExperts(self.ckpt, self.cfg.dtype)
+        self.max_len = max_len or self.cfg.max_position_embeddings
+        self.cache = KVCache(self.cfg, max_sequences, self.max_len, self.cfg.dtype)
+
+    @torch.inference_mode()
+    def step(self, chunks: list[Chunk], all_rows: bool = False) -> torch.Tensor:
+        """Logits of each chunk's last token (or of every token with all_rows)."""
+        batch = StepBatch(chunks)
+        h = self.dense.embed(batch)
+        for layer in range(self.cfg.num_layers):
+            h = self.dense.attention(layer, h, batch, self.cache)
+            x, indices, weights = self.dense.route(layer, h)
+            h = h + self.experts.moe(layer, x, indices, weights)
+        return self.dense.logits(h, None if all_rows else batch.last_rows)
+
+    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one prompt, like transformers' model(ids).logits[0]."""
+        slot = self.cache.allocate()
+        try:
+            return self.step([Chunk(slot, 0, list(ids))], all_rows=True)
+        finally:
+            self.cache.release(slot)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = False) -> list[list[int]]:
+        """Completions for several prompts decoded together (one step per token, all sequences)."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        slots = [self.cache.allocate() for _ in prompts]
+        if None in slots:
+            raise RuntimeError(f"at most {self.cache.num_slots} sequences at once")
+        try:
+            outputs: list[list[int]] = [[] for _ in prompts]
+            chunks = [Chunk(s, 0, list(p)) for s, p in zip(slots, prompts)]
+            active = list(range(len(prompts)))
+            while active and max_tokens > 0:
+                logits = self.step([chunks[i] for i in active])
+                still = []
+                for row, i in enumerate(active):
+                    tok = sample(logits[row], temperature, top_p, gen)
+                    outputs[i].append(tok)
+                    c = chunks[i]
+                    chunks[i] = Chunk(c.slot, c.start + len(c.tokens), [tok])
+                    done = len(outputs[i]) >= max_tokens or (stop_at_eos and tok == self.cfg.eos_token_id)
+                    if not done:
+                        still.append(i)
+                active = still
+            return outputs
+        finally:
+            for s in slots:
+                self.cache.release(s)

@@ -1,0 +1,81 @@
+"""Mixtral building blocks, computed the way Hugging Face transformers computes them.
+
+Precision choices follow transformers' modeling_mixtral: RMSNorm in float32 then cast back,
+rotary cos/sin in float32, router softmax in float32 with top-k renormalisation, and each
+expert's weighted contribution cast to the hidden dtype before it is accumulated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (N, head_dim) for integer positions (N,)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (N, heads, head_dim); cos/sin: (N, head_dim)."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+def route(x: torch.Tensor, gate: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k router: (indices (N, k), renormalised float32 weights (N, k))."""
+    probs = torch.softmax(F.linear(x, gate).float(), dim=-1)
+    weights, indices = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return indices, weights
+
+
+def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """SwiGLU expert: w2(silu(w1 x) * w3 x)."""
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+def group_by_expert(indices: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{expert: (token rows, top-k slot)} for the (N, k) router indices, experts ascending."""
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    k = indices.shape[1]
+    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for e, chunk in zip(experts.tolist(), torch.split(order, counts.tolist())):
+        out[e] = (chunk // k, chunk % k)
+    return out
+
+
+def combine(
+    num_tokens: int,
+    hidden: int,
+    dtype: torch.dtype,
+    groups: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    outputs: dict[int, torch.Tensor],
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """Sum of weighted expert outputs per token, accumulated in ascending expert order."""
+    result = torch.zeros(num_tokens, hidden, dtype=dtype)
+    for e in sorted(groups):
+        rows, slots = groups[e]
+        contribution = outputs[e] * weights[rows, slots, None]
+        result.index_add_(0, rows, contribution.to(dtype))
+    return result
