@@ -1,0 +1,176 @@
+"""Continuous batching over the dense model; experts are reached through an async dispatcher.
+
+The engine owns the KV cache and a bounded wait queue. Each step takes every running sequence
+(one decode token each) plus newly admitted prompts (prefill), runs them through the model
+together, samples, and streams tokens out. New requests join between steps. Nothing here knows
+about Ray: the dispatcher is any `async (layer, x, indices, weights) -> moe_out`, which is how
+the same engine runs in-process (tests) and in the Ingress deployment (shard calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import torch
+
+from moe_workers.model.dense import Chunk, DenseModel, KVCache, StepBatch
+from moe_workers.model.sampling import sample
+
+Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], Awaitable[torch.Tensor]]
+
+
+class Overloaded(Exception):
+    """The wait queue is full; the caller should answer 503 with Retry-After."""
+
+
+@dataclass
+class GenerationRequest:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_at_eos: bool = True
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    # engine state
+    slot: int | None = None
+    produced: list[int] = field(default_factory=list)
+    cached: int = 0
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class StepTimings:
+    """Where a step's time goes, summed over steps (seconds)."""
+
+    dense: float = 0.0
+    experts: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+
+
+class Engine:
+    def __init__(self, dense: DenseModel, cache: KVCache, dispatch: Dispatcher, max_batch_size: int,
+                 max_queued: int):
+        self.dense = dense
+        self.cache = cache
+        self.dispatch = dispatch
+        self.max_batch_size = max_batch_size
+        self.max_queued = max_queued
+        self.waiting: deque[GenerationRequest] = deque()
+        self.running: list[GenerationRequest] = []
+        self.timings = StepTimings()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        # dense compute off the event loop, one step at a time, so HTTP stays responsive
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dense")
+
+    def submit(self, req: GenerationRequest) -> GenerationRequest:
+        # requests that can start at the next step do not count against the wait queue
+        can_start = max(0, min(self.cache.free_slots, self.max_batch_size - len(self.running)))
+        if len(self.waiting) >= self.max_queued + can_start:
+            raise Overloaded(f"{len(self.waiting)} requests already waiting for KV cache space")
+        if req.seed is not None:
+            req.generator = torch.Generator().manual_seed(req.seed)
+        self.waiting.append(req)
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+        return req
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self.step()
+            except Exception as err:  # a failed step fails its requests, not the server
+                for req in self.running:
+                    self._finish(req, f"error: {err}")
+                self.running = []
+
+    def _admit(self) -> list[GenerationRequest]:
+        admitted = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            slot = self.cache.allocate()
+            if slot is None:
+                break
+            req = self.waiting.popleft()
+            req.slot = slot
+            admitted.append(req)
+        return admitted
+
+    def _finish(self, req: GenerationRequest, reason: str) -> None:
+        req.finish_reason = reason
+        if req.slot is not None:
+            self.cache.release(req.slot)
+            req.slot = None
+        req.out.put_nowait(None)
+
+    async def step(self) -> None:
+        new = self._admit()
+        seqs = self.running + new
+        if not seqs:
+            return
+        chunks = []
+        for req in seqs:
+            if req.cached == 0:
+                chunks.append(Chunk(req.slot, 0, list(req.prompt)))
+            else:
+                chunks.append(Chunk(req.slot, req.cached, [req.produced[-1]]))
+        logits = await self.forward(StepBatch(chunks))
+        still = []
+        for row, (req, chunk) in enumerate(zip(seqs, chunks)):
+            req.cached = chunk.start + len(chunk.tokens)
+            tok = sample(logits[row], req.temperature, req.top_p, req.generator)
+            req.produced.append(tok)
+            req.out.put_nowait(tok)
+            if len(req.produced) >= req.max_tokens:
+                self._finish(req, "length")
+            elif req.stop_at_eos and tok == self.dense.cfg.eos_token_id:
+                self._finish(req, "stop")
+            elif req.cached + 1 >= self.cache.max_len:
+                self._finish(req, "length")
+            else:
+                still.append(req)
+        self.running = still
+        self.timings.steps += 1
+        self.timings.tokens += len(chunks)
+
+    async def forward(self, batch: StepBatch) -> torch.Tensor:
+        loop = asyncio.get_running_loop()
+        dense = self.dense
+
+        def run(fn, *args):
+            return loop.run_in_executor(self._pool, fn, *args)
+
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            experts = 0.0
+            h = await run(dense.embed, batch)
+            for layer in range(dense.cfg.num_layers):
+                h, x, indices, weights = await run(_attend_and_route, dense, layer, h, batch, self.cache)
+                t1 = time.perf_counter()
+                h = h + await self.dispatch(layer, x, indices, weights)
+                experts += time.perf_counter() - t1
+            logits = await run(dense.logits, h, batch.last_rows)
+            self.timings.experts += experts
+            self.timings.dense += time.perf_counter() - t0 - experts
+        return logits
+
+
+def _attend_and_route(dense: DenseModel, layer: int, h: torch.Tensor, batch: StepBatch, cache: KVCache):
+    """(h after attention, the MoE input, top-k indices, weights): one layer up to the experts."""
+    with torch.inference_mode():
+        h = dense.attention(layer, h, batch, cache)
+        x, indices, weights = dense.route(layer, h)
+        return h, x, indices, weights

@@ -1,0 +1,44 @@
+"""Which shard group serves which expert for one layer's tokens (pure; no Ray here).
+
+Each expert may be hosted by several groups (replicated hot experts). For every dispatch the
+router picks, per expert, the copy whose group has the fewest tokens outstanding, so load
+spreads over the copies; then the ingress sends one call per group that got any expert.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+class ExpertRouter:
+    def __init__(self, placement: dict[str, list[str]]):
+        """placement: group name -> expert ids ('L.E') it hosts."""
+        self.hosts: dict[tuple[int, int], list[str]] = defaultdict(list)
+        for group, experts in sorted(placement.items()):
+            for eid in experts:
+                layer, expert = (int(p) for p in eid.split("."))
+                self.hosts[(layer, expert)].append(group)
+        self.outstanding: dict[str, int] = {g: 0 for g in placement}
+
+    def missing(self, num_layers: int, num_experts: int) -> list[str]:
+        """Experts no group hosts: a placement must cover every expert."""
+        return [f"{l}.{e}" for l in range(num_layers) for e in range(num_experts) if not self.hosts.get((l, e))]
+
+    def assign(self, layer: int, token_counts: dict[int, int]) -> dict[str, list[int]]:
+        """group -> experts of this layer it serves in this dispatch (hottest experts placed first)."""
+        planned = dict(self.outstanding)
+        out: dict[str, list[int]] = defaultdict(list)
+        for expert, count in sorted(token_counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            hosts = self.hosts.get((layer, expert))
+            if not hosts:
+                raise KeyError(f"no shard group hosts expert {layer}.{expert}")
+            group = min(hosts, key=lambda g: (planned[g], g))
+            planned[group] += count
+            out[group].append(expert)
+        return dict(out)
+
+    def begin(self, group: str, tokens: int) -> None:
+        self.outstanding[group] = self.outstanding.get(group, 0) + tokens
+
+    def end(self, group: str, tokens: int) -> None:
+        self.outstanding[group] -= tokens
