@@ -64,6 +64,17 @@ class LocalRayHead:
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path),
                 "RAY_ADDRESS": self.gcs_address}
 
+    def connect_driver(self, namespace: str | None = None):
+        """ray.init() this process against the head (token auth included); returns the ray module."""
+        os.environ.update(self.client_env())
+        import ray
+        from ray._raylet import AuthenticationTokenLoader
+
+        # the loader caches the token it saw first; this process may have looked before the head existed
+        AuthenticationTokenLoader.instance().reset_cache()
+        ray.init(address=self.gcs_address, namespace=namespace, log_to_driver=False)
+        return ray
+
     def auth_headers(self) -> dict[str, str]:
         return {"x-ray-authorization": f"Bearer {self.token}"}
 

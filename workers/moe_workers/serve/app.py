@@ -5,7 +5,6 @@
     renders)
 """
 
-from __future__ import annotations
 
 import asyncio
 import json

@@ -1,0 +1,125 @@
+"""The Serve app on a real local Ray: concurrent clients get the reference's tokens; bad requests get 4xx."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+import requests
+import torch
+
+from checkpoints import make_mixtral
+from moe_workers.model.inprocess import InProcessModel
+
+pytestmark = pytest.mark.ray
+
+NUM_LAYERS, NUM_EXPERTS = 3, 8
+
+
+@pytest.fixture(scope="module")
+def served(ray_head, tmp_path_factory):
+    ray = ray_head.connect_driver(namespace="serve-test")
+    from ray import serve
+
+    from moe_workers.serve.app import AppArgs, ShardGroup, build_app
+
+    path = tmp_path_factory.mktemp("ckpt")
+    make_mixtral(path, num_local_experts=NUM_EXPERTS, num_hidden_layers=NUM_LAYERS, max_position_embeddings=64)
+    # 4 groups; expert 0 of every layer replicated in groups 0 and 1
+    groups = []
+    for g in range(4):
+        experts = [f"{l}.{e}" for l in range(NUM_LAYERS) for e in range(NUM_EXPERTS) if e % 4 == g]
+        if g == 1:
+            experts += [f"{l}.0" for l in range(NUM_LAYERS)]
+        groups.append(ShardGroup(name=f"ExpertShard-{g}", experts=experts, num_cpus=0.25))
+    args = AppArgs(model_path=str(path), served_model_name="tiny", groups=groups, max_batch_size=8,
+                   kv_cache_budget_bytes=4 * 2**20, max_queued_requests=8)
+    serve.start(http_options={"host": "127.0.0.1", "port": ray_head.serve_http_port})
+    serve.run(build_app(args), name="moe", route_prefix="/")
+    url = f"http://127.0.0.1:{ray_head.serve_http_port}"
+    try:
+        yield url, InProcessModel(path), serve.get_app_handle("moe")
+    finally:
+        serve.delete("moe")
+        ray.shutdown()
+
+
+def _complete(url, **body):
+    return requests.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def test_models(served):
+    url, _, _ = served
+    data = requests.get(url + "/v1/models", timeout=30).json()
+    assert data["data"][0]["id"] == "tiny" and data["data"][0]["max_model_len"] == 64
+
+
+def test_concurrent_clients_get_reference_tokens(served):
+    url, reference, _ = served
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (16,), generator=g)]
+    expected = [reference.generate([p], max_tokens=8)[0] for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda p: _complete(url, prompt=p, max_tokens=8, temperature=0), prompts))
+    for resp, want in zip(responses, expected):
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert choice["token_ids"][: len(want)] == want[: len(choice["token_ids"])]
+        # stopped early only at EOS
+        assert len(choice["token_ids"]) == 8 or choice["finish_reason"] == "stop"
+
+
+def test_stream(served):
+    url, reference, _ = served
+    prompt = [5, 9, 11, 40]
+    want = reference.generate([prompt], max_tokens=6)[0]
+    resp = requests.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                        "stream": True}, stream=True, timeout=60)
+    assert resp.status_code == 200
+    events = [line[len("data: "):] for line in resp.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    tokens = [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]]
+    assert tokens == want[: len(tokens)] and json.loads(events[-2])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"prompt": [1, 2], "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
+    ({"prompt": [1, 2], "frobnicate": True}, 400, "frobnicate: unknown field"),
+    ({"prompt": [1, 96]}, 400, "token id 96 is outside the vocabulary"),
+    ({"prompt": [1, 2], "max_tokens": 100}, 400, "exceeds the context of 64 tokens"),
+    ({"prompt": "hello"}, 400, "no tokenizer.json"),
+    ({"prompt": []}, 400, "prompt is empty"),
+    ({"max_tokens": 3}, 400, "prompt: Field required"),
+    ({"prompt": [1, 2], "model": "other"}, 404, "not served here"),
+])
+def test_bad_requests_get_json_4xx(served, body, status, needle):
+    url, _, _ = served
+    resp = _complete(url, **body)
+    assert resp.status_code == status, resp.text
+    assert needle in resp.json()["error"]["message"]
+    # the server keeps serving
+    assert _complete(url, prompt=[3, 4], max_tokens=2).status_code == 200
+
+
+def test_invalid_json_body(served):
+    url, _, _ = served
+    resp = requests.post(url + "/v1/completions", data=b"{not json", timeout=30)
+    assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
+
+
+def test_expert_load_recorded_per_group(served):
+    import ray
+    from ray import serve
+
+    url, _, _ = served
+    assert _complete(url, prompt=[3, 4, 5, 6], max_tokens=4).status_code == 200
+    statuses = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="moe").status.remote().result()
+                for g in range(4)]
+    total = sum(sum(s["load"].values()) for s in statuses)
+    assert total > 0
+    for g, s in enumerate(statuses):
+        for eid in s["load"]:
+            layer, expert = map(int, eid.split("."))
+            assert expert % 4 == g or (g == 1 and expert == 0), f"{eid} computed by group {g}"
