@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 
 import pytest
 import requests
@@ -11,6 +12,8 @@ import torch
 
 from checkpoints import make_mixtral
 from moe_workers.model.inprocess import InProcessModel
+from moe_workers.serve.config import serve_application
+from serve_rest import delete_all, deploy
 
 pytestmark = pytest.mark.ray
 
@@ -22,26 +25,25 @@ def served(ray_head, tmp_path_factory):
     ray = ray_head.connect_driver(namespace="serve-test")
     from ray import serve
 
-    from moe_workers.serve.app import AppArgs, ShardGroup, build_app
+    from moe_workers.serve.config import AppArgs
 
     path = tmp_path_factory.mktemp("ckpt")
     make_mixtral(path, num_local_experts=NUM_EXPERTS, num_hidden_layers=NUM_LAYERS, max_position_embeddings=64)
     # 4 groups; expert 0 of every layer replicated in groups 0 and 1
-    groups = []
+    placement = {}
     for g in range(4):
         experts = [f"{l}.{e}" for l in range(NUM_LAYERS) for e in range(NUM_EXPERTS) if e % 4 == g]
         if g == 1:
             experts += [f"{l}.0" for l in range(NUM_LAYERS)]
-        groups.append(ShardGroup(name=f"ExpertShard-{g}", experts=experts, num_cpus=0.25))
-    args = AppArgs(model_path=str(path), served_model_name="tiny", groups=groups, max_batch_size=8,
+        placement[f"ExpertShard-{g}"] = experts
+    args = AppArgs(model_path=str(path), served_model_name="tiny", num_groups=4, max_batch_size=8,
                    kv_cache_budget_bytes=4 * 2**20, max_queued_requests=8)
-    serve.start(http_options={"host": "127.0.0.1", "port": ray_head.serve_http_port})
-    serve.run(build_app(args), name="moe", route_prefix="/")
+    deploy(ray_head, [serve_application("moe", "/", args, placement)])
     url = f"http://127.0.0.1:{ray_head.serve_http_port}"
     try:
-        yield url, InProcessModel(path), serve.get_app_handle("moe")
+        yield url, InProcessModel(path), (args, placement)
     finally:
-        serve.delete("moe")
+        delete_all(ray_head)
         ray.shutdown()
 
 
@@ -123,3 +125,45 @@ def test_expert_load_recorded_per_group(served):
         for eid in s["load"]:
             layer, expert = map(int, eid.split("."))
             assert expert % 4 == g or (g == 1 and expert == 0), f"{eid} computed by group {g}"
+
+
+def test_overload_gets_503_with_retry_after_and_others_succeed(served):
+    url, reference, _ = served
+    prompt = [7, 8, 9]
+    want = reference.generate([prompt], max_tokens=40)[0]
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        responses = list(pool.map(lambda _: _complete(url, prompt=prompt, max_tokens=40, temperature=0), range(48)))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503}, codes
+    assert 503 in codes and 200 in codes, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert r.headers.get("Retry-After") == "1"
+            assert "overloaded" in r.json()["error"]["message"]
+        else:
+            got = r.json()["choices"][0]["token_ids"]
+            assert got == want[: len(got)]
+    assert _complete(url, prompt=[3, 4], max_tokens=2).status_code == 200
+
+
+def test_reconfigure_changes_expert_set_without_restart(served, ray_head):
+    from ray import serve
+
+    url, reference, _ = served
+    shard3 = serve.get_deployment_handle("ExpertShard-3", app_name="moe")
+    before = shard3.status.remote().result()
+    # give group 3 extra copies of every layer's expert 2 (hosted by group 2 so far)
+    args, placement = served[2]
+    moved = {**placement, "ExpertShard-3": placement["ExpertShard-3"] + [f"{l}.2" for l in range(NUM_LAYERS)]}
+    deploy(ray_head, [serve_application("moe", "/", args, moved)])
+    wanted = {f"{l}.2" for l in range(NUM_LAYERS)}
+    deadline = time.monotonic() + 60
+    while not wanted <= set((after := shard3.status.remote().result())["experts"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert wanted <= set(after["experts"])
+    assert after["pid"] == before["pid"], "the replica was restarted"
+    # still the reference's tokens with the new placement
+    prompt = [11, 12, 13, 14]
+    resp = _complete(url, prompt=prompt, max_tokens=6, temperature=0)
+    got = resp.json()["choices"][0]["token_ids"]
+    assert got == reference.generate([prompt], max_tokens=6)[0][: len(got)]

@@ -18,44 +18,16 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel, KVCache
 from moe_workers.model.layers import combine, expert_mlp, group_by_expert
+from moe_workers.serve.config import INGRESS, AppArgs
 from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
 from moe_workers.serve.protocol import RequestError, parse_completion
 from moe_workers.serve.routing import ExpertRouter
-
-
-class ShardGroup(BaseModel):
-    name: str = Field(pattern=r"^ExpertShard-[0-9]+$")
-    experts: list[str] = Field(description="Expert ids L.E hosted by every replica of this group.")
-    replicas: int = Field(default=1, ge=0)
-    num_cpus: float = Field(default=0.25, gt=0)
-    num_gpus: float = Field(default=0.0, ge=0)
-
-
-class AppArgs(BaseModel):
-    """Typed arguments of the app builder (what the operator renders into the Serve config)."""
-
-    model_path: str
-    served_model_name: str = "model"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_batch_size: int = Field(default=32, ge=1)
-    kv_cache_budget_bytes: int = Field(default=256 * 2**20, ge=1)
-    max_queued_requests: int = Field(default=64, ge=0)
-    ingress_replicas: int = Field(default=1, ge=1)
-    ingress_num_cpus: float = Field(default=0.5, gt=0)
-    torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per replica.")
-    groups: list[ShardGroup]
-
-
-def _placement(groups: list[ShardGroup]) -> dict[str, list[str]]:
-    return {g.name: list(g.experts) for g in groups}
 
 
 def _tensor_payload(d: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -112,6 +84,8 @@ class ExpertShard:
     def status(self) -> dict:
         return {
             "group": self.group,
+            "replica": serve.get_replica_context().replica_id.unique_id,
+            "pid": os.getpid(),
             "experts": sorted(f"{l}.{e}" for l, e in self.experts),
             "load": {f"{l}.{e}": n for (l, e), n in sorted(self.load.items())},
             "bytes": sum(t.numel() * t.element_size() for w in self.experts.values() for t in w.values()),
@@ -143,10 +117,7 @@ class Ingress:
         self.cache = KVCache.for_budget(cfg, self.args.kv_cache_budget_bytes, self.max_len, cfg.dtype,
                                         max_slots=max(self.args.max_batch_size, 1) * 2)
         self.shards = shards
-        self.router = ExpertRouter(_placement(self.args.groups))
-        missing = self.router.missing(cfg.num_layers, cfg.num_experts)
-        if missing:
-            raise ValueError(f"placement hosts no copy of experts {', '.join(missing[:10])}")
+        self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
         self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
                              self.args.max_queued_requests)
         tok_file = Path(self.args.model_path) / "tokenizer.json"
@@ -157,13 +128,22 @@ class Ingress:
 
     def reconfigure(self, config: dict) -> None:
         """user_config {"placement": {group: [L.E, ...]}} re-points routing without a restart."""
-        placement = config.get("placement")
-        if placement:
-            self.router = ExpertRouter(placement)
+        placement = config.get("placement") or {}
+        unknown = sorted(set(placement) - set(self.shards))
+        if unknown:
+            raise ValueError(f"placement names shard groups this app does not have: {', '.join(unknown)}")
+        router = ExpertRouter(placement)
+        missing = router.missing(self.dense.cfg.num_layers, self.dense.cfg.num_experts)
+        if missing:
+            raise ValueError(f"placement hosts no copy of experts {', '.join(missing[:10])}"
+                             + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+        self.router = router
 
     async def _dispatch(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         groups = group_by_expert(indices)
         router = self.router
+        if router is None:
+            raise RuntimeError("no expert placement configured (user_config.placement)")
         assignment = router.assign(layer, {e: int(rows.numel()) for e, (rows, _) in groups.items()})
         calls = []
         for group, experts in assignment.items():
@@ -263,16 +243,18 @@ class Ingress:
 
 
 def build_app(args: AppArgs) -> serve.Application:
-    """The Serve application for these typed args."""
+    """The Serve application for these typed args (placement from args.placement, if given;
+    Serve configs override it per deployment through user_config)."""
+    placement = args.placement or {}
     shards = {}
-    for g in args.groups:
-        shards[g.name] = ExpertShard.options(
-            name=g.name, num_replicas=g.replicas,
-            ray_actor_options={"num_cpus": g.num_cpus, "num_gpus": g.num_gpus},
-            user_config={"experts": list(g.experts)},
-        ).bind(args.model_path, args.dtype, args.torch_threads)
-    return Ingress.options(
-        num_replicas=args.ingress_replicas, ray_actor_options={"num_cpus": args.ingress_num_cpus},
-        user_config={"placement": _placement(args.groups)},
-        max_ongoing_requests=max(1000, args.max_batch_size + args.max_queued_requests + 16),
-    ).bind(args.model_dump(), shards)
+    for name in args.group_names():
+        options = {"name": name, "ray_actor_options": {"num_cpus": args.shard_num_cpus, "num_gpus": args.shard_num_gpus}}
+        if args.placement is not None:
+            options["user_config"] = {"experts": list(placement.get(name, []))}
+        shards[name] = ExpertShard.options(**options).bind(args.model_path, args.dtype, args.torch_threads)
+    options = {"name": INGRESS, "num_replicas": args.ingress_replicas,
+               "ray_actor_options": {"num_cpus": args.ingress_num_cpus},
+               "max_ongoing_requests": max(1000, args.max_batch_size + args.max_queued_requests + 16)}
+    if args.placement is not None:
+        options["user_config"] = {"placement": placement}
+    return Ingress.options(**options).bind(args.model_copy(update={"placement": None}).model_dump(), shards)

@@ -1,0 +1,59 @@
+"""App builder arguments and the Serve config for them (no torch here: the operator imports it).
+
+What changes often lives in each deployment's `user_config` (expert placement) and
+`num_replicas`: Serve applies those in place, without restarting replicas. Everything in the
+builder's `args` is static: Serve hashes args into the app's code version, so changing them
+restarts every replica.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+IMPORT_PATH = "moe_workers.serve.app:build_app"
+INGRESS = "Ingress"
+
+
+def group_name(index: int) -> str:
+    return f"ExpertShard-{index}"
+
+
+class AppArgs(BaseModel):
+    """Typed arguments of `build_app` (static for the app's lifetime)."""
+
+    model_path: str
+    served_model_name: str = "model"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_batch_size: int = Field(default=32, ge=1)
+    kv_cache_budget_bytes: int = Field(default=256 * 2**20, ge=1)
+    max_queued_requests: int = Field(default=64, ge=0)
+    num_groups: int = Field(ge=1)
+    ingress_replicas: int = Field(default=1, ge=1)
+    ingress_num_cpus: float = Field(default=0.5, gt=0)
+    shard_num_cpus: float = Field(default=0.25, gt=0)
+    shard_num_gpus: float = Field(default=0.0, ge=0)
+    torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per replica.")
+    placement: dict[str, list[str]] | None = Field(
+        default=None,
+        description="Initial placement (group -> expert ids) for `serve.run`; Serve configs carry it in "
+        "each deployment's user_config instead (see serve_application).",
+    )
+
+    def group_names(self) -> list[str]:
+        return [group_name(k) for k in range(self.num_groups)]
+
+
+def serve_application(name: str, route_prefix: str, args: AppArgs, placement: dict[str, list[str]],
+                      replicas_per_group: dict[str, int] | int = 1) -> dict:
+    """One entry of a Serve config's `applications`, with placement and replicas as in-place options."""
+    static = args.model_copy(update={"placement": None}).model_dump(exclude_none=True)
+    unknown = sorted(set(placement) - set(args.group_names()))
+    if unknown:
+        raise ValueError(f"placement names groups outside 0..{args.num_groups - 1}: {', '.join(unknown)}")
+    deployments = [{"name": INGRESS, "user_config": {"placement": {g: list(placement.get(g, [])) for g in args.group_names()}}}]
+    for g in args.group_names():
+        n = replicas_per_group if isinstance(replicas_per_group, int) else replicas_per_group.get(g, 1)
+        deployments.append({"name": g, "num_replicas": n, "user_config": {"experts": list(placement.get(g, []))}})
+    return {"name": name, "route_prefix": route_prefix, "import_path": IMPORT_PATH, "args": static,
+            "deployments": deployments}
