@@ -122,22 +122,36 @@ class LocalRayHead:
             return False
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the head's process group, then SIGKILL whatever of it is still alive."""
         if self.process is None:
             return
-        pgid = self.process.pid  # start_new_session: the process group id is the leader's pid
-        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        pgid = self.process.pid  # start_new_session: the group id is the leader's pid
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(pgid, sig)
             except ProcessLookupError:
                 break
+            deadline = time.monotonic() + wait_s
+            while live_group_members(pgid) and time.monotonic() < deadline:
+                time.sleep(0.2)
             try:
-                self.process.wait(timeout=wait)
+                self.process.wait(timeout=1)
             except subprocess.TimeoutExpired:
-                continue
-            # the leader is gone; make sure nothing else of its group lingers
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
+                pass
+            if not live_group_members(pgid):
                 break
-            time.sleep(0.5)
         self.process = None
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids in process group `pgid` that are still running (zombies waiting for a reaper don't count)."""
+    import psutil
+
+    alive = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(proc.pid)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return alive
