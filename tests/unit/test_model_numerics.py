@@ -130,3 +130,19 @@ def test_refuses_other_families(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(CheckpointError, match="model_type 'llama' is not supported"):
         Checkpoint(tmp_path)
+
+
+def test_our_random_checkpoint_loads_in_transformers_identically(tmp_path):
+    """write_random_mixtral (used by moectl init-model and the benchmarks) writes a layout
+    transformers reads, and both compute the same logits from it."""
+    from transformers import MixtralForCausalLM
+
+    from moe_workers.model.random_init import write_random_mixtral
+
+    write_random_mixtral(tmp_path, vocab_size=80, hidden_size=32, intermediate_size=40, num_layers=2,
+                         num_experts=4, top_k=2, router_scale=20, max_shard_bytes=40_000)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    ref = MixtralForCausalLM.from_pretrained(tmp_path).eval()
+    ours = InProcessModel(tmp_path)
+    prompt = list(range(3, 30))
+    torch.testing.assert_close(ours.prompt_logits(prompt).float(), _reference_logits(ref, prompt), atol=1e-4, rtol=1e-4)

@@ -9,6 +9,7 @@
 import asyncio
 import json
 import os
+import resource
 import threading
 import time
 import uuid
@@ -30,6 +31,11 @@ from moe_workers.serve.protocol import RequestError, parse_completion
 from moe_workers.serve.routing import ExpertRouter
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _tensor_payload(d: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     return {e: t.contiguous() for e, t in d.items()}
 
@@ -45,6 +51,8 @@ class ExpertShard:
         self.group = serve.get_replica_context().deployment
         self.experts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.load: TokenCounter = TokenCounter()
+        self.compute_s = 0.0
+        self.calls = 0
         self._lock = threading.Lock()
         try:
             from ray.util.metrics import Counter
@@ -70,6 +78,7 @@ class ExpertShard:
     def forward(self, layer: int, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         experts = self.experts
         out = {}
+        t0 = time.perf_counter()
         with torch.inference_mode():
             for e, x in inputs.items():
                 w = experts.get((layer, e))
@@ -79,6 +88,8 @@ class ExpertShard:
                 self.load[(layer, e)] += x.shape[0]
                 if self._metric is not None:
                     self._metric.inc(x.shape[0], tags={"layer": str(layer), "expert": str(e), "group": self.group})
+        self.compute_s += time.perf_counter() - t0
+        self.calls += 1
         return out
 
     def status(self) -> dict:
@@ -89,6 +100,9 @@ class ExpertShard:
             "experts": sorted(f"{l}.{e}" for l, e in self.experts),
             "load": {f"{l}.{e}": n for (l, e), n in sorted(self.load.items())},
             "bytes": sum(t.numel() * t.element_size() for w in self.experts.values() for t in w.values()),
+            "compute_s": self.compute_s,
+            "calls": self.calls,
+            "peak_rss_bytes": peak_rss_bytes(),
         }
 
 
@@ -108,7 +122,7 @@ class Ingress:
 
     def __init__(self, args: dict, shards: dict[str, DeploymentHandle]):
         self.args = AppArgs.model_validate(args)
-        torch.set_num_threads(self.args.torch_threads)
+        torch.set_num_threads(self.args.ingress_torch_threads)
         ckpt = Checkpoint(self.args.model_path)
         cfg = ckpt.config.with_dtype(self.args.dtype)
         self.dense = DenseModel(cfg, ckpt.dense_state())
@@ -239,7 +253,9 @@ class Ingress:
         t = self.engine.timings
         return {"steps": t.steps, "tokens": t.tokens, "dense_s": t.dense, "experts_s": t.experts,
                 "running": len(self.engine.running), "waiting": len(self.engine.waiting),
-                "kv_slots": self.cache.num_slots, "kv_free": self.cache.free_slots, "pid": os.getpid()}
+                "kv_slots": self.cache.num_slots, "kv_free": self.cache.free_slots, "pid": os.getpid(),
+                "peak_rss_bytes": peak_rss_bytes(), "dense_bytes": self.dense.nbytes(),
+                "kv_cache_bytes": self.cache.k.numel() * self.cache.k.element_size() * 2}
 
 
 def build_app(args: AppArgs) -> serve.Application:

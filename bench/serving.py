@@ -1,0 +1,219 @@
+"""Served (Ingress + 4 ExpertShard groups on a local Ray) against in-process, same checkpoint.
+
+    python bench/serving.py            # hidden 1024, intermediate 3584, 8 experts, top-2, 4 layers
+    python bench/serving.py --quick    # a small model, for a smoke run
+
+Prefill: 32 prompts x 256 tokens. Decode at batch 1, 16 and 64: tokens/s of the decode steps
+alone (a run with max_tokens=T minus a run with max_tokens=1). Both sides get the same CPU
+budget (torch threads reported). Ends with `figure: value` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small model and loads, for a smoke run")
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2, help="torch threads in-process and per served ingress")
+    p.add_argument("--shard-threads", type=int, default=1)
+    p.add_argument("--decode-tokens", type=int, default=None)
+    p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
+    return p.parse_args()
+
+
+def model_shape(quick: bool) -> dict:
+    if quick:
+        return dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
+                    num_kv_heads=2, num_experts=8, top_k=2, max_position_embeddings=512)
+    return dict(vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_layers=4, num_heads=16,
+                num_kv_heads=4, num_experts=8, top_k=2, max_position_embeddings=512)
+
+
+def ensure_checkpoint(cache_dir: str, shape: dict) -> Path:
+    from moe_workers.model.random_init import write_random_mixtral
+
+    name = "mixtral-" + "-".join(f"{k[:3]}{v}" for k, v in shape.items())
+    path = Path(cache_dir) / name
+    if not (path / "config.json").exists():
+        print(f"writing checkpoint {path} ...", flush=True)
+        write_random_mixtral(path, router_scale=10.0, **shape)
+    return path
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+# -- in-process ------------------------------------------------------------------------------------
+
+
+def run_inprocess(path: Path, work: dict, threads: int) -> dict:
+    from moe_workers.model.dense import Chunk
+    from moe_workers.model.inprocess import InProcessModel
+
+    torch.set_num_threads(threads)
+    model = InProcessModel(path, max_len=512, max_sequences=max(work["prefill_n"], max(work["decode_batches"])))
+    model.generate([[5, 6, 7]], max_tokens=2)  # warm-up
+    out = {}
+    ps = prompts(work["prefill_n"], work["prefill_len"], model.cfg.vocab_size, 1)
+    slots = [model.cache.allocate() for _ in ps]
+    t0 = time.perf_counter()
+    model.step([Chunk(s, 0, p) for s, p in zip(slots, ps)])
+    out["prefill_s"] = time.perf_counter() - t0
+    for s in slots:
+        model.cache.release(s)
+    out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
+    for b in work["decode_batches"]:
+        ps = prompts(b, 8, model.cfg.vocab_size, 2)
+        t0 = time.perf_counter()
+        model.generate(ps, max_tokens=1)
+        t1 = time.perf_counter()
+        model.generate(ps, max_tokens=work["decode_tokens"])
+        t2 = time.perf_counter()
+        out[f"decode{b}_tps"] = b * (work["decode_tokens"] - 1) / ((t2 - t1) - (t1 - t0))
+    import resource
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+# -- served ----------------------------------------------------------------------------------------
+
+
+def _post(url: str, body: dict) -> dict:
+    resp = requests.post(url + "/v1/completions", json=body, timeout=3600)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def _concurrent(url: str, bodies: list[dict]) -> float:
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        list(pool.map(lambda b: _post(url, b), bodies))
+    return time.perf_counter() - t0
+
+
+def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads: int, vocab: int, num_layers: int,
+               num_experts: int) -> dict:
+    from moe_operator.backends.ray_rest import RayServeClient
+    from moe_operator.standalone.local_ray import LocalRayHead
+    from moe_workers.serve.config import AppArgs, serve_application
+
+    head = LocalRayHead(work_dir=Path(tempfile.mkdtemp(prefix="moe-bench-ray-")), num_cpus=8).start()
+    try:
+        ray = head.connect_driver(namespace="bench")
+        from ray import serve
+
+        placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in range(num_layers) for e in range(num_experts)
+                                          if e % groups == g] for g in range(groups)}
+        batch = max(work["prefill_n"], max(work["decode_batches"]))
+        args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=groups, max_batch_size=batch,
+                       kv_cache_budget_bytes=2 * 2**30, max_queued_requests=256, max_model_len=512,
+                       ingress_num_cpus=1, shard_num_cpus=1, torch_threads=shard_threads,
+                       ingress_torch_threads=threads)
+        client = RayServeClient(head.dashboard_url, head.token)
+        client.put({"http_options": {"host": "127.0.0.1", "port": head.serve_http_port},
+                    "applications": [serve_application("bench", "/", args, placement)]})
+        client.wait_running(["bench"], timeout_s=900)
+        url = f"http://127.0.0.1:{head.serve_http_port}"
+        ingress = serve.get_app_handle("bench")
+        shards = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="bench") for g in range(groups)]
+
+        def stats():
+            return ingress.engine_stats.remote().result(), [s.status.remote().result() for s in shards]
+
+        _post(url, {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})  # warm-up
+        out = {}
+        ps = prompts(work["prefill_n"], work["prefill_len"], vocab, 1)
+        out["prefill_s"] = _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
+        out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
+        for b in work["decode_batches"]:
+            ps = prompts(b, 8, vocab, 2)
+            one = _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
+            e0, s0 = stats()
+            full = _concurrent(url, [{"prompt": p, "max_tokens": work["decode_tokens"], "temperature": 0,
+                                      "seed": 0} for p in ps])
+            e1, s1 = stats()
+            out[f"decode{b}_tps"] = b * (work["decode_tokens"] - 1) / (full - one)
+            shard_compute = [b_["compute_s"] - a_["compute_s"] for a_, b_ in zip(s0, s1)]
+            out[f"decode{b}_breakdown"] = {
+                "wall_s": full,
+                "dense_s": e1["dense_s"] - e0["dense_s"],
+                "expert_wait_s": e1["experts_s"] - e0["experts_s"],
+                "shard_compute_max_s": max(shard_compute),
+                "shard_compute_sum_s": sum(shard_compute),
+                "steps": e1["steps"] - e0["steps"],
+            }
+        e, s = stats()
+        out["peak_rss_bytes"] = {"Ingress": e["peak_rss_bytes"], **{x["group"]: x["peak_rss_bytes"] for x in s}}
+        out["ingress_dense_bytes"] = e["dense_bytes"]
+        out["shard_expert_bytes"] = {x["group"]: x["bytes"] for x in s}
+        client.delete_all()
+        ray.shutdown()
+        return out
+    finally:
+        head.stop()
+
+
+def main() -> int:
+    a = parse_args()
+    sys.path.insert(0, str(REPO / "workers"))
+    sys.path.insert(0, str(REPO / "operator"))
+    shape = model_shape(a.quick)
+    work = (dict(prefill_n=8, prefill_len=64, decode_batches=[1, 4, 8], decode_tokens=a.decode_tokens or 8)
+            if a.quick else
+            dict(prefill_n=32, prefill_len=256, decode_batches=[1, 16, 64], decode_tokens=a.decode_tokens or 24))
+    path = ensure_checkpoint(a.cache_dir, shape)
+    print(f"model {shape}\nwork {work}\ntorch threads: in-process {a.threads}; served ingress {a.threads}, "
+          f"each of {a.groups} shard groups {a.shard_threads}; machine cores {os.cpu_count()}", flush=True)
+    local = run_inprocess(path, work, a.threads)
+    served = run_served(path, work, a.groups, a.threads, a.shard_threads, shape["vocab_size"], shape["num_layers"],
+                        shape["num_experts"])
+    rows = [("prefill", "prefill_tps")] + [(f"decode batch {b}", f"decode{b}_tps") for b in work["decode_batches"]]
+    print(f"\n{'':18} {'in-process tok/s':>17} {'served tok/s':>13} {'ratio':>7}")
+    figures = {}
+    for label, key in rows:
+        ratio = served[key] / local[key]
+        print(f"{label:18} {local[key]:17.1f} {served[key]:13.1f} {ratio:7.2f}")
+        figures[key.replace("_tps", "") + "-ratio"] = ratio
+    big = f"decode{work['decode_batches'][-1]}_breakdown"
+    bd = served[big]
+    print(f"\nwhere served decode time goes (batch {work['decode_batches'][-1]}, {bd['steps']} steps, "
+          f"{bd['wall_s']:.2f} s wall):")
+    print(f"  dense compute (ingress)          {bd['dense_s']:7.2f} s")
+    print(f"  waiting on expert calls           {bd['expert_wait_s']:7.2f} s")
+    print(f"    of which slowest shard compute  {bd['shard_compute_max_s']:7.2f} s (sum over shards {bd['shard_compute_sum_s']:.2f} s)")
+    print(f"    dispatch overhead (wait - slowest compute) {bd['expert_wait_s'] - bd['shard_compute_max_s']:7.2f} s")
+    print("\npeak resident memory:")
+    print(f"  in-process                 {local['peak_rss_bytes'] / 2**20:9.1f} MiB")
+    for name, rss in served["peak_rss_bytes"].items():
+        extra = (f" (dense part {served['ingress_dense_bytes'] / 2**20:.1f} MiB)" if name == "Ingress"
+                 else f" (experts {served['shard_expert_bytes'][name] / 2**20:.1f} MiB)")
+        print(f"  served {name:19} {rss / 2**20:9.1f} MiB{extra}")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"shape": shape, "work": work, "in_process": local, "served": served,
+                                       "figures": figures}, indent=2))
+    print()
+    for name, value in figures.items():
+        print(f"{name}: {value:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

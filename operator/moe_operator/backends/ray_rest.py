@@ -1,0 +1,62 @@
+"""Ray dashboard REST client for Serve applications (PUT/GET/DELETE /api/serve/applications/).
+
+Token authentication is on by default in Ray: every request carries
+`x-ray-authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import requests
+
+
+class RayServeError(RuntimeError):
+    pass
+
+
+@dataclass
+class RayServeClient:
+    dashboard_url: str
+    token: str | None = None
+    timeout_s: float = 30.0
+
+    def _headers(self) -> dict[str, str]:
+        return {"x-ray-authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def _url(self) -> str:
+        return self.dashboard_url.rstrip("/") + "/api/serve/applications/"
+
+    def get(self) -> dict:
+        resp = requests.get(self._url(), headers=self._headers(), timeout=self.timeout_s)
+        if resp.status_code != 200:
+            raise RayServeError(f"GET {self._url()}: {resp.status_code} {resp.text[:300]}")
+        return resp.json()
+
+    def put(self, config: dict) -> None:
+        """Replace the cluster's whole Serve config (every application)."""
+        resp = requests.put(self._url(), json=config, headers=self._headers(), timeout=self.timeout_s * 2)
+        if resp.status_code != 200:
+            raise RayServeError(f"PUT {self._url()}: {resp.status_code} {resp.text[:500]}")
+
+    def delete_all(self) -> None:
+        resp = requests.delete(self._url(), headers=self._headers(), timeout=self.timeout_s * 2)
+        if resp.status_code != 200:
+            raise RayServeError(f"DELETE {self._url()}: {resp.status_code} {resp.text[:300]}")
+
+    def wait_running(self, names: list[str], timeout_s: float = 300.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        status: dict = {}
+        while time.monotonic() < deadline:
+            status = self.get()
+            apps = status.get("applications", {})
+            states = {n: apps.get(n, {}).get("status") for n in names}
+            failed = {n: apps[n].get("message", "") for n, s in states.items() if s == "DEPLOY_FAILED"}
+            if failed:
+                raise RayServeError(f"deploy failed: {failed}")
+            if all(s == "RUNNING" for s in states.values()):
+                return status
+            time.sleep(0.5)
+        raise RayServeError(f"applications {names} not RUNNING after {timeout_s:.0f} s: "
+                            f"{ {n: a.get('status') for n, a in status.get('applications', {}).items()} }")
