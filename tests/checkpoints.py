@@ -30,3 +30,14 @@ def make_mixtral(path: Path, *, vocab_size=96, hidden_size=32, intermediate_size
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return model
+
+
+def add_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer.json over `vocab_size` ids: w3 .. w{vocab-1} plus special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(Path(path) / "tokenizer.json"))

@@ -167,3 +167,39 @@ def test_reconfigure_changes_expert_set_without_restart(served, ray_head):
     resp = _complete(url, prompt=prompt, max_tokens=6, temperature=0)
     got = resp.json()["choices"][0]["token_ids"]
     assert got == reference.generate([prompt], max_tokens=6)[0][: len(got)]
+
+
+@pytest.fixture(scope="module")
+def served_with_tokenizer(served, ray_head, tmp_path_factory):
+    """A second application on the same Ray cluster, with tokenizer.json, under its own prefix."""
+    from checkpoints import add_tokenizer
+    from moe_workers.serve.config import AppArgs
+
+    path = tmp_path_factory.mktemp("ckpt-tok")
+    make_mixtral(path, num_local_experts=4, num_hidden_layers=2, max_position_embeddings=64)
+    add_tokenizer(path, 96)
+    args = AppArgs(model_path=str(path), served_model_name="tiny-text", num_groups=2, max_batch_size=4,
+                   kv_cache_budget_bytes=2**20)
+    placement = {"ExpertShard-0": ["0.0", "0.1", "1.0", "1.1"], "ExpertShard-1": ["0.2", "0.3", "1.2", "1.3"]}
+    first_args, first_placement = served[2]
+    deploy(ray_head, [serve_application("moe", "/", first_args, first_placement),
+                      serve_application("text", "/text", args, placement)])
+    return served[0] + "/text", InProcessModel(path)
+
+
+def test_text_prompt_with_tokenizer(served_with_tokenizer):
+    url, reference = served_with_tokenizer
+    from tokenizers import Tokenizer
+
+    resp = _complete(url, prompt="w5 w17 w33 w4", max_tokens=5, temperature=0)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["token_ids"] == reference.generate([[5, 17, 33, 4]], max_tokens=5)[0][: len(choice["token_ids"])]
+    tok = Tokenizer.from_file(str(reference.ckpt.path / "tokenizer.json"))
+    assert choice["text"] == tok.decode(choice["token_ids"]) and choice["text"].startswith("w")
+    assert requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "tiny-text"
+
+
+def test_two_apps_on_one_cluster_both_serve(served, served_with_tokenizer):
+    assert _complete(served[0], prompt=[3, 4, 5], max_tokens=3).status_code == 200
+    assert _complete(served_with_tokenizer[0], prompt=[3, 4, 5], max_tokens=3).status_code == 200

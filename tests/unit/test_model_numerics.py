@@ -146,3 +146,13 @@ def test_our_random_checkpoint_loads_in_transformers_identically(tmp_path):
     ours = InProcessModel(tmp_path)
     prompt = list(range(3, 30))
     torch.testing.assert_close(ours.prompt_logits(prompt).float(), _reference_logits(ref, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_dense_state_holds_no_expert_weights(tmp_path):
+    """What the ingress loads: every tensor except the experts (it never holds expert weights)."""
+    make_mixtral(tmp_path, **SHAPES["e8-top2-gqa2-3l"])
+    ckpt = Checkpoint(tmp_path)
+    dense = ckpt.dense_state()
+    assert not [n for n in dense if ".experts." in n]
+    expert_names = [n for n in ckpt.names() if ".experts." in n]
+    assert len(expert_names) == 3 * 8 * 3 and set(dense) | set(expert_names) == set(ckpt.names())

@@ -74,6 +74,7 @@ class ExpertShard:
                 if k not in fresh:
                     fresh[k] = {n: t.contiguous() for n, t in self.ckpt.expert(*k, dtype=self.cfg.dtype).items()}
             self.experts = fresh  # one reference swap: a call sees either the old or the new set
+            self.ckpt.close()  # unmap the files: mapped pages we read would otherwise stay in RSS
 
     def forward(self, layer: int, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         experts = self.experts
