@@ -1,0 +1,45 @@
+"""Conditions as constants with reasons, set by a pure helper that changes only what changed."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+
+# reasons
+INVALID_SPEC = "InvalidSpec"
+DEPLOYING = "Deploying"
+SERVING = "Serving"
+DEPLOY_FAILED = "DeployFailed"
+RAY_UNREACHABLE = "RayUnreachable"
+RECONCILED = "Reconciled"
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_condition(conditions: list[dict], type_: str, status: bool | str, reason: str, message: str = "",
+                  generation: int | None = None, now: str | None = None) -> list[dict]:
+    """A new list with `type_` set; lastTransitionTime moves only when the status flips."""
+    status_str = status if isinstance(status, str) else ("True" if status else "False")
+    out, found = [], False
+    for c in conditions:
+        if c.get("type") != type_:
+            out.append(c)
+            continue
+        found = True
+        changed = c.get("status") != status_str
+        out.append({
+            "type": type_, "status": status_str, "reason": reason, "message": message,
+            "observedGeneration": generation,
+            "lastTransitionTime": (now or now_rfc3339()) if changed else c.get("lastTransitionTime"),
+        })
+    if not found:
+        out.append({"type": type_, "status": status_str, "reason": reason, "message": message,
+                    "observedGeneration": generation, "lastTransitionTime": now or now_rfc3339()})
+    return out
+
+
+def get_condition(conditions: list[dict], type_: str) -> dict | None:
+    return next((c for c in conditions if c.get("type") == type_), None)

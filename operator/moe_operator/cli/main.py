@@ -1,0 +1,184 @@
+"""moectl: drive MoEDeployments (also installed as the kubectl plugin `kubectl moe`).
+
+Exit codes: 0 success; 1 the operation failed (the reason is printed on one line); 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=True, no_args_is_help=True, help="Serve Mixture-of-Experts models on Ray Serve.")
+err = Console(stderr=True)
+out = Console()
+
+
+def fail(message: str, code: int = 1) -> None:
+    err.print(f"error: {message}", highlight=False, markup=False)
+    raise typer.Exit(code)
+
+
+@app.command("init-model")
+def init_model(
+    directory: Path = typer.Argument(..., help="Where to write the checkpoint (Hugging Face layout)."),
+    layers: int = typer.Option(2, min=1, help="Decoder layers."),
+    experts: int = typer.Option(8, min=1, help="Experts per layer."),
+    top_k: int = typer.Option(2, "--top-k", min=1, help="Experts per token."),
+    hidden: int = typer.Option(64, min=8, help="Hidden size."),
+    intermediate: int = typer.Option(128, min=8, help="Expert intermediate size."),
+    heads: int = typer.Option(4, min=1, help="Attention heads."),
+    kv_heads: int = typer.Option(2, "--kv-heads", min=1, help="Key/value heads (grouped-query attention)."),
+    max_len: int = typer.Option(512, "--max-len", min=16, help="max_position_embeddings."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    seed: int = typer.Option(0, help="Random seed."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing checkpoint."),
+):
+    """Write a small random Mixtral checkpoint (config.json, safetensors, byte-level tokenizer.json)."""
+    import torch
+
+    from moe_workers.model.random_init import write_random_mixtral
+    from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        fail(f"--dtype {dtype!r} is not one of {', '.join(dtypes)}", 2)
+    if top_k > experts:
+        fail(f"--top-k {top_k} is larger than --experts {experts}", 2)
+    if hidden % heads or heads % kv_heads:
+        fail("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads", 2)
+    if (directory / "config.json").exists() and not force:
+        out.print(f"{directory} already holds a checkpoint (use --force to overwrite)")
+        return
+    with Progress(TextColumn("writing layers"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=err) as progress:
+        task = progress.add_task("layers", total=layers)
+        write_random_mixtral(directory, vocab_size=BYTE_VOCAB_SIZE, hidden_size=hidden,
+                             intermediate_size=intermediate, num_layers=layers, num_heads=heads,
+                             num_kv_heads=kv_heads, num_experts=experts, top_k=top_k,
+                             max_position_embeddings=max_len, dtype=dtypes[dtype], seed=seed, router_scale=10.0,
+                             progress=lambda done, total: progress.update(task, completed=done))
+    write_byte_tokenizer(directory)
+    size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    out.print(f"wrote {directory} ({layers} layers x {experts} experts, top-{top_k}, {size / 2**20:.1f} MiB)")
+
+
+@app.command()
+def up(
+    file: Path = typer.Option(..., "-f", "--filename", exists=True, dir_okay=False, help="MoEDeployment manifest."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", envvar="MOE_RAY_ADDRESS",
+                                              help="Dashboard URL of an existing Ray cluster; default: the spec's "
+                                              "ray.address, else a local Ray head started here."),
+    ray_token_file: Optional[Path] = typer.Option(None, "--ray-token-file", help="File holding the Ray dashboard token."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="HTTP port of the Serve proxy (127.0.0.1)."),
+    allowed_roots: list[Path] = typer.Option([], "--allowed-root",
+                                             help="Directory models and weights may be read from (repeatable); "
+                                             "default: the manifest's directory."),
+    num_cpus: Optional[float] = typer.Option(None, "--num-cpus", help="CPUs of the local Ray head."),
+    once: bool = typer.Option(False, "--once", help="Reconcile once and exit (leaves a given cluster's app running)."),
+):
+    """Run a MoEDeployment in the foreground without Kubernetes (standalone mode)."""
+    from moe_operator.backends.ray_rest import RayServeClient
+    from moe_operator.standalone.local_ray import LocalRayHead
+    from moe_operator.standalone.runner import StandaloneRunner, default_state_dir, load_manifest
+
+    manifest = load_manifest(file)
+    roots = [str(p.resolve()) for p in allowed_roots] or [str(file.resolve().parent)]
+    roots += [r for r in os.environ.get("MOE_ALLOWED_ROOTS", "").split(":") if r]
+    address = ray_address or (manifest.spec.ray.address if manifest.spec else None)
+    head = None
+    token = ray_token_file.read_text().strip() if ray_token_file else os.environ.get("MOE_RAY_TOKEN")
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    try:
+        if address is None:
+            state = default_state_dir() / f"ray-{os.getpid()}"
+            with err.status("starting a local Ray head on 127.0.0.1 ..."):
+                head = LocalRayHead(work_dir=state, num_cpus=num_cpus, serve_http_port=port).start()
+            address, token = head.dashboard_url, head.token
+            err.print(f"local Ray head: dashboard {address} (token in {head.token_path})")
+        runner = StandaloneRunner(file, RayServeClient(address, token), port, roots, log=lambda m: err.print(m, markup=False))
+        runner.changed()
+        with err.status(f"deploying {manifest.name or file} ..."):
+            ok = runner.reconcile()
+        if ok:
+            out.print(f"{manifest.name} is serving at {runner.status['endpoint']}", highlight=False)
+        elif once:
+            fail(runner.status["conditions"][0]["message"] if runner.status.get("conditions") else "deploy failed")
+        if once:
+            return
+        err.print(f"watching {file} for changes; Ctrl-C to stop")
+        try:
+            runner.watch(stopping.is_set)
+        except KeyboardInterrupt:
+            pass
+        with err.status("removing the application ..."):
+            try:
+                runner.teardown()
+            except Exception as e:  # the head may already be gone; report, do not hide the exit
+                err.print(f"teardown: {e}", markup=False)
+    finally:
+        if head is not None and not once:
+            head.stop()
+        elif head is not None:
+            err.print(f"the local Ray head keeps running (pid {head.process.pid}); stop it with kill -- -{head.process.pid}")
+
+
+@app.command()
+def get(
+    name: Optional[str] = typer.Argument(None, help="MoEDeployment name; all when omitted."),
+    namespace: str = typer.Option("default", "-n", "--namespace"),
+    output: str = typer.Option("", "-o", "--output", help="json, yaml or wide."),
+    local: bool = typer.Option(False, "--local", help="Read standalone mode's status (moectl up) instead of Kubernetes."),
+):
+    """Show MoEDeployments and their status."""
+    from moe_operator.standalone.runner import default_state_dir, status_path
+
+    if output not in ("", "json", "yaml", "wide"):
+        fail(f"-o {output!r}: expected json, yaml or wide", 2)
+    if not local:
+        fail("only --local is available in this version; use kubectl get moed for Kubernetes", 2)
+    if name:
+        path = status_path(default_state_dir(), namespace, name)
+        if not path.exists():
+            fail(f"moedeployment {namespace}/{name} not found in standalone state ({path.parent})")
+        docs = [json.loads(path.read_text())]
+    else:
+        docs = [json.loads(p.read_text()) for p in sorted((default_state_dir() / namespace).glob("*.json"))]
+    if output == "json":
+        out.print_json(json.dumps(docs[0] if name else {"items": docs}))
+        return
+    if output == "yaml":
+        sys.stdout.write(yaml.safe_dump(docs[0] if name else {"items": docs}, sort_keys=False))
+        return
+    table = Table(box=None, header_style="bold")
+    for col in ["NAME", "READY", "REASON", "GROUPS", "REPLICAS", "ENDPOINT"] + (["MESSAGE"] if output == "wide" else []):
+        table.add_column(col)
+    for d in docs:
+        st = d.get("status", {})
+        ready = next((c for c in st.get("conditions", []) if c["type"] == "Ready"), {})
+        row = [d["metadata"]["name"], ready.get("status", "Unknown"), ready.get("reason", ""),
+               str((d.get("spec") or {}).get("experts", {}).get("groups", "")), str(st.get("replicas", "")),
+               st.get("endpoint", "") or ""]
+        if output == "wide":
+            row.append(ready.get("message", ""))
+        table.add_row(*row)
+    out.print(table)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

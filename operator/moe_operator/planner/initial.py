@@ -1,0 +1,59 @@
+"""Initial expert placement: which shard group hosts which experts (pure, deterministic).
+
+Every expert of every layer gets one copy. Per layer, groups get floor(E/G) or ceil(E/G)
+experts; the groups that get the extra one rotate with the layer, so each group's total bytes
+differ by at most one expert. When a previous placement is given (the group count changed),
+experts stay where they are while their group exists and has room: only the surplus moves,
+which is the fewest moves any balanced placement allows.
+"""
+
+from __future__ import annotations
+
+Placement = dict[str, list[str]]
+
+
+def group_name(index: int) -> str:
+    return f"ExpertShard-{index}"
+
+
+def _layer_capacity(layer: int, num_experts: int, num_groups: int) -> list[int]:
+    base, extra = divmod(num_experts, num_groups)
+    caps = [base] * num_groups
+    for i in range(extra):
+        caps[(layer * extra + i) % num_groups] += 1
+    return caps
+
+
+def initial_placement(num_layers: int, num_experts: int, num_groups: int,
+                      previous: Placement | None = None) -> Placement:
+    if num_groups < 1:
+        raise ValueError("need at least one shard group")
+    names = [group_name(k) for k in range(num_groups)]
+    where_before: dict[str, str] = {}
+    for group, experts in (previous or {}).items():
+        for eid in experts:
+            where_before.setdefault(eid, group)  # first copy wins; replicas are the autoscaler's business
+    index = {g: k for k, g in enumerate(names)}
+    result: dict[str, list[str]] = {g: [] for g in names}
+    for layer in range(num_layers):
+        caps = _layer_capacity(layer, num_experts, num_groups)
+        homeless = []
+        for e in range(num_experts):
+            eid = f"{layer}.{e}"
+            k = index.get(where_before.get(eid, ""))
+            if k is not None and caps[k] > 0:
+                result[names[k]].append(eid)
+                caps[k] -= 1
+            else:
+                homeless.append(eid)
+        for eid in homeless:  # to the group with the most room left, lowest index on ties
+            k = max(range(num_groups), key=lambda i: (caps[i], -i))
+            result[names[k]].append(eid)
+            caps[k] -= 1
+    return {g: sorted(v, key=lambda s: tuple(map(int, s.split(".")))) for g, v in result.items()}
+
+
+def moved_experts(before: Placement, after: Placement) -> int:
+    """Expert copies that must be loaded somewhere they were not."""
+    had = {(g, e) for g, es in before.items() for e in es}
+    return sum(1 for g, es in after.items() for e in es if (g, e) not in had)

@@ -1,0 +1,44 @@
+"""Spec + placement -> Serve application config (no cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from invalid_manifests import VALID
+from moe_operator.api.validation import parse_spec
+from moe_operator.planner.initial import initial_placement
+from moe_operator.render.serve_app import merge_applications, render_application
+
+
+def test_render_carries_spec_into_static_args_and_in_place_options():
+    spec = parse_spec({**VALID["spec"], "ingress": {"kvCacheBudget": "2Gi", "routePrefix": "/m", "numCpus": 0.5}})
+    placement = initial_placement(2, 4, 2)
+    app = render_application("team-a", "mixtral", spec, placement)
+    assert app["name"] == "team-a.mixtral" and app["route_prefix"] == "/m"
+    assert app["import_path"] == "moe_workers.serve.app:build_app"
+    args = app["args"]
+    assert args["kv_cache_budget_bytes"] == 2 * 2**30 and args["num_groups"] == 2
+    assert args["served_model_name"] == "mixtral" and "placement" not in args
+    deployments = {d["name"]: d for d in app["deployments"]}
+    assert deployments["Ingress"]["user_config"]["placement"] == placement
+    assert deployments["ExpertShard-1"]["user_config"]["experts"] == placement["ExpertShard-1"]
+    assert deployments["ExpertShard-0"]["num_replicas"] == spec.experts.replicas_per_group
+
+
+def test_placement_change_leaves_args_alone():
+    """Args are Serve's code version: a re-placement must not change them (no restart)."""
+    spec = parse_spec(VALID["spec"])
+    a = render_application("ns", "m", spec, initial_placement(2, 4, 2))
+    moved = initial_placement(2, 4, 2)
+    moved["ExpertShard-0"] = moved["ExpertShard-0"] + ["0.2"]
+    b = render_application("ns", "m", spec, moved)
+    assert a["args"] == b["args"] and a["deployments"] != b["deployments"]
+
+
+def test_merge_keeps_other_apps_and_refuses_prefix_clash():
+    ours = {"name": "ns.m", "route_prefix": "/m"}
+    current = [{"name": "other", "route_prefix": "/o"}, {"name": "ns.m", "route_prefix": "/m", "old": True}]
+    merged = merge_applications(current, ours)
+    assert [a["name"] for a in merged] == ["other", "ns.m"] and "old" not in merged[1]
+    with pytest.raises(ValueError, match="route prefix /o is already used by application other"):
+        merge_applications(current, {"name": "ns.x", "route_prefix": "/o"})
