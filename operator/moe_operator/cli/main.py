@@ -25,7 +25,7 @@ out = Console()
 
 
 def fail(message: str, code: int = 1) -> None:
-    err.print(f"error: {message}", highlight=False, markup=False)
+    sys.stderr.write(f"error: {message}\n")  # one line, never wrapped
     raise typer.Exit(code)
 
 
@@ -84,7 +84,7 @@ def up(
     allowed_roots: list[Path] = typer.Option([], "--allowed-root",
                                              help="Directory models and weights may be read from (repeatable); "
                                              "default: the manifest's directory."),
-    num_cpus: Optional[float] = typer.Option(None, "--num-cpus", help="CPUs of the local Ray head."),
+    num_cpus: Optional[int] = typer.Option(None, "--num-cpus", min=1, help="Logical CPUs of the local Ray head."),
     once: bool = typer.Option(False, "--once", help="Reconcile once and exit (leaves a given cluster's app running)."),
 ):
     """Run a MoEDeployment in the foreground without Kubernetes (standalone mode)."""

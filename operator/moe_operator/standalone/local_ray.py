@@ -40,7 +40,7 @@ class LocalRayHead:
     """A Ray head started by us; `start()` then `stop()`."""
 
     work_dir: Path
-    num_cpus: float | None = None
+    num_cpus: int | None = None
     gcs_port: int = field(default_factory=free_port)
     dashboard_port: int = field(default_factory=free_port)
     serve_http_port: int = field(default_factory=free_port)

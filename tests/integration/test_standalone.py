@@ -1,0 +1,118 @@
+"""`moectl up` (standalone mode) end to end: its own local Ray head, a completion, status via
+`moectl get --local`, re-reconcile on file change, invalid edits reported without losing the
+running app, clean shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from moe_operator.standalone.local_ray import free_port
+from moe_workers.model.inprocess import InProcessModel
+
+pytestmark = pytest.mark.ray
+MOECTL = str(Path(sys.executable).with_name("moectl"))
+
+
+def _moectl(*args, env, check=True):
+    proc = subprocess.run([MOECTL, *args], env=env, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"moectl {' '.join(args)}: {proc.returncode} {proc.stderr}")
+    return proc
+
+
+def _status(env):
+    return json.loads(_moectl("get", "tiny", "--local", "-o", "json", env=env).stdout)
+
+
+def _wait(predicate, timeout_s=240, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_moectl_up_serves_reconciles_and_stops(tmp_path):
+    env = {**os.environ, "MOE_STATE_DIR": str(tmp_path / "state")}
+    _moectl("init-model", str(tmp_path / "models" / "tiny"), "--layers", "2", "--experts", "4", env=env)
+    manifest = {
+        "apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "tiny"},
+        "spec": {"model": {"path": "models/tiny"}, "ingress": {"numCpus": 0.25, "kvCacheBudget": "16Mi"},
+                 "experts": {"groups": 2, "numCpus": 0.25,
+                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}}},
+    }
+    f = tmp_path / "tiny.yaml"
+    f.write_text(yaml.safe_dump(manifest))
+    port = free_port()
+    log = open(tmp_path / "up.log", "w+")
+    proc = subprocess.Popen([MOECTL, "up", "-f", str(f), "--port", str(port), "--num-cpus", "2"], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def serving():
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()
+            return "is serving at" in (tmp_path / "up.log").read_text()
+
+        _wait(serving, what="moectl up to serve")
+        assert f"http://127.0.0.1:{port}/v1" in (tmp_path / "up.log").read_text()
+        url = f"http://127.0.0.1:{port}"
+        reference = InProcessModel(tmp_path / "models" / "tiny")
+        prompt = [40, 41, 42]
+        want = reference.generate([prompt], max_tokens=5)[0]
+        resp = requests.post(url + "/v1/completions", json={"prompt": "Hi!", "max_tokens": 5, "temperature": 0},
+                             timeout=60)
+        assert resp.status_code == 200 and len(resp.json()["choices"][0]["token_ids"]) == 5
+        got = requests.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0},
+                            timeout=60).json()["choices"][0]["token_ids"]
+        assert got == want[: len(got)]
+
+        st = _status(env)
+        ready = next(c for c in st["status"]["conditions"] if c["type"] == "Ready")
+        assert ready["status"] == "True" and ready["reason"] == "Serving"
+        assert st["status"]["endpoint"] == f"{url}/v1" and st["status"]["observedGeneration"] == 1
+        table = _moectl("get", "--local", env=env).stdout
+        assert "tiny" in table and "True" in table
+
+        # an edit is picked up: three groups now
+        manifest["spec"]["experts"]["groups"] = 3
+        f.write_text(yaml.safe_dump(manifest))
+        _wait(lambda: _status(env)["status"]["observedGeneration"] == 2
+              and len(_status(env)["status"]["groups"]) == 3, what="re-reconcile")
+        assert requests.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0},
+                             timeout=60).json()["choices"][0]["token_ids"] == want[:3]
+
+        # an invalid edit is reported and the running app keeps serving
+        manifest["spec"]["experts"]["tiers"]["hot"]["budget"] = "1Ki"
+        f.write_text(yaml.safe_dump(manifest))
+        bad = _wait(lambda: (s := _status(env))["status"]["observedGeneration"] == 3 and s, what="invalid edit")
+        ready = next(c for c in bad["status"]["conditions"] if c["type"] == "Ready")
+        assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
+        assert "spec.experts.tiers.hot.budget" in ready["message"]
+        assert "InvalidSpec" in _moectl("get", "tiny", "--local", "-o", "wide", env=env).stdout
+        assert requests.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
+                             timeout=60).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    assert rc == 0, (tmp_path / "up.log").read_text()
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+
+
+def test_get_unknown_and_bad_usage_exit_codes(tmp_path):
+    env = {**os.environ, "MOE_STATE_DIR": str(tmp_path)}
+    missing = _moectl("get", "nope", "--local", env=env, check=False)
+    assert missing.returncode == 1 and "not found" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+    bad = _moectl("get", "nope", "--local", "-o", "xml", env=env, check=False)
+    assert bad.returncode == 2 and "expected json, yaml or wide" in bad.stderr

@@ -1,0 +1,84 @@
+"""Semantic checks beyond the schema, the conditions helper, and manifest loading (no cluster)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from invalid_manifests import VALID
+from moe_operator.api import conditions as cond
+from moe_operator.api.semantics import validate_semantics
+from moe_operator.api.validation import parse_spec
+from moe_operator.standalone.runner import load_manifest
+from moe_workers.model.random_init import write_random_mixtral
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("roots")
+    write_random_mixtral(root / "m", num_layers=2, num_experts=4, hidden_size=32, intermediate_size=64)
+    return root
+
+
+def _spec(model_dir, **experts):
+    raw = copy.deepcopy(VALID["spec"])
+    raw["model"]["path"] = str(model_dir / "m")
+    raw["experts"]["overrides"] = [{"expert": "1.3", "weights": {"path": str(model_dir / "p.safetensors")}}]
+    raw["experts"].update(experts)
+    return parse_spec(raw)
+
+
+def test_valid_spec_passes(model_dir):
+    facts, problems = validate_semantics(_spec(model_dir), [str(model_dir)])
+    assert problems == [] and facts.num_experts == 4 and facts.expert_bytes() == 3 * 32 * 64 * 4
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda s, d: s.model.__setattr__("path", "/etc"), "outside the allowed model roots"),
+    (lambda s, d: s.model.__setattr__("path", str(d)), "has no readable config.json"),
+    (lambda s, d: s.experts.overrides[0].__setattr__("expert", "2.0"), "overrides[0].expert 2.0 does not exist: the model has 2 layers x 4 experts"),
+    (lambda s, d: s.experts.overrides[0].__setattr__("expert", "1.4"), "does not exist"),
+    (lambda s, d: s.experts.overrides[0].weights.__setattr__("path", "/tmp/x.safetensors"), "outside the allowed weight roots"),
+    (lambda s, d: s.experts.tiers.hot.__setattr__("budget", "1Ki"), "smaller than one batch's working set"),
+])
+def test_semantic_problems_name_what_to_fix(model_dir, mutate, needle):
+    spec = _spec(model_dir)
+    mutate(spec, model_dir)
+    _, problems = validate_semantics(spec, [str(model_dir)])
+    assert any(needle in p for p in problems), problems
+
+
+def test_symlink_out_of_root_is_refused(model_dir, tmp_path):
+    (model_dir / "escape").symlink_to("/etc")
+    spec = _spec(model_dir)
+    spec.model.path = str(model_dir / "escape")
+    _, problems = validate_semantics(spec, [str(model_dir)])
+    assert "outside the allowed model roots" in problems[0]
+
+
+def test_condition_transition_time_moves_only_on_status_change():
+    c = cond.set_condition([], cond.READY, False, cond.DEPLOYING, "x", 1, now="t1")
+    c = cond.set_condition(c, cond.READY, False, cond.DEPLOYING, "y", 2, now="t2")
+    assert c[0]["lastTransitionTime"] == "t1" and c[0]["message"] == "y" and c[0]["observedGeneration"] == 2
+    c = cond.set_condition(c, cond.READY, True, cond.SERVING, "ok", 2, now="t3")
+    assert c[0]["lastTransitionTime"] == "t3" and c[0]["status"] == "True"
+    c = cond.set_condition(c, cond.PROGRESSING, True, cond.DEPLOYING, "", 2, now="t4")
+    assert [x["type"] for x in c] == ["Ready", "Progressing"]
+
+
+def test_load_manifest_resolves_relative_paths_and_reports_errors(tmp_path):
+    doc = copy.deepcopy(VALID)
+    doc["spec"]["model"]["path"] = "models/m"
+    doc["spec"]["experts"]["overrides"][0]["weights"]["path"] = "patches/e.safetensors"
+    f = tmp_path / "m.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    m = load_manifest(f)
+    assert m.problems == [] and m.spec.model.path == str(tmp_path / "models" / "m")
+    assert m.spec.experts.overrides[0].weights.path == str(tmp_path / "patches" / "e.safetensors")
+    doc["spec"]["experts"]["groups"] = 0
+    f.write_text(yaml.safe_dump(doc))
+    assert load_manifest(f).problems == ["spec.experts.groups: Input should be greater than or equal to 1"]
+    f.write_text("kind: Something\n")
+    assert "expected exactly one MoEDeployment" in load_manifest(f).problems[0]
