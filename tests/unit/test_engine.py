@@ -98,3 +98,29 @@ def test_router_picks_least_loaded_copy():
     assert plan == {"ExpertShard-0": [0]}
     with pytest.raises(KeyError, match="no shard group hosts expert 0.3"):
         router.assign(0, {3: 1})
+
+
+def test_split_chunks_balances_tokens_and_keeps_order():
+    from moe_workers.model.dense import Chunk
+    from moe_workers.serve.engine import split_chunks
+
+    chunks = [Chunk(i, 0, [1] * n) for i, n in enumerate([1, 1, 1, 1, 100, 1, 1, 1])]
+    parts = split_chunks(chunks, 2)
+    assert [c for p in parts for c in p] == chunks and len(parts) == 2 and all(parts)
+    assert split_chunks(chunks[:1], 4) == [chunks[:1]]
+    assert len(split_chunks(chunks, 8)) == 8
+
+
+def test_micro_batches_give_the_same_tokens(tmp_path):
+    make_mixtral(tmp_path, num_local_experts=8, num_hidden_layers=3)
+    reference = InProcessModel(tmp_path)
+    prompts = [[3 + i, 9, 11 + i] for i in range(6)]
+    expected = [reference.generate([p], max_tokens=5)[0] for p in prompts]
+
+    async def main():
+        engine = _engine(tmp_path, slots=6)
+        engine.micro_batches = 2
+        reqs = [engine.submit(GenerationRequest(prompt=p, max_tokens=5, stop_at_eos=False)) for p in prompts]
+        return await asyncio.gather(*(_collect(r) for r in reqs))
+
+    assert asyncio.run(main()) == expected

@@ -33,6 +33,8 @@ class AppArgs(BaseModel):
     ingress_num_cpus: float = Field(default=0.5, gt=0)
     shard_num_cpus: float = Field(default=0.25, gt=0)
     shard_num_gpus: float = Field(default=0.0, ge=0)
+    micro_batches: int = Field(default=1, ge=1, le=8, description="Split each step into this many concurrent "
+                               "micro-batches so dense compute overlaps expert calls.")
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per shard replica.")
     ingress_torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per ingress replica.")
     placement: dict[str, list[str]] | None = Field(

@@ -48,7 +48,8 @@ class GenerationRequest:
 
 @dataclass
 class StepTimings:
-    """Where a step's time goes, summed over steps (seconds)."""
+    """Where a step's time goes, summed over steps and micro-batches (seconds): dense compute in
+    the ingress, and waiting on expert calls."""
 
     dense: float = 0.0
     experts: float = 0.0
@@ -58,12 +59,15 @@ class StepTimings:
 
 class Engine:
     def __init__(self, dense: DenseModel, cache: KVCache, dispatch: Dispatcher, max_batch_size: int,
-                 max_queued: int):
+                 max_queued: int, micro_batches: int = 1):
         self.dense = dense
         self.cache = cache
         self.dispatch = dispatch
         self.max_batch_size = max_batch_size
         self.max_queued = max_queued
+        # >1: split each step into micro-batches run concurrently, so one's dense compute overlaps
+        # another's expert calls (costs one more expert call per group and layer)
+        self.micro_batches = micro_batches
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[GenerationRequest] = []
         self.timings = StepTimings()
@@ -127,7 +131,11 @@ class Engine:
                 chunks.append(Chunk(req.slot, 0, list(req.prompt)))
             else:
                 chunks.append(Chunk(req.slot, req.cached, [req.produced[-1]]))
-        logits = await self.forward(StepBatch(chunks))
+        parts = split_chunks(chunks, self.micro_batches)
+        if len(parts) == 1:
+            logits = await self.forward(StepBatch(chunks))
+        else:
+            logits = torch.cat(await asyncio.gather(*(self.forward(StepBatch(p)) for p in parts)))
         still = []
         for row, (req, chunk) in enumerate(zip(seqs, chunks)):
             req.cached = chunk.start + len(chunk.tokens)
@@ -150,22 +158,43 @@ class Engine:
         loop = asyncio.get_running_loop()
         dense = self.dense
 
-        def run(fn, *args):
-            return loop.run_in_executor(self._pool, fn, *args)
+        timings = self.timings
 
-        with torch.inference_mode():
+        def timed(fn, *args):
             t0 = time.perf_counter()
-            experts = 0.0
-            h = await run(dense.embed, batch)
-            for layer in range(dense.cfg.num_layers):
-                h, x, indices, weights = await run(_attend_and_route, dense, layer, h, batch, self.cache)
-                t1 = time.perf_counter()
-                h = h + await self.dispatch(layer, x, indices, weights)
-                experts += time.perf_counter() - t1
-            logits = await run(dense.logits, h, batch.last_rows)
-            self.timings.experts += experts
-            self.timings.dense += time.perf_counter() - t0 - experts
-        return logits
+            with torch.inference_mode():
+                result = fn(*args)
+            timings.dense += time.perf_counter() - t0
+            return result
+
+        def run(fn, *args):
+            return loop.run_in_executor(self._pool, timed, fn, *args)
+
+        h = await run(dense.embed, batch)
+        for layer in range(dense.cfg.num_layers):
+            h, x, indices, weights = await run(_attend_and_route, dense, layer, h, batch, self.cache)
+            t1 = time.perf_counter()
+            moe = await self.dispatch(layer, x, indices, weights)
+            timings.experts += time.perf_counter() - t1
+            h = h + moe
+        return await run(dense.logits, h, batch.last_rows)
+
+
+def split_chunks(chunks: list[Chunk], parts: int) -> list[list[Chunk]]:
+    """Contiguous groups of chunks with about equal token counts (order kept, none empty)."""
+    parts = max(1, min(parts, len(chunks)))
+    if parts == 1:
+        return [chunks]
+    total = sum(len(c.tokens) for c in chunks)
+    out: list[list[Chunk]] = [[]]
+    seen = 0
+    for i, c in enumerate(chunks):
+        remaining_chunks = len(chunks) - i
+        if out[-1] and (seen >= total * len(out) / parts or remaining_chunks <= parts - len(out)) and len(out) < parts:
+            out.append([])
+        out[-1].append(c)
+        seen += len(c.tokens)
+    return out
 
 
 def _attend_and_route(dense: DenseModel, layer: int, h: torch.Tensor, batch: StepBatch, cache: KVCache):
