@@ -203,3 +203,20 @@ def test_text_prompt_with_tokenizer(served_with_tokenizer):
 def test_two_apps_on_one_cluster_both_serve(served, served_with_tokenizer):
     assert _complete(served[0], prompt=[3, 4, 5], max_tokens=3).status_code == 200
     assert _complete(served_with_tokenizer[0], prompt=[3, 4, 5], max_tokens=3).status_code == 200
+
+
+def test_expert_load_exported_in_prometheus_format(served, ray_head):
+    """Per-expert token counts reach Ray's metrics export, where the autoscaler will scrape them."""
+    url = served[0]
+    assert _complete(url, prompt=[3, 4, 5, 6, 7], max_tokens=4).status_code == 200
+    deadline = time.monotonic() + 90
+    lines = []
+    while time.monotonic() < deadline:
+        text = requests.get(ray_head.metrics_url, timeout=10).text
+        lines = [l for l in text.splitlines() if l.startswith("ray_moe_expert_tokens") and 'group="ExpertShard-' in l]
+        if lines:
+            break
+        time.sleep(2)
+    assert lines, "ray_moe_expert_tokens not exported"
+    total = sum(float(l.rsplit(" ", 1)[1]) for l in lines)
+    assert total > 0 and all('layer="' in l and 'expert="' in l for l in lines)

@@ -82,3 +82,14 @@ def test_load_manifest_resolves_relative_paths_and_reports_errors(tmp_path):
     assert load_manifest(f).problems == ["spec.experts.groups: Input should be greater than or equal to 1"]
     f.write_text("kind: Something\n")
     assert "expected exactly one MoEDeployment" in load_manifest(f).problems[0]
+
+
+def test_standalone_examples_load(tmp_path):
+    """examples/standalone/*.yaml are for `moectl up` (relative paths allowed): its parser accepts them."""
+    import glob
+
+    paths = sorted(glob.glob("examples/standalone/*.yaml"))
+    assert paths
+    for path in paths:
+        m = load_manifest(__import__("pathlib").Path(path))
+        assert m.problems == [] and m.spec.model.path.startswith("/")

@@ -44,6 +44,7 @@ class LocalRayHead:
     gcs_port: int = field(default_factory=free_port)
     dashboard_port: int = field(default_factory=free_port)
     serve_http_port: int = field(default_factory=free_port)
+    metrics_export_port: int = field(default_factory=free_port)
     token: str = field(default_factory=lambda: secrets.token_hex(24))
     process: subprocess.Popen | None = None
 
@@ -54,6 +55,11 @@ class LocalRayHead:
     @property
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Prometheus endpoint of this node's metrics (Ray's export, ours included)."""
+        return f"http://127.0.0.1:{self.metrics_export_port}/metrics"
 
     @property
     def token_path(self) -> Path:
@@ -90,6 +96,7 @@ class LocalRayHead:
             "--port", str(self.gcs_port),
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
             "--include-dashboard", "true",
+            "--metrics-export-port", str(self.metrics_export_port),
             "--min-worker-port", str(_WORKER_PORTS[0]), "--max-worker-port", str(_WORKER_PORTS[1]),
             "--temp-dir", str(temp_dir),
             "--disable-usage-stats",

@@ -18,11 +18,10 @@ import yaml
 
 from moe_operator.api import conditions as cond
 from moe_operator.api.models import MoEDeploymentSpec
-from moe_operator.api.semantics import validate_semantics
 from moe_operator.api.validation import SpecError, parse_spec
-from moe_operator.backends.ray_rest import RayServeClient, RayServeError
-from moe_operator.planner.initial import initial_placement
-from moe_operator.render.serve_app import merge_applications, render_application
+from moe_operator.backends.ray_rest import RayServeClient
+from moe_operator.reconcile import reconcile, remove_application
+from moe_operator.render.serve_app import app_name
 
 
 def default_state_dir() -> Path:
@@ -40,6 +39,7 @@ class Manifest:
     spec: MoEDeploymentSpec | None
     problems: list[str]
     raw: dict
+    raw_spec: dict | None = None
 
 
 def load_manifest(path: Path) -> Manifest:
@@ -67,9 +67,9 @@ def load_manifest(path: Path) -> Manifest:
         if isinstance(w.get("path"), str) and not w["path"].startswith("/"):
             w["path"] = str((base / w["path"]).resolve())
     try:
-        return Manifest(name, namespace, parse_spec(spec_raw), [], doc)
+        return Manifest(name, namespace, parse_spec(spec_raw), [], doc, spec_raw)
     except SpecError as err:
-        return Manifest(name, namespace, None, err.problems, doc)
+        return Manifest(name, namespace, None, err.problems, doc, spec_raw)
 
 
 @dataclass
@@ -81,10 +81,10 @@ class StandaloneRunner:
     state_dir: Path = field(default_factory=default_state_dir)
     log: Callable[[str], None] = print
     generation: int = 0
-    placement: dict[str, list[str]] | None = None
     status: dict = field(default_factory=dict)
     _mtime: float = 0.0
     _app: str | None = None
+    _name: str = ""
 
     def _write_status(self, m: Manifest) -> None:
         path = status_path(self.state_dir, m.namespace, m.name or "unnamed")
@@ -98,59 +98,28 @@ class StandaloneRunner:
         tmp.write_text(json.dumps(doc, indent=2))
         tmp.replace(path)
 
-    def _set(self, type_: str, ok: bool | str, reason: str, message: str) -> None:
-        self.status["conditions"] = cond.set_condition(self.status.get("conditions", []), type_, ok, reason, message,
-                                                       self.generation)
-
     def reconcile(self) -> bool:
         """One pass over the current file; True when the app serves."""
         self.generation += 1
         m = load_manifest(self.manifest_path)
-        self.status["observedGeneration"] = self.generation
-        problems = list(m.problems)
-        facts = None
-        if m.spec is not None:
-            facts, problems = validate_semantics(m.spec, self.allowed_roots)
-        if problems:
-            message = "; ".join(problems)
-            self._set(cond.READY, False, cond.INVALID_SPEC, message)
-            self._set(cond.PROGRESSING, False, cond.INVALID_SPEC, "fix the spec; the running app (if any) is left as it is")
+        if m.raw_spec is None:  # the file itself is unusable: nothing to reconcile
+            message = "; ".join(m.problems)
+            self.status["conditions"] = cond.set_condition(self.status.get("conditions", []), cond.READY, False,
+                                                           cond.INVALID_SPEC, message, self.generation)
+            self.status["observedGeneration"] = self.generation
             self._write_status(m)
-            self.log(f"invalid spec: {message}")
+            self.log(f"invalid manifest: {message}")
             return False
-        spec = m.spec
-        self.placement = initial_placement(facts.num_layers, facts.num_experts, spec.experts.groups, self.placement)
-        ours = render_application(m.namespace, m.name, spec, self.placement)
-        self._set(cond.PROGRESSING, True, cond.DEPLOYING, f"deploying generation {self.generation}")
-        ready = cond.get_condition(self.status.get("conditions", []), cond.READY)
-        if not ready or ready["status"] != "True":  # an update keeps serving the previous generation
-            self._set(cond.READY, False, cond.DEPLOYING, "waiting for the Serve application")
+        self._name = m.name
+        res = reconcile(m.namespace, m.name, m.raw_spec, self.generation, self.status, self.client,
+                        self.allowed_roots, self.http_port, spec=m.spec)
+        self.status = res.status
         self._write_status(m)
-        try:
-            current = self.client.get()
-            apps = [a.get("deployed_app_config") for a in current.get("applications", {}).values()
-                    if a.get("deployed_app_config")]
-            config = {"http_options": {"host": "127.0.0.1", "port": self.http_port},
-                      "applications": merge_applications(apps, ours)}
-            self.client.put(config)
-            self.client.wait_running([ours["name"]], timeout_s=600)
-        except (RayServeError, ValueError, OSError) as err:
-            self._set(cond.READY, False, cond.DEPLOY_FAILED, str(err))
-            self._set(cond.PROGRESSING, False, cond.DEPLOY_FAILED, str(err))
-            self._write_status(m)
-            self.log(f"deploy failed: {err}")
-            return False
-        self._app = ours["name"]
-        prefix = spec.ingress.route_prefix.rstrip("/")
-        self.status["endpoint"] = f"http://127.0.0.1:{self.http_port}{prefix}/v1"
-        self.status["groups"] = [{"name": g, "replicas": spec.experts.replicas_per_group,
-                                  "readyReplicas": spec.experts.replicas_per_group, "experts": len(es)}
-                                 for g, es in sorted(self.placement.items())]
-        self.status["replicas"] = spec.experts.replicas_per_group
-        self._set(cond.READY, True, cond.SERVING, f"serving at {self.status['endpoint']}")
-        self._set(cond.PROGRESSING, False, cond.RECONCILED, f"generation {self.generation} applied")
-        self._write_status(m)
-        return True
+        if res.ready:
+            self._app = app_name(m.namespace, m.name)
+        else:
+            self.log(f"{res.event[1]}: {res.event[2]}")
+        return res.ready
 
     def changed(self) -> bool:
         try:
@@ -171,13 +140,5 @@ class StandaloneRunner:
 
     def teardown(self) -> None:
         """Remove our application, keep everyone else's."""
-        if not self._app:
-            return
-        current = self.client.get()
-        apps = [a.get("deployed_app_config") for n, a in current.get("applications", {}).items()
-                if n != self._app and a.get("deployed_app_config")]
-        if apps:
-            self.client.put({"http_options": {"host": "127.0.0.1", "port": self.http_port}, "applications": apps})
-        else:
-            self.client.delete_all()
-
+        if self._app:
+            remove_application(self.client, self._app, self.http_port)

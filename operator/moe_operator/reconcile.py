@@ -1,0 +1,114 @@
+"""One reconcile pass, shared by the kopf operator and standalone mode.
+
+Everything is computed from observed state: the spec as it is now and the application as the Ray
+cluster reports it (its placement is read back from the deployed Ingress user_config), so a
+restarted operator converges to the same result and never deploys twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moe_operator.api import conditions as cond
+from moe_operator.api.models import MoEDeploymentSpec
+from moe_operator.api.semantics import validate_semantics
+from moe_operator.api.validation import SpecError, parse_spec
+from moe_operator.backends.ray_rest import RayServeClient, RayServeError
+from moe_operator.planner.initial import initial_placement
+from moe_operator.render.serve_app import app_name, merge_applications, render_application
+from moe_workers.serve.config import INGRESS
+
+
+@dataclass
+class Result:
+    """What a pass observed and did: the status to write, an event to post, when to look again."""
+
+    status: dict
+    event: tuple[str, str, str] | None = None  # (type, reason, message)
+    retry_after_s: float | None = None
+    ready: bool = False
+    placement: dict[str, list[str]] = field(default_factory=dict)
+
+
+def deployed_placement(cluster: dict, name: str) -> dict[str, list[str]] | None:
+    """The placement the cluster is serving for application `name`, from its deployed config."""
+    app = cluster.get("applications", {}).get(name) or {}
+    config = app.get("deployed_app_config") or {}
+    for d in config.get("deployments", []):
+        if d.get("name") == INGRESS:
+            return (d.get("user_config") or {}).get("placement")
+    return None
+
+
+def http_options(port: int) -> dict:
+    return {"host": "127.0.0.1", "port": port}
+
+
+def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: float) -> None:
+    """Read-merge-write: PUT replaces every application, so keep the others as deployed."""
+    current = client.get()
+    apps = [a["deployed_app_config"] for a in current.get("applications", {}).values() if a.get("deployed_app_config")]
+    client.put({"http_options": http_options(port), "applications": merge_applications(apps, ours)})
+    client.wait_running([ours["name"]], timeout_s=wait_s)
+
+
+def remove_application(client: RayServeClient, name: str, port: int) -> bool:
+    """Delete our application, keep everyone else's. False when it was not there."""
+    current = client.get()
+    apps = current.get("applications", {})
+    if name not in apps:
+        return False
+    others = [a["deployed_app_config"] for n, a in apps.items() if n != name and a.get("deployed_app_config")]
+    if others:
+        client.put({"http_options": http_options(port), "applications": others})
+    else:
+        client.delete_all()
+    return True
+
+
+def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int, status: dict,
+              client: RayServeClient, allowed_roots: list[str], http_port: int, endpoint_host: str = "127.0.0.1",
+              wait_s: float = 600.0, spec: MoEDeploymentSpec | None = None) -> Result:
+    status = {k: v for k, v in (status or {}).items()}
+    conditions = status.get("conditions", [])
+
+    def result(ok: bool, reason: str, message: str, event_type: str = "Normal", retry: float | None = None,
+               placement=None) -> Result:
+        nonlocal conditions
+        conditions = cond.set_condition(conditions, cond.READY, ok, reason, message, generation)
+        conditions = cond.set_condition(conditions, cond.PROGRESSING, False, reason if not ok else cond.RECONCILED,
+                                        message if not ok else f"generation {generation} applied", generation)
+        status["conditions"] = conditions
+        status["observedGeneration"] = generation
+        return Result(status, (event_type, reason, message), retry, ok, placement or {})
+
+    if spec is None:
+        try:
+            spec = parse_spec(raw_spec)
+        except SpecError as err:
+            return result(False, cond.INVALID_SPEC, str(err), "Warning")
+    facts, problems = validate_semantics(spec, allowed_roots)
+    if problems:
+        return result(False, cond.INVALID_SPEC, "; ".join(problems), "Warning")
+    app = app_name(namespace, name)
+    try:
+        cluster = client.get()
+    except (RayServeError, OSError) as err:
+        return result(False, cond.RAY_UNREACHABLE, f"Ray dashboard {client.dashboard_url}: {err}", "Warning", retry=10)
+    previous = deployed_placement(cluster, app)
+    placement = initial_placement(facts.num_layers, facts.num_experts, spec.experts.groups, previous)
+    ours = render_application(namespace, name, spec, placement)
+    try:
+        apply_application(client, ours, http_port, wait_s)
+    except ValueError as err:  # route prefix clash and the like: the user must change the spec
+        return result(False, cond.INVALID_SPEC, str(err), "Warning")
+    except (RayServeError, OSError) as err:
+        return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
+    prefix = spec.ingress.route_prefix.rstrip("/")
+    status["endpoint"] = f"http://{endpoint_host}:{http_port}{prefix}/v1"
+    status["groups"] = [{"name": g, "replicas": spec.experts.replicas_per_group,
+                         "readyReplicas": spec.experts.replicas_per_group, "experts": len(es)}
+                        for g, es in sorted(placement.items())]
+    status["replicas"] = spec.experts.replicas_per_group
+    status["selector"] = f"serving.moe.io/app={app}"
+    return result(True, cond.SERVING, f"serving at {status['endpoint']}", placement=placement)
