@@ -1,0 +1,105 @@
+"""kopf handlers: thin wrappers over moe_operator.reconcile.
+
+    kopf run -m moe_operator.handlers.operator --namespace NS [--standalone]
+
+Settings come from the environment (the Helm chart sets them):
+  MOE_RAY_ADDRESS       default Ray dashboard URL when a spec names none
+  MOE_RAY_TOKEN_FILE    file with the Ray dashboard token (or MOE_RAY_TOKEN)
+  MOE_ALLOWED_ROOTS     colon-separated directories models and weights may be read from
+  MOE_SERVE_HTTP_PORT   Serve proxy port on the Ray cluster (default 8000)
+  MOE_ENDPOINT_HOST     host written into status.endpoint (default 127.0.0.1)
+  MOE_METRICS_PORT      serve the operator's Prometheus metrics on 127.0.0.1:PORT when set
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import kopf
+
+from moe_operator.api import models
+from moe_operator.backends.ray_rest import RayServeClient
+from moe_operator.metrics import RECONCILES, RECONCILE_SECONDS, APPLIED_GENERATION, start_metrics_server
+from moe_operator.reconcile import reconcile, remove_application
+from moe_operator.render.serve_app import app_name
+
+RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
+PREFIX = models.GROUP
+
+
+def _setting(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_) -> None:
+    settings.persistence.finalizer = f"{PREFIX}/cleanup"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PREFIX, key="last-handled-configuration")
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 120
+    port = _setting("MOE_METRICS_PORT")
+    if port:
+        start_metrics_server(int(port))
+
+
+def _token(spec: dict, namespace: str) -> str | None:
+    ref = ((spec.get("ray") or {}).get("authTokenSecretRef")) or None
+    if ref:
+        import base64
+
+        import kubernetes
+
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config()
+        secret = kubernetes.client.CoreV1Api().read_namespaced_secret(ref["name"], namespace)
+        value = (secret.data or {}).get(ref.get("key", "token"))
+        if value is None:
+            raise kopf.PermanentError(f"secret {namespace}/{ref['name']} has no key {ref.get('key', 'token')}")
+        return base64.b64decode(value).decode().strip()
+    path = _setting("MOE_RAY_TOKEN_FILE")
+    if path:
+        return open(path).read().strip()
+    return _setting("MOE_RAY_TOKEN") or None
+
+
+def _client(spec: dict, namespace: str) -> RayServeClient:
+    address = (spec.get("ray") or {}).get("address") or _setting("MOE_RAY_ADDRESS")
+    if not address:
+        raise kopf.PermanentError("no Ray address: set spec.ray.address or the operator's MOE_RAY_ADDRESS")
+    return RayServeClient(address, _token(spec, namespace))
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+def reconcile_handler(name: str, namespace: str, spec, meta, status, patch, body, logger, **_) -> None:
+    started = time.perf_counter()
+    spec_dict = dict(spec)
+    roots = [r for r in _setting("MOE_ALLOWED_ROOTS").split(":") if r]
+    res = reconcile(namespace, name, spec_dict, meta.get("generation", 0), dict(status or {}),
+                    _client(spec_dict, namespace), roots, int(_setting("MOE_SERVE_HTTP_PORT", "8000")),
+                    endpoint_host=_setting("MOE_ENDPOINT_HOST", "127.0.0.1"))
+    patch.status.update(res.status)
+    RECONCILE_SECONDS.observe(time.perf_counter() - started)
+    RECONCILES.labels(result=res.event[1] if res.event else "None").inc()
+    if res.event:
+        kopf.event(body, type=res.event[0], reason=res.event[1], message=res.event[2][:1000])
+    if res.ready:
+        APPLIED_GENERATION.labels(namespace=namespace, name=name).set(meta.get("generation", 0))
+    elif res.retry_after_s is not None:
+        raise kopf.TemporaryError(res.event[2], delay=res.retry_after_s)
+
+
+@kopf.on.delete(*RESOURCE)
+def delete_handler(name: str, namespace: str, spec, logger, **_) -> None:
+    spec_dict = dict(spec)
+    removed = remove_application(_client(spec_dict, namespace), app_name(namespace, name),
+                                 int(_setting("MOE_SERVE_HTTP_PORT", "8000")))
+    logger.info("removed Serve application %s" if removed else "Serve application %s was already gone",
+                app_name(namespace, name))

@@ -1,0 +1,20 @@
+"""The operator's own Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+RECONCILES = Counter("moe_operator_reconciles_total", "Reconcile passes by outcome reason.", ["result"])
+RECONCILE_SECONDS = Histogram("moe_operator_reconcile_seconds", "Duration of a reconcile pass.",
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+APPLIED_GENERATION = Gauge("moe_operator_applied_generation", "Last spec generation serving.", ["namespace", "name"])
+
+_started = False
+
+
+def start_metrics_server(port: int, addr: str = "127.0.0.1") -> None:
+    """Serve /metrics on addr:port once (loopback unless configured otherwise)."""
+    global _started
+    if not _started:
+        start_http_server(port, addr=addr)
+        _started = True

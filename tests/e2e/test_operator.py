@@ -1,0 +1,130 @@
+"""The kopf operator against the real apiserver + etcd and a local Ray head: apply -> Ready ->
+completions -> change groups -> invalid spec -> operator killed and restarted -> delete."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from moe_operator.backends.ray_rest import RayServeClient
+from moe_workers.model.inprocess import InProcessModel
+from moe_workers.model.random_init import write_random_mixtral
+
+pytestmark = [pytest.mark.k8s, pytest.mark.ray]
+KOPF = str(Path(sys.executable).with_name("kopf"))
+
+
+def _manifest(name, model_path, groups=2, prefix="/op"):
+    return {
+        "apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": name},
+        "spec": {"model": {"path": str(model_path)},
+                 "ingress": {"numCpus": 0.25, "kvCacheBudget": "16Mi", "routePrefix": prefix},
+                 "experts": {"groups": groups, "numCpus": 0.25,
+                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}}},
+    }
+
+
+def _wait(predicate, timeout_s=300, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _ready(k8s, name):
+    obj = k8s.kubectl_json("get", "moed", name)
+    st = obj.get("status") or {}
+    ready = next((c for c in st.get("conditions", []) if c["type"] == "Ready"), None)
+    return obj, st, ready
+
+
+class Operator:
+    def __init__(self, k8s, ray_head, roots, log):
+        self.env = {**k8s.env, "MOE_RAY_ADDRESS": ray_head.dashboard_url, "MOE_RAY_TOKEN": ray_head.token,
+                    "MOE_ALLOWED_ROOTS": roots, "MOE_SERVE_HTTP_PORT": str(ray_head.serve_http_port)}
+        self.log = log
+        self.proc = None
+
+    def start(self):
+        self.proc = subprocess.Popen([KOPF, "run", "--standalone", "--namespace", "default", "-m",
+                                      "moe_operator.handlers.operator"], env=self.env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout=60)
+
+
+def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
+    k8s = crd_installed
+    roots = tmp_path / "models"
+    model = write_random_mixtral(roots / "tiny", num_layers=2, num_experts=4, hidden_size=32, intermediate_size=64,
+                                 vocab_size=128, router_scale=10)
+    reference = InProcessModel(model)
+    log = open(tmp_path / "operator.log", "w+")
+    op = Operator(k8s, ray_head, str(roots), log)
+    ray = RayServeClient(ray_head.dashboard_url, ray_head.token)
+    op.start()
+    try:
+        k8s.kubectl("apply", "-f", "-", input=json.dumps(_manifest("tiny", model)))
+        obj, st, ready = _wait(lambda: (r := _ready(k8s, "tiny"))[2] and r[2]["status"] == "True" and r,
+                               what="Ready=True")
+        assert ready["reason"] == "Serving" and st["observedGeneration"] == obj["metadata"]["generation"]
+        assert obj["metadata"]["finalizers"] == ["serving.moe.io/cleanup"]
+        endpoint = st["endpoint"]
+        assert endpoint == f"http://127.0.0.1:{ray_head.serve_http_port}/op/v1"
+        prompt = [5, 6, 7, 8]
+        got = requests.post(endpoint + "/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0},
+                            timeout=60).json()["choices"][0]["token_ids"]
+        assert got == reference.generate([prompt], max_tokens=5)[0][: len(got)]
+        events = k8s.kubectl_json("get", "events", "--field-selector", "involvedObject.name=tiny")["items"]
+        assert any(e["reason"] == "Serving" for e in events)
+        row = k8s.kubectl("get", "moed", "tiny").stdout.splitlines()[1].split()
+        assert row[:4] == ["tiny", "True", "2", "1"]
+
+        # change the number of groups: re-planned, re-rendered, still serving the same tokens
+        k8s.kubectl("patch", "moed", "tiny", "--type=merge", "-p", json.dumps({"spec": {"experts": {"groups": 3}}}))
+        _wait(lambda: (r := _ready(k8s, "tiny"))[1].get("observedGeneration") == r[0]["metadata"]["generation"]
+              and len(r[1].get("groups", [])) == 3 and r[2]["status"] == "True", what="3 groups")
+        got = requests.post(endpoint + "/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0},
+                            timeout=60).json()["choices"][0]["token_ids"]
+        assert got == reference.generate([prompt], max_tokens=5)[0][: len(got)]
+
+        # a spec the schema accepts but that cannot serve
+        k8s.kubectl("apply", "-f", "-", input=json.dumps(_manifest("outside", "/etc", prefix="/x")))
+        _, _, bad = _wait(lambda: (r := _ready(k8s, "outside"))[2] and r, what="InvalidSpec")
+        assert bad["status"] == "False" and bad["reason"] == "InvalidSpec" and "outside the allowed model roots" in bad["message"]
+        events = k8s.kubectl_json("get", "events", "--field-selector", "involvedObject.name=outside")["items"]
+        assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events)
+
+        # the operator killed and restarted converges without duplicates
+        op.kill()
+        op.start()
+        time.sleep(5)
+        _wait(lambda: _ready(k8s, "tiny")[2]["status"] == "True", what="Ready after restart")
+        apps = ray.get()["applications"]
+        assert [n for n in apps if n.startswith("default.")] == ["default.tiny"]
+        assert requests.post(endpoint + "/completions", json={"prompt": prompt, "max_tokens": 2},
+                             timeout=60).status_code == 200
+
+        # deletion removes the application from the Ray cluster, then the object
+        k8s.kubectl("delete", "moed", "tiny", "--wait=true", "--timeout=120s")
+        assert "default.tiny" not in ray.get().get("applications", {})
+        k8s.kubectl("delete", "moed", "outside", "--wait=true", "--timeout=60s")
+    finally:
+        op.kill(signal.SIGTERM)
+        log.seek(0)
+        print(log.read()[-5000:])
