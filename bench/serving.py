@@ -31,7 +31,8 @@ def parse_args():
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="torch threads in-process and per served ingress")
     p.add_argument("--shard-threads", type=int, default=1)
-    p.add_argument("--micro-batches", type=int, default=1, help="served: concurrent micro-batches per step")
+    p.add_argument("--micro-batches", type=int, default=2,
+                   help="served: concurrent micro-batches for steps of >= 256 tokens (1 disables)")
     p.add_argument("--decode-tokens", type=int, default=None)
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))

@@ -119,7 +119,7 @@ def test_micro_batches_give_the_same_tokens(tmp_path):
 
     async def main():
         engine = _engine(tmp_path, slots=6)
-        engine.micro_batches = 2
+        engine.micro_batches, engine.micro_batch_min_tokens = 2, 1
         reqs = [engine.submit(GenerationRequest(prompt=p, max_tokens=5, stop_at_eos=False)) for p in prompts]
         return await asyncio.gather(*(_collect(r) for r in reqs))
 

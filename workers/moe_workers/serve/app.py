@@ -134,7 +134,8 @@ class Ingress:
         self.shards = shards
         self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
         self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
-                             self.args.max_queued_requests, self.args.micro_batches)
+                             self.args.max_queued_requests, self.args.micro_batches,
+                             self.args.micro_batch_min_tokens)
         tok_file = Path(self.args.model_path) / "tokenizer.json"
         self.tokenizer = None
         if tok_file.is_file():

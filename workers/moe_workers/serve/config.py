@@ -33,8 +33,10 @@ class AppArgs(BaseModel):
     ingress_num_cpus: float = Field(default=0.5, gt=0)
     shard_num_cpus: float = Field(default=0.25, gt=0)
     shard_num_gpus: float = Field(default=0.0, ge=0)
-    micro_batches: int = Field(default=1, ge=1, le=8, description="Split each step into this many concurrent "
+    micro_batches: int = Field(default=2, ge=1, le=8, description="Split large steps into this many concurrent "
                                "micro-batches so dense compute overlaps expert calls.")
+    micro_batch_min_tokens: int = Field(default=256, ge=1, description="Steps with fewer tokens are not split "
+                                        "(decode steps are dispatch-bound; extra calls would cost more than the overlap).")
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per shard replica.")
     ingress_torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per ingress replica.")
     placement: dict[str, list[str]] | None = Field(

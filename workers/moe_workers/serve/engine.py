@@ -59,7 +59,7 @@ class StepTimings:
 
 class Engine:
     def __init__(self, dense: DenseModel, cache: KVCache, dispatch: Dispatcher, max_batch_size: int,
-                 max_queued: int, micro_batches: int = 1):
+                 max_queued: int, micro_batches: int = 1, micro_batch_min_tokens: int = 256):
         self.dense = dense
         self.cache = cache
         self.dispatch = dispatch
@@ -68,6 +68,9 @@ class Engine:
         # >1: split each step into micro-batches run concurrently, so one's dense compute overlaps
         # another's expert calls (costs one more expert call per group and layer)
         self.micro_batches = micro_batches
+        # only steps this large are split: prefill-heavy steps are compute-bound and gain from the
+        # overlap; decode steps are dispatch-bound and would only pay for the extra calls
+        self.micro_batch_min_tokens = micro_batch_min_tokens
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[GenerationRequest] = []
         self.timings = StepTimings()
@@ -131,7 +134,8 @@ class Engine:
                 chunks.append(Chunk(req.slot, 0, list(req.prompt)))
             else:
                 chunks.append(Chunk(req.slot, req.cached, [req.produced[-1]]))
-        parts = split_chunks(chunks, self.micro_batches)
+        tokens = sum(len(c.tokens) for c in chunks)
+        parts = split_chunks(chunks, self.micro_batches if tokens >= self.micro_batch_min_tokens else 1)
         if len(parts) == 1:
             logits = await self.forward(StepBatch(chunks))
         else:
