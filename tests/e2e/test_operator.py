@@ -16,6 +16,7 @@ import requests
 
 from moe_operator.backends.ray_rest import RayServeClient
 from moe_workers.model.inprocess import InProcessModel
+from waiting import wait_for
 from moe_workers.model.random_init import write_random_mixtral
 
 pytestmark = [pytest.mark.k8s, pytest.mark.ray]
@@ -30,17 +31,6 @@ def _manifest(name, model_path, groups=2, prefix="/op"):
                  "experts": {"groups": groups, "numCpus": 0.25,
                              "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}}},
     }
-
-
-def _wait(predicate, timeout_s=300, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _ready(k8s, name):
@@ -80,8 +70,8 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
     op.start()
     try:
         k8s.kubectl("apply", "-f", "-", input=json.dumps(_manifest("tiny", model)))
-        obj, st, ready = _wait(lambda: (r := _ready(k8s, "tiny"))[2] and r[2]["status"] == "True" and r,
-                               what="Ready=True")
+        obj, st, ready = wait_for(lambda: (r := _ready(k8s, "tiny"))[2] and r[2]["status"] == "True" and r,
+                               timeout_s=300, what="Ready=True")
         assert ready["reason"] == "Serving" and st["observedGeneration"] == obj["metadata"]["generation"]
         assert obj["metadata"]["finalizers"] == ["serving.moe.io/cleanup"]
         endpoint = st["endpoint"]
@@ -97,7 +87,7 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
 
         # change the number of groups: re-planned, re-rendered, still serving the same tokens
         k8s.kubectl("patch", "moed", "tiny", "--type=merge", "-p", json.dumps({"spec": {"experts": {"groups": 3}}}))
-        _wait(lambda: (r := _ready(k8s, "tiny"))[1].get("observedGeneration") == r[0]["metadata"]["generation"]
+        wait_for(lambda: (r := _ready(k8s, "tiny"))[1].get("observedGeneration") == r[0]["metadata"]["generation"]
               and len(r[1].get("groups", [])) == 3 and r[2]["status"] == "True", what="3 groups")
         got = requests.post(endpoint + "/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0},
                             timeout=60).json()["choices"][0]["token_ids"]
@@ -105,7 +95,7 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
 
         # a spec the schema accepts but that cannot serve
         k8s.kubectl("apply", "-f", "-", input=json.dumps(_manifest("outside", "/etc", prefix="/x")))
-        _, _, bad = _wait(lambda: (r := _ready(k8s, "outside"))[2] and r, what="InvalidSpec")
+        _, _, bad = wait_for(lambda: (r := _ready(k8s, "outside"))[2] and r, what="InvalidSpec")
         assert bad["status"] == "False" and bad["reason"] == "InvalidSpec" and "outside the allowed model roots" in bad["message"]
         events = k8s.kubectl_json("get", "events", "--field-selector", "involvedObject.name=outside")["items"]
         assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events)
@@ -114,7 +104,7 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
         op.kill()
         op.start()
         time.sleep(5)
-        _wait(lambda: _ready(k8s, "tiny")[2]["status"] == "True", what="Ready after restart")
+        wait_for(lambda: _ready(k8s, "tiny")[2]["status"] == "True", what="Ready after restart")
         apps = ray.get()["applications"]
         assert [n for n in apps if n.startswith("default.")] == ["default.tiny"]
         assert requests.post(endpoint + "/completions", json={"prompt": prompt, "max_tokens": 2},

@@ -23,8 +23,6 @@ NUM_LAYERS, NUM_EXPERTS = 3, 8
 @pytest.fixture(scope="module")
 def served(ray_head, tmp_path_factory):
     ray = ray_head.connect_driver(namespace="serve-test")
-    from ray import serve
-
     from moe_workers.serve.config import AppArgs
 
     path = tmp_path_factory.mktemp("ckpt")
@@ -112,7 +110,6 @@ def test_invalid_json_body(served):
 
 
 def test_expert_load_recorded_per_group(served):
-    import ray
     from ray import serve
 
     url, _, _ = served

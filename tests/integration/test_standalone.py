@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import yaml
 
 from moe_operator.standalone.local_ray import free_port
 from moe_workers.model.inprocess import InProcessModel
+from waiting import wait_for
 
 pytestmark = pytest.mark.ray
 MOECTL = str(Path(sys.executable).with_name("moectl"))
@@ -32,16 +32,6 @@ def _moectl(*args, env, check=True):
 
 def _status(env):
     return json.loads(_moectl("get", "tiny", "--local", "-o", "json", env=env).stdout)
-
-
-def _wait(predicate, timeout_s=240, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_moectl_up_serves_reconciles_and_stops(tmp_path):
@@ -64,7 +54,7 @@ def test_moectl_up_serves_reconciles_and_stops(tmp_path):
             assert proc.poll() is None, (tmp_path / "up.log").read_text()
             return "is serving at" in (tmp_path / "up.log").read_text()
 
-        _wait(serving, what="moectl up to serve")
+        wait_for(serving, what="moectl up to serve")
         assert f"http://127.0.0.1:{port}/v1" in (tmp_path / "up.log").read_text()
         url = f"http://127.0.0.1:{port}"
         reference = InProcessModel(tmp_path / "models" / "tiny")
@@ -87,7 +77,7 @@ def test_moectl_up_serves_reconciles_and_stops(tmp_path):
         # an edit is picked up: three groups now
         manifest["spec"]["experts"]["groups"] = 3
         f.write_text(yaml.safe_dump(manifest))
-        _wait(lambda: _status(env)["status"]["observedGeneration"] == 2
+        wait_for(lambda: _status(env)["status"]["observedGeneration"] == 2
               and len(_status(env)["status"]["groups"]) == 3, what="re-reconcile")
         assert requests.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0},
                              timeout=60).json()["choices"][0]["token_ids"] == want[:3]
@@ -95,7 +85,7 @@ def test_moectl_up_serves_reconciles_and_stops(tmp_path):
         # an invalid edit is reported and the running app keeps serving
         manifest["spec"]["experts"]["tiers"]["hot"]["budget"] = "1Ki"
         f.write_text(yaml.safe_dump(manifest))
-        bad = _wait(lambda: (s := _status(env))["status"]["observedGeneration"] == 3 and s, what="invalid edit")
+        bad = wait_for(lambda: (s := _status(env))["status"]["observedGeneration"] == 3 and s, what="invalid edit")
         ready = next(c for c in bad["status"]["conditions"] if c["type"] == "Ready")
         assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
         assert "spec.experts.tiers.hot.budget" in ready["message"]

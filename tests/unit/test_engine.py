@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from checkpoints import make_mixtral
 from moe_workers.model.checkpoint import Checkpoint
