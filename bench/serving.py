@@ -31,7 +31,6 @@ def parse_args():
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="torch threads in-process and per served ingress")
     p.add_argument("--shard-threads", type=int, default=1)
-    p.add_argument("--low-overhead", action="store_true", help="served: LOW_OVERHEAD_ENV for the replicas")
     p.add_argument("--micro-batches", type=int, default=2,
                    help="served: concurrent micro-batches for steps of >= 256 tokens (1 disables)")
     p.add_argument("--decode-tokens", type=int, default=None)
@@ -113,10 +112,10 @@ def _concurrent(url: str, bodies: list[dict]) -> float:
 
 
 def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads: int, vocab: int, num_layers: int,
-               num_experts: int, micro_batches: int, low_overhead: bool) -> dict:
+               num_experts: int, micro_batches: int) -> dict:
     from moe_operator.backends.ray_rest import RayServeClient
     from moe_operator.standalone.local_ray import LocalRayHead
-    from moe_workers.serve.config import LOW_OVERHEAD_ENV, AppArgs, serve_application
+    from moe_workers.serve.config import AppArgs, serve_application
 
     head = LocalRayHead(work_dir=Path(tempfile.mkdtemp(prefix="moe-bench-ray-")), num_cpus=8).start()
     try:
@@ -132,8 +131,7 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
                        ingress_torch_threads=threads, micro_batches=micro_batches)
         client = RayServeClient(head.dashboard_url, head.token)
         client.put({"http_options": {"host": "127.0.0.1", "port": head.serve_http_port},
-                    "applications": [serve_application("bench", "/", args, placement,
-                                                       env_vars=LOW_OVERHEAD_ENV if low_overhead else None)]})
+                    "applications": [serve_application("bench", "/", args, placement)]})
         client.wait_running(["bench"], timeout_s=900)
         url = f"http://127.0.0.1:{head.serve_http_port}"
         ingress = serve.get_app_handle("bench")
@@ -189,7 +187,7 @@ def main() -> int:
           f"machine cores {os.cpu_count()}", flush=True)
     local = run_inprocess(path, work, a.threads)
     served = run_served(path, work, a.groups, a.threads, a.shard_threads, shape["vocab_size"], shape["num_layers"],
-                        shape["num_experts"], a.micro_batches, a.low_overhead)
+                        shape["num_experts"], a.micro_batches)
     rows = [("prefill", "prefill_tps")] + [(f"decode batch {b}", f"decode{b}_tps") for b in work["decode_batches"]]
     print(f"\n{'':18} {'in-process tok/s':>17} {'served tok/s':>13} {'ratio':>7}")
     figures = {}

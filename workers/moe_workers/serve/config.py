@@ -49,18 +49,8 @@ class AppArgs(BaseModel):
         return [group_name(k) for k in range(self.num_groups)]
 
 
-# Ray Serve settings for our replicas: the router on the replica's own loop and user code on it
-# too (no thread hops per call), request logs buffered. Each handle call costs a few ms of CPU on
-# small machines, and a decode step makes one per shard group and layer.
-LOW_OVERHEAD_ENV = {
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
-}
-
-
 def serve_application(name: str, route_prefix: str, args: AppArgs, placement: dict[str, list[str]],
-                      replicas_per_group: dict[str, int] | int = 1, env_vars: dict[str, str] | None = None) -> dict:
+                      replicas_per_group: dict[str, int] | int = 1) -> dict:
     """One entry of a Serve config's `applications`, with placement and replicas as in-place options."""
     static = args.model_copy(update={"placement": None}).model_dump(exclude_none=True)
     unknown = sorted(set(placement) - set(args.group_names()))
@@ -70,8 +60,5 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
     for g in args.group_names():
         n = replicas_per_group if isinstance(replicas_per_group, int) else replicas_per_group.get(g, 1)
         deployments.append({"name": g, "num_replicas": n, "user_config": {"experts": list(placement.get(g, []))}})
-    app = {"name": name, "route_prefix": route_prefix, "import_path": IMPORT_PATH, "args": static,
-           "deployments": deployments}
-    if env_vars:
-        app["runtime_env"] = {"env_vars": dict(env_vars)}
-    return app
+    return {"name": name, "route_prefix": route_prefix, "import_path": IMPORT_PATH, "args": static,
+            "deployments": deployments}
