@@ -52,8 +52,9 @@ def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: flo
     client.wait_running([ours["name"]], timeout_s=wait_s)
 
 
-def remove_application(client: RayServeClient, name: str, port: int) -> bool:
-    """Delete our application, keep everyone else's. False when it was not there."""
+def remove_application(client: RayServeClient, name: str, port: int, wait_s: float = 120.0) -> bool:
+    """Delete our application, keep everyone else's, and wait until Ray no longer lists it.
+    False when it was not there."""
     current = client.get()
     apps = current.get("applications", {})
     if name not in apps:
@@ -63,6 +64,7 @@ def remove_application(client: RayServeClient, name: str, port: int) -> bool:
         client.put({"http_options": http_options(port), "applications": others})
     else:
         client.delete_all()
+    client.wait_gone(name, wait_s)
     return True
 
 

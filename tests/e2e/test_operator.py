@@ -93,6 +93,20 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
                             timeout=60).json()["choices"][0]["token_ids"]
         assert got == reference.generate([prompt], max_tokens=5)[0][: len(got)]
 
+        # a second MoEDeployment on the same Ray cluster: both serve; deleting it leaves the first alone
+        k8s.kubectl("apply", "-f", "-", input=json.dumps(_manifest("second", model, groups=1, prefix="/op2")))
+        _, st2, _ = wait_for(lambda: (r := _ready(k8s, "second"))[2] and r[2]["status"] == "True" and r,
+                             timeout_s=300, what="second Ready")
+        for ep in (endpoint, st2["endpoint"]):
+            got = requests.post(ep + "/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0},
+                                timeout=60).json()["choices"][0]["token_ids"]
+            assert got == reference.generate([prompt], max_tokens=3)[0][: len(got)]
+        assert {"default.tiny", "default.second"} <= set(ray.get()["applications"])
+        k8s.kubectl("delete", "moed", "second", "--wait=true", "--timeout=120s")
+        assert "default.second" not in ray.get()["applications"]
+        assert requests.post(endpoint + "/completions", json={"prompt": prompt, "max_tokens": 2},
+                             timeout=60).status_code == 200
+
         # a spec the schema accepts but that cannot serve
         k8s.kubectl("apply", "-f", "-", input=json.dumps(_manifest("outside", "/etc", prefix="/x")))
         _, _, bad = wait_for(lambda: (r := _ready(k8s, "outside"))[2] and r, what="InvalidSpec")

@@ -45,6 +45,14 @@ class RayServeClient:
         if resp.status_code != 200:
             raise RayServeError(f"DELETE {self._url()}: {resp.status_code} {resp.text[:300]}")
 
+    def wait_gone(self, name: str, timeout_s: float = 120.0) -> None:
+        """Until `name` is no longer listed (Serve shows a removed app as DELETING for a while)."""
+        deadline = time.monotonic() + timeout_s
+        while name in self.get().get("applications", {}):
+            if time.monotonic() > deadline:
+                raise RayServeError(f"application {name} still present {timeout_s:.0f} s after removal")
+            time.sleep(0.5)
+
     def wait_running(self, names: list[str], timeout_s: float = 300.0) -> dict:
         deadline = time.monotonic() + timeout_s
         status: dict = {}

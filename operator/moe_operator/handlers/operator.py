@@ -20,7 +20,7 @@ import time
 import kopf
 
 from moe_operator.api import models
-from moe_operator.backends.ray_rest import RayServeClient
+from moe_operator.backends.ray_rest import RayServeClient, RayServeError
 from moe_operator.metrics import RECONCILES, RECONCILE_SECONDS, APPLIED_GENERATION, start_metrics_server
 from moe_operator.reconcile import reconcile, remove_application
 from moe_operator.render.serve_app import app_name
@@ -99,7 +99,10 @@ def reconcile_handler(name: str, namespace: str, spec, meta, status, patch, body
 @kopf.on.delete(*RESOURCE)
 def delete_handler(name: str, namespace: str, spec, logger, **_) -> None:
     spec_dict = dict(spec)
-    removed = remove_application(_client(spec_dict, namespace), app_name(namespace, name),
-                                 int(_setting("MOE_SERVE_HTTP_PORT", "8000")))
+    try:
+        removed = remove_application(_client(spec_dict, namespace), app_name(namespace, name),
+                                     int(_setting("MOE_SERVE_HTTP_PORT", "8000")))
+    except (RayServeError, OSError) as err:  # keep the finalizer until Ray confirms the app is gone
+        raise kopf.TemporaryError(f"removing {app_name(namespace, name)}: {err}", delay=10)
     logger.info("removed Serve application %s" if removed else "Serve application %s was already gone",
                 app_name(namespace, name))
