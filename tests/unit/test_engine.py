@@ -123,3 +123,23 @@ def test_micro_batches_give_the_same_tokens(tmp_path):
         return await asyncio.gather(*(_collect(r) for r in reqs))
 
     assert asyncio.run(main()) == expected
+
+
+def test_failed_step_fails_its_requests_and_frees_their_slots(tmp_path):
+    make_mixtral(tmp_path)
+
+    async def main():
+        engine = _engine(tmp_path, slots=2)
+
+        async def broken(layer, x, indices, weights):
+            raise RuntimeError("shard group unreachable")
+
+        engine.dispatch = broken
+        reqs = [engine.submit(GenerationRequest(prompt=[5, 6], max_tokens=3)) for _ in range(3)]
+        outs = await asyncio.gather(*(_collect(r) for r in reqs))
+        return engine, reqs, outs
+
+    engine, reqs, outs = asyncio.run(main())
+    assert outs == [[], [], []]
+    assert all(r.finish_reason == "error: shard group unreachable" for r in reqs)
+    assert engine.cache.free_slots == 2 and engine.running == [] and not engine.waiting

@@ -36,10 +36,6 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _tensor_payload(d: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    return {e: t.contiguous() for e, t in d.items()}
-
-
 @serve.deployment
 class ExpertShard:
     """Hosts the experts named in its user_config; computes them for the ingress."""
@@ -163,7 +159,7 @@ class Ingress:
         assignment = router.assign(layer, {e: int(rows.numel()) for e, (rows, _) in groups.items()})
         calls = []
         for group, experts in assignment.items():
-            payload = _tensor_payload({e: x[groups[e][0]] for e in experts})
+            payload = {e: x[groups[e][0]] for e in experts}  # row gathers: fresh contiguous tensors
             tokens = sum(int(groups[e][0].numel()) for e in experts)
             router.begin(group, tokens)
             calls.append((group, tokens, self.shards[group].forward.remote(layer, payload)))

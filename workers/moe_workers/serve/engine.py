@@ -124,10 +124,10 @@ class Engine:
         req.out.put_nowait(None)
 
     async def step(self) -> None:
-        new = self._admit()
-        seqs = self.running + new
+        seqs = self.running + self._admit()
         if not seqs:
             return
+        self.running = seqs  # so a failing step fails (and frees) the new ones too
         chunks = []
         for req in seqs:
             if req.cached == 0:
