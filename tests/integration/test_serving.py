@@ -26,7 +26,8 @@ def served(ray_head, tmp_path_factory):
     from moe_workers.serve.config import AppArgs
 
     path = tmp_path_factory.mktemp("ckpt")
-    make_mixtral(path, num_local_experts=NUM_EXPERTS, num_hidden_layers=NUM_LAYERS, max_position_embeddings=64)
+    hf_model = make_mixtral(path, num_local_experts=NUM_EXPERTS, num_hidden_layers=NUM_LAYERS,
+                            max_position_embeddings=64)
     # 4 groups; expert 0 of every layer replicated in groups 0 and 1
     placement = {}
     for g in range(4):
@@ -39,7 +40,7 @@ def served(ray_head, tmp_path_factory):
     deploy(ray_head, [serve_application("moe", "/", args, placement)])
     url = f"http://127.0.0.1:{ray_head.serve_http_port}"
     try:
-        yield url, InProcessModel(path), (args, placement)
+        yield url, InProcessModel(path), (args, placement), hf_model
     finally:
         delete_all(ray_head)
         ray.shutdown()
@@ -50,16 +51,26 @@ def _complete(url, **body):
 
 
 def test_models(served):
-    url, _, _ = served
+    url = served[0]
     data = requests.get(url + "/v1/models", timeout=30).json()
     assert data["data"][0]["id"] == "tiny" and data["data"][0]["max_model_len"] == 64
 
 
-def test_concurrent_clients_get_reference_tokens(served):
-    url, reference, _ = served
+def _transformers_greedy(model, ids, n):
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+def test_concurrent_clients_get_transformers_tokens(served):
+    """Greedy generations through the served app equal transformers' on the same checkpoint."""
+    url, reference, _, hf_model = served
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (16,), generator=g)]
-    expected = [reference.generate([p], max_tokens=8)[0] for p in prompts]
+    expected = [_transformers_greedy(hf_model, p, 8) for p in prompts]
+    assert expected[:4] == [reference.generate([p], max_tokens=8)[0] for p in prompts[:4]]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(lambda p: _complete(url, prompt=p, max_tokens=8, temperature=0), prompts))
     for resp, want in zip(responses, expected):
@@ -71,7 +82,7 @@ def test_concurrent_clients_get_reference_tokens(served):
 
 
 def test_stream(served):
-    url, reference, _ = served
+    url, reference = served[0], served[1]
     prompt = [5, 9, 11, 40]
     want = reference.generate([prompt], max_tokens=6)[0]
     resp = requests.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0,
@@ -95,7 +106,7 @@ def test_stream(served):
     ({"prompt": [1, 2], "model": "other"}, 404, "not served here"),
 ])
 def test_bad_requests_get_json_4xx(served, body, status, needle):
-    url, _, _ = served
+    url = served[0]
     resp = _complete(url, **body)
     assert resp.status_code == status, resp.text
     assert needle in resp.json()["error"]["message"]
@@ -104,7 +115,7 @@ def test_bad_requests_get_json_4xx(served, body, status, needle):
 
 
 def test_invalid_json_body(served):
-    url, _, _ = served
+    url = served[0]
     resp = requests.post(url + "/v1/completions", data=b"{not json", timeout=30)
     assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
 
@@ -112,7 +123,7 @@ def test_invalid_json_body(served):
 def test_expert_load_recorded_per_group(served):
     from ray import serve
 
-    url, _, _ = served
+    url = served[0]
     assert _complete(url, prompt=[3, 4, 5, 6], max_tokens=4).status_code == 200
     statuses = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="moe").status.remote().result()
                 for g in range(4)]
@@ -125,7 +136,7 @@ def test_expert_load_recorded_per_group(served):
 
 
 def test_overload_gets_503_with_retry_after_and_others_succeed(served):
-    url, reference, _ = served
+    url, reference = served[0], served[1]
     prompt = [7, 8, 9]
     want = reference.generate([prompt], max_tokens=40)[0]
     with concurrent.futures.ThreadPoolExecutor(48) as pool:
@@ -146,7 +157,7 @@ def test_overload_gets_503_with_retry_after_and_others_succeed(served):
 def test_reconfigure_changes_expert_set_without_restart(served, ray_head):
     from ray import serve
 
-    url, reference, _ = served
+    url, reference = served[0], served[1]
     shard3 = serve.get_deployment_handle("ExpertShard-3", app_name="moe")
     before = shard3.status.remote().result()
     # give group 3 extra copies of every layer's expert 2 (hosted by group 2 so far)
