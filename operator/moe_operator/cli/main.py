@@ -134,42 +134,95 @@ def up(
             err.print(f"the local Ray head keeps running (pid {head.process.pid}); stop it with kill -- -{head.process.pid}")
 
 
-@app.command()
-def get(
-    name: Optional[str] = typer.Argument(None, help="MoEDeployment name; all when omitted."),
-    namespace: str = typer.Option("default", "-n", "--namespace"),
-    output: str = typer.Option("", "-o", "--output", help="json, yaml or wide."),
-    local: bool = typer.Option(False, "--local", help="Read standalone mode's status (moectl up) instead of Kubernetes."),
-):
-    """Show MoEDeployments and their status."""
+def _kube_objects(kubeconfig: Optional[Path]):
+    """CustomObjectsApi for the kubeconfig (or in-cluster config), like kubectl picks it."""
+    import kubernetes
+    import urllib3
+
+    # a kubeconfig with insecure-skip-tls-verify is the user's explicit choice; kubectl stays quiet too
+    urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+    try:
+        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            kubernetes.config.load_incluster_config()
+        else:
+            kubernetes.config.load_kube_config(config_file=str(kubeconfig) if kubeconfig else None)
+    except (kubernetes.config.ConfigException, OSError) as e:
+        fail(f"cannot load kubeconfig: {e}")
+    return kubernetes.client.CustomObjectsApi()
+
+
+def _fetch_from_kubernetes(name: Optional[str], namespace: str, all_namespaces: bool,
+                           kubeconfig: Optional[Path]) -> list[dict]:
+    import kubernetes
+    import urllib3
+
+    from moe_operator.api import models
+
+    api = _kube_objects(kubeconfig)
+    args = (models.GROUP, models.VERSION)
+    try:
+        if name:
+            return [api.get_namespaced_custom_object(*args, namespace, models.PLURAL, name, _request_timeout=30)]
+        if all_namespaces:
+            return api.list_cluster_custom_object(*args, models.PLURAL, _request_timeout=30)["items"]
+        return api.list_namespaced_custom_object(*args, namespace, models.PLURAL, _request_timeout=30)["items"]
+    except kubernetes.client.ApiException as e:
+        if e.status == 404:
+            fail(f"moedeployment {namespace}/{name} not found" if name else "the MoEDeployment CRD is not installed")
+        fail(f"kubernetes API: {e.status} {e.reason}")
+    except (urllib3.exceptions.HTTPError, OSError) as e:
+        fail(f"cannot reach the Kubernetes API: {e.__class__.__name__}")
+    return []
+
+
+def _fetch_local(name: Optional[str], namespace: str, all_namespaces: bool) -> list[dict]:
     from moe_operator.standalone.runner import default_state_dir, status_path
 
-    if output not in ("", "json", "yaml", "wide"):
-        fail(f"-o {output!r}: expected json, yaml or wide", 2)
-    if not local:
-        fail("only --local is available in this version; use kubectl get moed for Kubernetes", 2)
     if name:
         path = status_path(default_state_dir(), namespace, name)
         if not path.exists():
             fail(f"moedeployment {namespace}/{name} not found in standalone state ({path.parent})")
-        docs = [json.loads(path.read_text())]
-    else:
-        docs = [json.loads(p.read_text()) for p in sorted((default_state_dir() / namespace).glob("*.json"))]
+        return [json.loads(path.read_text())]
+    pattern = "*/*.json" if all_namespaces else f"{namespace}/*.json"
+    return [json.loads(p.read_text()) for p in sorted(default_state_dir().glob(pattern))]
+
+
+@app.command()
+def get(
+    name: Optional[str] = typer.Argument(None, help="MoEDeployment name; all when omitted."),
+    namespace: str = typer.Option("default", "-n", "--namespace"),
+    all_namespaces: bool = typer.Option(False, "-A", "--all-namespaces"),
+    output: str = typer.Option("", "-o", "--output", help="json, yaml or wide."),
+    kubeconfig: Optional[Path] = typer.Option(None, "--kubeconfig", envvar="KUBECONFIG"),
+    local: bool = typer.Option(False, "--local", help="Read standalone mode's status (moectl up) instead of Kubernetes."),
+):
+    """Show MoEDeployments and their status (from Kubernetes, or standalone mode with --local)."""
+    if output not in ("", "json", "yaml", "wide"):
+        fail(f"-o {output!r}: expected json, yaml or wide", 2)
+    if name and all_namespaces:
+        fail("a NAME cannot be combined with -A", 2)
+    docs = (_fetch_local(name, namespace, all_namespaces) if local
+            else _fetch_from_kubernetes(name, namespace, all_namespaces, kubeconfig))
     if output == "json":
         out.print_json(json.dumps(docs[0] if name else {"items": docs}))
         return
     if output == "yaml":
         sys.stdout.write(yaml.safe_dump(docs[0] if name else {"items": docs}, sort_keys=False))
         return
+    if not docs:
+        err.print(f"No MoEDeployments found{'' if all_namespaces else f' in {namespace}'}.")
+        return
     table = Table(box=None, header_style="bold")
-    for col in ["NAME", "READY", "REASON", "GROUPS", "REPLICAS", "ENDPOINT"] + (["MESSAGE"] if output == "wide" else []):
-        table.add_column(col)
+    columns = (["NAMESPACE"] if all_namespaces else []) + ["NAME", "READY", "REASON", "GROUPS", "REPLICAS", "ENDPOINT"]
+    for col in columns + (["MESSAGE"] if output == "wide" else []):
+        table.add_column(col, overflow="fold")
     for d in docs:
-        st = d.get("status", {})
+        st = d.get("status") or {}
         ready = next((c for c in st.get("conditions", []) if c["type"] == "Ready"), {})
-        row = [d["metadata"]["name"], ready.get("status", "Unknown"), ready.get("reason", ""),
-               str((d.get("spec") or {}).get("experts", {}).get("groups", "")), str(st.get("replicas", "")),
-               st.get("endpoint", "") or ""]
+        row = ([d["metadata"].get("namespace", "")] if all_namespaces else []) + [
+            d["metadata"]["name"], ready.get("status", "Unknown"), ready.get("reason", ""),
+            str((d.get("spec") or {}).get("experts", {}).get("groups", "")), str(st.get("replicas", "")),
+            st.get("endpoint", "") or ""]
         if output == "wide":
             row.append(ready.get("message", ""))
         table.add_row(*row)
