@@ -7,6 +7,7 @@ restarted operator converges to the same result and never deploys twice.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from moe_operator.api import conditions as cond
@@ -14,6 +15,7 @@ from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.api.semantics import validate_semantics
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.backends.ray_rest import RayServeClient, RayServeError
+from moe_operator.metrics import RAY_APPLY_SECONDS
 from moe_operator.planner.initial import initial_placement
 from moe_operator.render.serve_app import app_name, merge_applications, render_application
 from moe_workers.serve.config import INGRESS
@@ -44,26 +46,45 @@ def http_options(port: int) -> dict:
     return {"host": "127.0.0.1", "port": port}
 
 
-def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: float) -> None:
-    """Read-merge-write: PUT replaces every application, so keep the others as deployed."""
-    current = client.get()
-    apps = [a["deployed_app_config"] for a in current.get("applications", {}).values() if a.get("deployed_app_config")]
-    client.put({"http_options": http_options(port), "applications": merge_applications(apps, ours)})
-    client.wait_running([ours["name"]], timeout_s=wait_s)
+_locks_guard = threading.Lock()
+_cluster_locks: dict[str, threading.Lock] = {}
+
+
+def cluster_lock(client) -> threading.Lock:
+    """One writer at a time per Ray cluster in this process: the Serve REST PUT replaces the whole
+    config, so two concurrent read-merge-writes would drop each other's application."""
+    with _locks_guard:
+        return _cluster_locks.setdefault(client.dashboard_url, threading.Lock())
+
+
+def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: float, attempts: int = 3) -> None:
+    """Read-merge-write under the cluster lock, then wait outside it; if another writer (another
+    process) replaced the config meanwhile and ours is gone, write again."""
+    for _ in range(attempts):
+        with cluster_lock(client):
+            current = client.get()
+            apps = [a["deployed_app_config"] for a in current.get("applications", {}).values()
+                    if a.get("deployed_app_config")]
+            client.put({"http_options": http_options(port), "applications": merge_applications(apps, ours)})
+        client.wait_running([ours["name"]], timeout_s=wait_s)
+        deployed = (client.get().get("applications", {}).get(ours["name"]) or {}).get("deployed_app_config")
+        if deployed is not None:
+            return
+    raise RayServeError(f"application {ours['name']} was replaced by another writer {attempts} times in a row")
 
 
 def remove_application(client: RayServeClient, name: str, port: int, wait_s: float = 120.0) -> bool:
     """Delete our application, keep everyone else's, and wait until Ray no longer lists it.
     False when it was not there."""
-    current = client.get()
-    apps = current.get("applications", {})
-    if name not in apps:
-        return False
-    others = [a["deployed_app_config"] for n, a in apps.items() if n != name and a.get("deployed_app_config")]
-    if others:
-        client.put({"http_options": http_options(port), "applications": others})
-    else:
-        client.delete_all()
+    with cluster_lock(client):
+        apps = client.get().get("applications", {})
+        if name not in apps:
+            return False
+        others = [a["deployed_app_config"] for n, a in apps.items() if n != name and a.get("deployed_app_config")]
+        if others:
+            client.put({"http_options": http_options(port), "applications": others})
+        else:
+            client.delete_all()
     client.wait_gone(name, wait_s)
     return True
 
@@ -101,7 +122,8 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
     placement = initial_placement(facts.num_layers, facts.num_experts, spec.experts.groups, previous)
     ours = render_application(namespace, name, spec, placement)
     try:
-        apply_application(client, ours, http_port, wait_s)
+        with RAY_APPLY_SECONDS.time():
+            apply_application(client, ours, http_port, wait_s)
     except ValueError as err:  # route prefix clash and the like: the user must change the spec
         return result(False, cond.INVALID_SPEC, str(err), "Warning")
     except (RayServeError, OSError) as err:

@@ -9,6 +9,7 @@ Settings come from the environment (the Helm chart sets them):
   MOE_SERVE_HTTP_PORT   Serve proxy port on the Ray cluster (default 8000)
   MOE_ENDPOINT_HOST     host written into status.endpoint (default 127.0.0.1)
   MOE_METRICS_PORT      serve the operator's Prometheus metrics on 127.0.0.1:PORT when set
+  MOE_RAY_BACKEND       render-only: keep the Serve config in MOE_RENDER_ONLY_DIR instead of deploying
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import kopf
 
 from moe_operator.api import models
 from moe_operator.backends.ray_rest import RayServeClient, RayServeError
+from moe_operator.backends.render_only import RenderOnlyClient
 from moe_operator.metrics import RECONCILES, RECONCILE_SECONDS, APPLIED_GENERATION, start_metrics_server
 from moe_operator.reconcile import reconcile, remove_application
 from moe_operator.render.serve_app import app_name
@@ -68,7 +70,9 @@ def _token(spec: dict, namespace: str) -> str | None:
     return _setting("MOE_RAY_TOKEN") or None
 
 
-def _client(spec: dict, namespace: str) -> RayServeClient:
+def _client(spec: dict, namespace: str) -> RayServeClient | RenderOnlyClient:
+    if _setting("MOE_RAY_BACKEND") == "render-only":
+        return RenderOnlyClient(_setting("MOE_RENDER_ONLY_DIR", "/tmp/moe-render-only"))
     address = (spec.get("ray") or {}).get("address") or _setting("MOE_RAY_ADDRESS")
     if not address:
         raise kopf.PermanentError("no Ray address: set spec.ray.address or the operator's MOE_RAY_ADDRESS")
