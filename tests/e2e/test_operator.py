@@ -95,6 +95,12 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
 
         # a second MoEDeployment on the same Ray cluster: both serve; deleting it leaves the first alone
         k8s.kubectl("apply", "-f", "-", input=json.dumps(_manifest("second", model, groups=1, prefix="/op2")))
+        # killed in mid-reconcile: after its Serve config PUT, before the app runs and status is written
+        wait_for(lambda: "default.second" in ray.get().get("applications", {}), timeout_s=120, interval_s=0.1,
+                 what="second's config PUT")
+        assert (_ready(k8s, "second")[2] or {}).get("status") != "True"
+        op.kill()
+        op.start()
         _, st2, _ = wait_for(lambda: (r := _ready(k8s, "second"))[2] and r[2]["status"] == "True" and r,
                              timeout_s=300, what="second Ready")
         for ep in (endpoint, st2["endpoint"]):
