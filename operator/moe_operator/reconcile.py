@@ -57,7 +57,7 @@ def cluster_lock(client) -> threading.Lock:
         return _cluster_locks.setdefault(client.dashboard_url, threading.Lock())
 
 
-def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: float, attempts: int = 3) -> None:
+def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: float, attempts: int = 3) -> dict:
     """Read-merge-write under the cluster lock, then wait outside it; if another writer (another
     process) replaced the config meanwhile and ours is gone, write again."""
     for _ in range(attempts):
@@ -67,9 +67,9 @@ def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: flo
                     if a.get("deployed_app_config")]
             client.put({"http_options": http_options(port), "applications": merge_applications(apps, ours)})
         client.wait_running([ours["name"]], timeout_s=wait_s)
-        deployed = (client.get().get("applications", {}).get(ours["name"]) or {}).get("deployed_app_config")
-        if deployed is not None:
-            return
+        cluster = client.get()
+        if (cluster.get("applications", {}).get(ours["name"]) or {}).get("deployed_app_config") is not None:
+            return cluster
     raise RayServeError(f"application {ours['name']} was replaced by another writer {attempts} times in a row")
 
 
@@ -123,16 +123,32 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
     ours = render_application(namespace, name, spec, placement)
     try:
         with RAY_APPLY_SECONDS.time():
-            apply_application(client, ours, http_port, wait_s)
+            cluster = apply_application(client, ours, http_port, wait_s)
     except ValueError as err:  # route prefix clash and the like: the user must change the spec
         return result(False, cond.INVALID_SPEC, str(err), "Warning")
     except (RayServeError, OSError) as err:
         return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
     prefix = spec.ingress.route_prefix.rstrip("/")
     status["endpoint"] = f"http://{endpoint_host}:{http_port}{prefix}/v1"
-    status["groups"] = [{"name": g, "replicas": spec.experts.replicas_per_group,
-                         "readyReplicas": spec.experts.replicas_per_group, "experts": len(es)}
-                        for g, es in sorted(placement.items())]
-    status["replicas"] = spec.experts.replicas_per_group
+    status["groups"] = observed_groups(cluster, app, placement, spec.experts.replicas_per_group)
+    status["replicas"] = min((g["readyReplicas"] for g in status["groups"]), default=0)
     status["selector"] = f"serving.moe.io/app={app}"
+    short = [g for g in status["groups"] if g["readyReplicas"] < g["replicas"]]
+    conditions = cond.set_condition(
+        conditions, cond.DEGRADED, bool(short), "ReplicasNotReady" if short else "AllReplicasReady",
+        ", ".join(f"{g['name']}: {g['readyReplicas']}/{g['replicas']} ready" for g in short)
+        or f"every replica of {len(status['groups'])} groups is running", generation)
     return result(True, cond.SERVING, f"serving at {status['endpoint']}", placement=placement)
+
+
+def observed_groups(cluster: dict, app: str, placement: dict[str, list[str]], desired: int) -> list[dict]:
+    """Per shard group as Ray reports it: target replicas, RUNNING replicas, experts placed.
+    (A backend that reports no deployments, like render-only, is taken at its word: desired.)"""
+    deployments = (cluster.get("applications", {}).get(app) or {}).get("deployments") or {}
+    groups = []
+    for g, experts in sorted(placement.items()):
+        d = deployments.get(g)
+        replicas = d.get("target_num_replicas", desired) if d else desired
+        ready = sum(1 for r in d.get("replicas", []) if r.get("state") == "RUNNING") if d else desired
+        groups.append({"name": g, "replicas": replicas, "readyReplicas": ready, "experts": len(experts)})
+    return groups

@@ -74,6 +74,11 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
                                timeout_s=300, what="Ready=True")
         assert ready["reason"] == "Serving" and st["observedGeneration"] == obj["metadata"]["generation"]
         assert obj["metadata"]["finalizers"] == ["serving.moe.io/cleanup"]
+        # observed, not assumed: Ray's RUNNING replicas per group
+        assert [(g["name"], g["replicas"], g["readyReplicas"]) for g in st["groups"]] == [
+            ("ExpertShard-0", 1, 1), ("ExpertShard-1", 1, 1)]
+        degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "False" and degraded["reason"] == "AllReplicasReady"
         endpoint = st["endpoint"]
         assert endpoint == f"http://127.0.0.1:{ray_head.serve_http_port}/op/v1"
         prompt = [5, 6, 7, 8]

@@ -42,3 +42,17 @@ def test_merge_keeps_other_apps_and_refuses_prefix_clash():
     assert [a["name"] for a in merged] == ["other", "ns.m"] and "old" not in merged[1]
     with pytest.raises(ValueError, match="route prefix /o is already used by application other"):
         merge_applications(current, {"name": "ns.x", "route_prefix": "/o"})
+
+
+def test_observed_groups_count_running_replicas():
+    from moe_operator.reconcile import observed_groups
+
+    cluster = {"applications": {"ns.m": {"deployments": {
+        "ExpertShard-0": {"target_num_replicas": 2, "replicas": [{"state": "RUNNING"}, {"state": "STARTING"}]},
+        "ExpertShard-1": {"target_num_replicas": 2, "replicas": [{"state": "RUNNING"}, {"state": "RUNNING"}]},
+    }}}}
+    placement = {"ExpertShard-0": ["0.0", "0.1"], "ExpertShard-1": ["0.2"]}
+    assert observed_groups(cluster, "ns.m", placement, 2) == [
+        {"name": "ExpertShard-0", "replicas": 2, "readyReplicas": 1, "experts": 2},
+        {"name": "ExpertShard-1", "replicas": 2, "readyReplicas": 2, "experts": 1}]
+    assert observed_groups({"applications": {}}, "ns.m", placement, 3)[0]["readyReplicas"] == 3

@@ -23,6 +23,7 @@ def set_condition(conditions: list[dict], type_: str, status: bool | str, reason
                   generation: int | None = None, now: str | None = None) -> list[dict]:
     """A new list with `type_` set; lastTransitionTime moves only when the status flips."""
     status_str = status if isinstance(status, str) else ("True" if status else "False")
+    message = message or reason  # apiserver v1.20 turns "" into null in a merge patch and refuses it
     out, found = [], False
     for c in conditions:
         if c.get("type") != type_:
