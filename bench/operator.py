@@ -176,7 +176,7 @@ def main() -> int:
         subprocess.run([str(REPO / "scripts" / "testenv"), "stop", str(work / "k8s")], check=False)
 
     operator_s = reconcile_s - ray_s
-    print(f"\nA: one MoEDeployment on a local Ray head, apply -> Ready")
+    print("\nA: one MoEDeployment on a local Ray head, apply -> Ready")
     print(f"  total                         {total:7.2f} s")
     print(f"  operator (reconcile, no Ray)  {operator_s:7.2f} s")
     print(f"  Ray (PUT -> app RUNNING)      {ray_s:7.2f} s")

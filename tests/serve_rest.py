@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moe_operator.backends.ray_rest import RayServeClient
+from moe_operator.reconcile import http_options
 
 
 def client(head) -> RayServeClient:
@@ -11,7 +12,7 @@ def client(head) -> RayServeClient:
 
 def deploy(head, apps: list[dict], timeout_s: float = 180.0) -> None:
     c = client(head)
-    c.put({"http_options": {"host": "127.0.0.1", "port": head.serve_http_port}, "applications": apps})
+    c.put({"http_options": http_options(head.serve_http_port), "applications": apps})
     c.wait_running([a["name"] for a in apps], timeout_s)
 
 

@@ -9,11 +9,9 @@ which is the fewest moves any balanced placement allows.
 
 from __future__ import annotations
 
+from moe_workers.serve.config import group_name  # the deployment names the app builder uses
+
 Placement = dict[str, list[str]]
-
-
-def group_name(index: int) -> str:
-    return f"ExpertShard-{index}"
 
 
 def _layer_capacity(layer: int, num_experts: int, num_groups: int) -> list[int]:

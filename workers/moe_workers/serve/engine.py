@@ -43,7 +43,6 @@ class GenerationRequest:
     slot: int | None = None
     produced: list[int] = field(default_factory=list)
     cached: int = 0
-    enqueued_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
