@@ -34,6 +34,8 @@ def parse_args():
     p.add_argument("--micro-batches", type=int, default=2,
                    help="served: concurrent micro-batches for steps of >= 256 tokens (1 disables)")
     p.add_argument("--decode-tokens", type=int, default=None)
+    p.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra env var for the served app's replicas (runtime_env), repeatable")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
     return p.parse_args()
@@ -112,7 +114,7 @@ def _concurrent(url: str, bodies: list[dict]) -> float:
 
 
 def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads: int, vocab: int, num_layers: int,
-               num_experts: int, micro_batches: int) -> dict:
+               num_experts: int, micro_batches: int, serve_env: dict[str, str]) -> dict:
     from moe_operator.backends.ray_rest import RayServeClient
     from moe_operator.standalone.local_ray import LocalRayHead
     from moe_workers.serve.config import AppArgs, serve_application
@@ -130,8 +132,10 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
                        ingress_num_cpus=1, shard_num_cpus=1, torch_threads=shard_threads,
                        ingress_torch_threads=threads, micro_batches=micro_batches)
         client = RayServeClient(head.dashboard_url, head.token)
-        client.put({"http_options": {"host": "127.0.0.1", "port": head.serve_http_port},
-                    "applications": [serve_application("bench", "/", args, placement)]})
+        app = serve_application("bench", "/", args, placement)
+        if serve_env:
+            app["runtime_env"] = {"env_vars": serve_env}
+        client.put({"http_options": {"host": "127.0.0.1", "port": head.serve_http_port}, "applications": [app]})
         client.wait_running(["bench"], timeout_s=900)
         url = f"http://127.0.0.1:{head.serve_http_port}"
         ingress = serve.get_app_handle("bench")
@@ -187,7 +191,8 @@ def main() -> int:
           f"machine cores {os.cpu_count()}", flush=True)
     local = run_inprocess(path, work, a.threads)
     served = run_served(path, work, a.groups, a.threads, a.shard_threads, shape["vocab_size"], shape["num_layers"],
-                        shape["num_experts"], a.micro_batches)
+                        shape["num_experts"], a.micro_batches,
+                        dict(kv.split("=", 1) for kv in a.serve_env))
     rows = [("prefill", "prefill_tps")] + [(f"decode batch {b}", f"decode{b}_tps") for b in work["decode_batches"]]
     print(f"\n{'':18} {'in-process tok/s':>17} {'served tok/s':>13} {'ratio':>7}")
     figures = {}

@@ -1,0 +1,320 @@
+"""TieredExpertStore on CPU with a real (tiny) safetensors checkpoint: budgets, moves, swaps."""
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from moe_workers.model.checkpoint import Checkpoint
+from moe_workers.model.random_init import write_random_mixtral
+from moe_workers.store.store import COLD, HOT, SOURCE, WARM, TierConfig, TierConfigError, TieredExpertStore
+from moe_workers.store.versions import SwapError, content_digest, file_sha256, load_expert_file
+
+LAYERS, EXPERTS = 2, 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_random_mixtral(tmp_path_factory.mktemp("ckpt"), vocab_size=64, hidden_size=16,
+                                intermediate_size=24, num_layers=LAYERS, num_experts=EXPERTS, num_heads=2,
+                                num_kv_heads=1)
+
+
+ALL = [(l, e) for l in range(LAYERS) for e in range(EXPERTS)]
+
+
+def make_store(model_dir, tmp_path=None, **cfg) -> TieredExpertStore:
+    ckpt = Checkpoint(model_dir)
+    if tmp_path is not None and "cold_dir" not in cfg:
+        cfg["cold_dir"] = str(tmp_path / "cold")
+    store = TieredExpertStore(ckpt, torch.float32, TierConfig(**cfg))
+    return store
+
+
+def expert_bytes(store):
+    return store.expert_bytes
+
+
+def assert_within_budgets(store):
+    for tier in (HOT, WARM):
+        budget = store._budget(tier)
+        if budget is not None:
+            assert store.used[tier] + store.reserved[tier] <= budget, tier
+    # accounting matches the entries
+    for tier in (HOT, WARM):
+        assert store.used[tier] == sum(e.nbytes for e in store.entries.values() if e.tier == tier)
+    if store.cold is not None and store.cold.budget is not None:
+        assert store.cold.used() <= store.cold.budget
+        on_disk = sum(p.stat().st_size for p in store.cold.dir.glob("*.safetensors"))
+        assert on_disk <= store.cold.budget + 4096 * len(store.cold.files)  # file headers
+
+
+def test_configure_fills_hot_then_warm_then_cold(model_dir, tmp_path):
+    s = make_store(model_dir)
+    n = s.expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=4 * n, warm_budget=2 * n)
+    s.configure(ALL)
+    res = s.residency()
+    assert res[HOT] == {"experts": 4, "bytes": 4 * n}
+    assert res[WARM] == {"experts": 2, "bytes": 2 * n}
+    assert res[COLD]["experts"] == len(ALL)  # every expert has its cold file
+    tiers = [v["tier"] for v in s.experts().values()]
+    assert tiers.count(COLD) == len(ALL) - 6
+    assert_within_budgets(s)
+
+
+def test_weights_are_the_checkpoints_from_every_tier(model_dir, tmp_path):
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=EXPERTS * n, warm_budget=n)
+    s.configure(ALL)
+    ref = Checkpoint(model_dir)
+    for layer in range(LAYERS):  # layer 1 starts cold or warm: promoted on demand
+        keys = [(layer, e) for e in range(EXPERTS)]
+        with s.use(keys) as w:
+            for k in keys:
+                for name, t in ref.expert(*k).items():
+                    assert torch.equal(w[k][name], t), (k, name)
+    assert s.stats.misses[HOT] > 0 and s.stats.hits[COLD] > 0
+    assert_within_budgets(s)
+
+
+def test_hot_budget_below_one_batch_is_refused(model_dir, tmp_path):
+    s = make_store(model_dir)
+    n = s.expert_bytes
+    with pytest.raises(TierConfigError, match=r"hot_budget.*layer 0 has 4 experts.*raise the hot budget"):
+        s.configure(ALL, TierConfig(hot_budget=3 * n, warm_budget=0))
+    s.configure(ALL, TierConfig(hot_budget=4 * n, warm_budget=0))  # exactly one layer: accepted
+    assert_within_budgets(s)
+
+
+def test_unknown_tier_fields_and_policy_refused():
+    with pytest.raises(TierConfigError, match="unknown field.*hot_bugdet"):
+        TierConfig.from_dict({"hot_bugdet": 1})
+    with pytest.raises(ValueError, match="unknown tier policy"):
+        TierConfig.from_dict({"policy": "FIFO"})
+    with pytest.raises(TierConfigError, match="warm_budget"):
+        TierConfig.from_dict({"warm_budget": -1})
+
+
+def test_pinned_experts_are_never_evicted(model_dir, tmp_path):
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=EXPERTS * n, warm_budget=0)
+    s.configure(ALL)
+    inside, release = threading.Event(), threading.Event()
+    held = [(0, 0), (0, 1)]
+
+    def batch():
+        with s.use(held):
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=batch)
+    t.start()
+    assert inside.wait(10)
+    with s.use([(1, e) for e in range(2, 4)]):  # needs room: must evict others, not the pinned
+        pass
+    with s.use([(1, 0), (1, 1)]):
+        pass
+    assert all(s.entries[k].tier == HOT for k in held)
+    release.set()
+    t.join()
+    assert_within_budgets(s)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    hot=st.integers(2, 8), warm=st.integers(0, 6), cold=st.one_of(st.none(), st.integers(0, 8)),
+    policy=st.sampled_from(["RecencyFrequency", "LRU", "LFU"]),
+    ops=st.lists(st.tuples(st.sampled_from(["use", "prefetch", "idle"]), st.integers(0, LAYERS - 1),
+                           st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=EXPERTS, unique=True)),
+                 max_size=30),
+)
+def test_budgets_never_exceeded_under_random_access(model_dir, tmp_path_factory, hot, warm, cold, policy, ops):
+    """Randomised access sequences: budgets hold after every step and weights stay correct."""
+    probe = make_store(model_dir)
+    n = probe.expert_bytes
+    hot = max(hot, 2)
+    s = make_store(model_dir, tmp_path_factory.mktemp("cold"), hot_budget=hot * n, warm_budget=warm * n,
+                   cold_budget=None if cold is None else cold * (n + 4096), policy=policy, idle_demotion_s=1)
+    hosted = [(l, e) for l in range(LAYERS) for e in range(EXPERTS) if e < min(hot, EXPERTS)]
+    s.configure(hosted)
+    ref = Checkpoint(model_dir)
+    clock = time.monotonic()
+    for op, layer, experts in ops:
+        keys = [(layer, e) for e in experts if (layer, e) in s.entries]
+        if op == "use" and keys:
+            with s.use(keys) as w:
+                assert_within_budgets(s)
+                for k in keys:
+                    assert torch.equal(w[k]["w2"], ref.expert(*k)["w2"])
+        elif op == "prefetch":
+            s.prefetch(keys)
+            s.drain_prefetch()
+        else:
+            clock += 2
+            s.demote_idle(clock)
+        assert_within_budgets(s)
+    s.close()
+
+
+def test_prefetch_promotes_and_is_counted(model_dir, tmp_path):
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=EXPERTS * n, warm_budget=EXPERTS * n)
+    s.configure(ALL)
+    assert all(s.entries[(1, e)].tier == WARM for e in range(EXPERTS))
+    s.prefetch([(1, 0), (1, 1)])
+    s.drain_prefetch()
+    assert s.entries[(1, 0)].tier == HOT and s.entries[(1, 1)].tier == HOT
+    with s.use([(1, 0)]):
+        pass
+    st_ = s.stats.as_dict()
+    assert st_["prefetch_issued"] == 2 and st_["prefetch_used"] == 1 and st_["prefetch_accuracy"] == 0.5
+    s.close()
+
+
+def test_idle_demotion_moves_down_one_tier_at_a_time(model_dir, tmp_path):
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=len(ALL) * n, warm_budget=len(ALL) * n, idle_demotion_s=10)
+    s.configure(ALL)
+    assert s.demote_idle() == 0
+    time.sleep(0.3)
+    with s.use([(0, 0)]):
+        pass
+    used_at = time.monotonic()
+    assert s.demote_idle(used_at + 9.9) == len(ALL) - 1  # (0,0) was used 0.3 s after the others
+    assert s.entries[(0, 1)].tier == WARM and s.entries[(0, 0)].tier == HOT
+    s.demote_idle(used_at + 30)
+    assert s.entries[(0, 1)].tier == COLD
+    assert_within_budgets(s)
+
+
+def test_without_cold_dir_experts_come_from_the_source(model_dir):
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, hot_budget=EXPERTS * n, warm_budget=0)
+    s.configure(ALL)
+    assert s.experts()["1.3"]["tier"] == SOURCE
+    with s.use([(1, 3)]):
+        pass
+    assert s.experts()["1.3"]["tier"] == HOT
+    assert s.stats.misses[COLD] == 1
+
+
+# -- hot-swap --------------------------------------------------------------------------------
+
+
+def write_expert(path: Path, like: dict[str, torch.Tensor], scale: float = 2.0, short_names=True, **override):
+    tensors = {(f"{w}.weight" if short_names else f"model.layers.0.block_sparse_moe.experts.1.{w}.weight"):
+               (t * scale).contiguous() for w, t in like.items()}
+    tensors.update(override)
+    save_file(tensors, str(path))
+    return path
+
+
+def test_swap_then_rollback(model_dir, tmp_path):
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=len(ALL) * n, warm_budget=0)
+    s.configure(ALL)
+    ref = Checkpoint(model_dir).expert(0, 1)
+    old = s.experts()["0.1"]["digest"]
+    f = write_expert(tmp_path / "new.safetensors", ref, short_names=False)
+    cfg = s.model
+    v = s.swap((0, 1), lambda: load_expert_file(f, 0, 1, cfg, [str(tmp_path)], file_sha256(f)), str(f))
+    assert v.digest != old and s.experts()["0.1"] == {"digest": v.digest, "source": str(f), "tier": HOT}
+    with s.use([(0, 1)]) as w:
+        assert torch.equal(w[(0, 1)]["w1"], ref["w1"] * 2)
+    # rollback: the checkpoint's own version, same digest as before the swap
+    v2 = s.swap((0, 1), lambda: Checkpoint(model_dir).expert(0, 1), "checkpoint")
+    assert v2.digest == old
+    with s.use([(0, 1)]) as w:
+        assert torch.equal(w[(0, 1)]["w1"], ref["w1"])
+    assert_within_budgets(s)
+
+
+def bad_files(tmp_path: Path, ref):
+    other = tmp_path.parent / f"{tmp_path.name}-outside"
+    other.mkdir()
+    good = write_expert(tmp_path / "good.safetensors", ref)
+    cases = {
+        "missing file": (tmp_path / "nope.safetensors", None, "no such file"),
+        "wrong shape": (write_expert(tmp_path / "shape.safetensors", ref, **{"w2.weight": torch.zeros(3, 3)}), None,
+                        "w2 has shape"),
+        "bad checksum": (good, "0" * 64, "sha256 is"),
+        "pickle": (tmp_path / "x.pt", None, "not a .safetensors file"),
+        "not safetensors": (tmp_path / "junk.safetensors", None, "not a valid safetensors file"),
+        "outside roots": (write_expert(other / "o.safetensors", ref), None, "outside the allowed weight roots"),
+        "non-finite": (write_expert(tmp_path / "nan.safetensors", ref, scale=float("nan")), None, "non-finite"),
+        "wrong dtype": (write_expert(tmp_path / "half.safetensors", {k: v.half() for k, v in ref.items()}), None,
+                        "float16, the model's dtype is float32"),
+        "extra tensor": (write_expert(tmp_path / "extra.safetensors", ref, **{"bias": torch.zeros(2)}), None,
+                         "unexpected tensor"),
+        "missing tensor": (tmp_path / "w1only.safetensors", None, "missing tensor"),
+    }
+    torch.save(ref, tmp_path / "x.pt")
+    (tmp_path / "junk.safetensors").write_bytes(b"definitely not safetensors")
+    save_file({"w1.weight": ref["w1"]}, str(tmp_path / "w1only.safetensors"))
+    return cases
+
+
+def test_every_bad_swap_leaves_the_old_version_serving(model_dir, tmp_path):
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=len(ALL) * n, warm_budget=0)
+    s.configure(ALL)
+    ref = Checkpoint(model_dir).expert(0, 1)
+    before = s.experts()["0.1"]
+    for label, (path, sha, message) in bad_files(tmp_path, ref).items():
+        with pytest.raises(SwapError, match=message):
+            s.swap((0, 1), lambda: load_expert_file(path, 0, 1, s.model, [str(tmp_path)], sha), str(path))
+        assert s.experts()["0.1"] == before, label
+        with s.use([(0, 1)]) as w:
+            assert torch.equal(w[(0, 1)]["w3"], ref["w3"]), label
+        assert s.reserved == {HOT: 0, WARM: 0}, label
+    assert_within_budgets(s)
+
+
+def test_swap_commits_only_between_batches(model_dir, tmp_path):
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=len(ALL) * n + n, warm_budget=0)
+    s.configure(ALL)
+    ref = Checkpoint(model_dir).expert(0, 2)
+    f = write_expert(tmp_path / "v2.safetensors", ref, scale=3.0)
+    seen = []
+    with s.use([(0, 2), (0, 3)]) as w:
+        t = threading.Thread(target=lambda: s.swap(
+            (0, 2), lambda: load_expert_file(f, 0, 2, s.model, [str(tmp_path)]), str(f)))
+        t.start()
+        time.sleep(0.3)
+        assert t.is_alive()  # waiting for the batch to end
+        seen.append(w[(0, 2)]["w1"].clone())
+    t.join(10)
+    assert not t.is_alive()
+    assert torch.equal(seen[0], ref["w1"])  # the batch used the old version throughout
+    with s.use([(0, 2)]) as w:
+        assert torch.equal(w[(0, 2)]["w1"], ref["w1"] * 3)
+
+
+def test_concurrent_swaps_of_one_expert_never_tear(model_dir, tmp_path):
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=len(ALL) * n + 2 * n, warm_budget=n)
+    s.configure(ALL)
+    ref = Checkpoint(model_dir).expert(1, 0)
+    files = [write_expert(tmp_path / f"v{i}.safetensors", ref, scale=float(i + 2)) for i in range(4)]
+    digests = {content_digest({k: v * float(i + 2) for k, v in ref.items()}) for i in range(4)}
+    threads = [threading.Thread(target=s.swap, args=((1, 0), (lambda f=f: load_expert_file(f, 1, 0, s.model,
+                                                                                            [str(tmp_path)])), str(f)))
+               for f in files]
+    for t in threads:
+        t.start()
+    for _ in range(20):
+        with s.use([(1, 0)]) as w:
+            t_ = w[(1, 0)]
+            scale = (t_["w1"] / ref["w1"]).flatten()[0].item()
+            assert torch.allclose(t_["w2"], ref["w2"] * scale) and torch.allclose(t_["w3"], ref["w3"] * scale)
+    for t in threads:
+        t.join()
+    assert s.experts()["1.0"]["digest"] in digests
+    assert_within_budgets(s)

@@ -1,0 +1,81 @@
+"""Eviction policies and the offline optimum (pure)."""
+
+import random
+
+import pytest
+
+from moe_workers.store.policy import LFU, LRU, RecencyFrequency, belady_hits, make_policy, policy_hits
+
+
+def test_lru_evicts_least_recent():
+    p = LRU()
+    for k in ["a", "b", "c", "a"]:
+        p.access(k)
+    assert p.victim(["a", "b", "c"]) == "b"
+
+
+def test_lfu_evicts_least_frequent_with_recency_tiebreak():
+    p = LFU()
+    for k in ["a", "a", "b", "c", "c", "b"]:
+        p.access(k)
+    # all twice: b is the most recent; a the least recent
+    assert p.victim(["a", "b", "c"]) == "a"
+    p.access("a")
+    assert p.victim(["a", "b", "c"]) == "c"
+
+
+def test_recency_frequency_between_lru_and_lfu():
+    # "hot" used often long ago, "new" used once just now
+    short = RecencyFrequency(half_life=1)
+    long = RecencyFrequency(half_life=10_000)
+    for p in (short, long):
+        for _ in range(5):
+            p.access("hot")
+        for i in range(20):
+            p.access(f"x{i}")
+        p.access("new")
+    assert short.victim(["hot", "new"]) == "hot"  # behaves like LRU
+    assert long.victim(["hot", "new"]) == "new"  # behaves like LFU
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="LRU"):
+        make_policy("MRU")
+
+
+def brute_force_optimum(trace, capacity):
+    """Exhaustive search over eviction choices (tiny traces only)."""
+    from functools import lru_cache
+
+    @lru_cache(maxsize=None)
+    def best(i, cache):
+        if i == len(trace):
+            return 0
+        k = trace[i]
+        if k in cache:
+            return 1 + best(i + 1, cache)
+        if len(cache) < capacity:
+            return best(i + 1, cache | {k})
+        return max(best(i + 1, (cache - {v}) | {k}) for v in cache)
+
+    return best(0, frozenset())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_belady_is_optimal_on_small_traces(seed):
+    rng = random.Random(seed)
+    trace = [rng.randrange(5) for _ in range(14)]
+    for cap in (1, 2, 3):
+        assert belady_hits(trace, cap) == brute_force_optimum(trace, cap)
+
+
+def test_online_policies_never_beat_belady():
+    rng = random.Random(7)
+    weights = [1 / (i + 1) ** 1.2 for i in range(32)]
+    trace = rng.choices(range(32), weights=weights, k=3000)
+    for cap in (4, 8, 16):
+        opt = belady_hits(trace, cap)
+        for p in (LRU(), LFU(), RecencyFrequency()):
+            assert policy_hits(trace, cap, p) <= opt
+    assert belady_hits(trace, 32) == len(trace) - len(set(trace))
+    assert belady_hits(trace, 0) == 0

@@ -1,0 +1,171 @@
+"""Which expert to keep: eviction policies over a logical access clock (pure, deterministic).
+
+Each policy scores resident keys; the store evicts the lowest score among the keys it may evict.
+The clock is the number of accesses so far, not wall time, so a trace replays the same way
+everywhere (tests, bench/tiering) and a slow machine does not change decisions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable
+
+POLICIES = ("RecencyFrequency", "LRU", "LFU")
+
+
+class Policy:
+    """Access history of keys; `victim` names the least valuable of the candidates."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self.clock = 0
+
+    def access(self, key: Hashable) -> None:
+        self.clock += 1
+        self._record(key)
+
+    def forget(self, key: Hashable) -> None:
+        """The key left the tier; its history is kept (re-admission should remember it)."""
+
+    def score(self, key: Hashable) -> float:
+        raise NotImplementedError
+
+    def victim(self, candidates: Iterable[Hashable]) -> Hashable | None:
+        # ties break on the key so the choice never depends on set/dict iteration order
+        best = None
+        for key in candidates:
+            s = (self.score(key), _order(key))
+            if best is None or s < best[0]:
+                best = (s, key)
+        return None if best is None else best[1]
+
+    def _record(self, key: Hashable) -> None:
+        raise NotImplementedError
+
+
+def _order(key: Hashable):
+    return key if isinstance(key, tuple) else (str(key),)
+
+
+class LRU(Policy):
+    """Least recently used goes first."""
+
+    name = "LRU"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: dict[Hashable, int] = {}
+
+    def _record(self, key: Hashable) -> None:
+        self.last[key] = self.clock
+
+    def score(self, key: Hashable) -> float:
+        return self.last.get(key, -1)
+
+
+class LFU(Policy):
+    """Least frequently used goes first; recency breaks ties."""
+
+    name = "LFU"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: dict[Hashable, int] = {}
+        self.last: dict[Hashable, int] = {}
+
+    def _record(self, key: Hashable) -> None:
+        self.count[key] = self.count.get(key, 0) + 1
+        self.last[key] = self.clock
+
+    def score(self, key: Hashable) -> float:
+        # the recency term is < 1, so it only orders keys with equal counts
+        return self.count.get(key, 0) + self.last.get(key, -1) / (self.clock + 2)
+
+
+class RecencyFrequency(Policy):
+    """LRFU (Lee et al., 2001): each access adds 1 to a value that halves every `half_life`
+    accesses of the whole store. A small half-life behaves like LRU, a large one like LFU; the
+    default keeps popular experts (Zipf-like routing) through bursts of rarely used ones."""
+
+    name = "RecencyFrequency"
+
+    def __init__(self, half_life: float = 64.0) -> None:
+        super().__init__()
+        if half_life <= 0:
+            raise ValueError("half_life must be positive")
+        self.decay = math.log(2) / half_life
+        self.crf: dict[Hashable, float] = {}  # value at time `last`
+        self.last: dict[Hashable, int] = {}
+
+    def _record(self, key: Hashable) -> None:
+        self.crf[key] = self._value(key) + 1.0
+        self.last[key] = self.clock
+
+    def _value(self, key: Hashable) -> float:
+        if key not in self.crf:
+            return 0.0
+        return self.crf[key] * math.exp(-self.decay * (self.clock - self.last[key]))
+
+    def score(self, key: Hashable) -> float:
+        # log form: comparable without underflow after long idle periods
+        if key not in self.crf:
+            return -math.inf
+        return math.log(self.crf[key]) - self.decay * (self.clock - self.last[key])
+
+
+def make_policy(name: str) -> Policy:
+    if name == "RecencyFrequency":
+        return RecencyFrequency()
+    if name == "LRU":
+        return LRU()
+    if name == "LFU":
+        return LFU()
+    raise ValueError(f"unknown tier policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+def belady_hits(trace: list[Hashable], capacity: int) -> int:
+    """Hits of the offline optimum (Belady's MIN) for a cache of `capacity` equal-size items:
+    on a miss with a full cache, evict the item whose next use is furthest away."""
+    if capacity <= 0:
+        return 0
+    import heapq
+
+    n = len(trace)
+    next_use = [n] * n
+    seen: dict[Hashable, int] = {}
+    for i in range(n - 1, -1, -1):
+        next_use[i] = seen.get(trace[i], n + i)  # never used again: beyond the end, distinct
+        seen[trace[i]] = i
+    cached: dict[Hashable, int] = {}  # key -> its next use
+    heap: list[tuple[int, int, Hashable]] = []  # (-next use, tiebreak, key), lazily invalidated
+    hits = 0
+    for i, key in enumerate(trace):
+        if key in cached:
+            hits += 1
+        elif len(cached) >= capacity:
+            while True:
+                neg, _, k = heapq.heappop(heap)
+                if cached.get(k) == -neg:
+                    del cached[k]
+                    break
+        cached[key] = next_use[i]
+        heapq.heappush(heap, (-next_use[i], i, key))
+    return hits
+
+
+def policy_hits(trace: list[Hashable], capacity: int, policy: Policy) -> int:
+    """Hits of an online policy on the same trace (same cache model as belady_hits)."""
+    cached: set[Hashable] = set()
+    hits = 0
+    for key in trace:
+        if key in cached:
+            hits += 1
+        elif len(cached) >= capacity:
+            v = policy.victim(cached)
+            cached.discard(v)
+            policy.forget(v)
+        policy.access(key)
+        if capacity > 0:
+            cached.add(key)
+    return hits

@@ -1,0 +1,648 @@
+"""TieredExpertStore: where one ExpertShard replica keeps its experts.
+
+Tiers, fastest first (exclusive: an expert's weights live in exactly one of hot or warm, or
+only on disk):
+  hot   accelerator memory in compute layout (host memory in compute layout without one)
+  warm  host RAM (pinned when CUDA is present)
+  cold  a local cache directory of per-expert safetensors files, read lazily (mmap); an expert
+        with no cache file is read from its source (the checkpoint, or its override file)
+
+Budgets are bytes per tier and are never exceeded: a move reserves room in its target tier
+(evicting by policy) before it copies anything. Experts pinned by an in-flight batch are never
+evicted, and a hot-swap commits only between batches, so no batch mixes versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moe_workers.model.checkpoint import Checkpoint
+from moe_workers.model.config import MoEConfig
+
+from .policy import Policy, make_policy
+from .versions import CHECKPOINT, SwapError, Version, content_digest
+
+HOT, WARM, COLD, SOURCE = "hot", "warm", "cold", "source"
+TIERS = (HOT, WARM, COLD)
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class TierConfigError(ValueError):
+    """Budgets that cannot work (for example, a hot tier smaller than one batch's experts)."""
+
+
+class StoreFull(RuntimeError):
+    """No room could be made in a tier in time (every resident expert is in use)."""
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Budgets in bytes (None: unbounded) and policy; from the shard's user_config["tiers"]."""
+
+    hot_budget: int | None = None
+    warm_budget: int | None = None
+    cold_dir: str | None = None
+    cold_budget: int | None = None
+    policy: str = "RecencyFrequency"
+    idle_demotion_s: float = 0.0
+    prefetch: bool = True
+    pinned: bool = True
+
+    @classmethod
+    def from_dict(cls, raw: dict | None) -> "TierConfig":
+        raw = raw or {}
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise TierConfigError(f"tiers: unknown field(s) {', '.join(unknown)}")
+        cfg = cls(**raw)
+        for name in ("hot_budget", "warm_budget", "cold_budget"):
+            v = getattr(cfg, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise TierConfigError(f"tiers.{name}: must be a byte count >= 0, got {v!r}")
+        make_policy(cfg.policy)  # raises on an unknown name
+        return cfg
+
+
+@dataclass
+class Entry:
+    key: Key
+    version: Version
+    nbytes: int
+    tier: str = COLD
+    tensors: dict[str, torch.Tensor] | None = None  # hot or warm copy
+    pins: int = 0
+    busy: bool = False  # being moved; waiters wait on the store's condition
+    swap_pending: bool = False
+    prefetched: bool = False  # promoted by a hint and not yet used
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class StoreStats:
+    hits: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
+    misses: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
+    bytes_moved: dict[str, int] = field(default_factory=dict)  # "cold->hot": bytes
+    promotions: int = 0
+    demotions: int = 0
+    prefetch_issued: int = 0  # prefetches that moved an expert up
+    prefetch_used: int = 0  # of those, used by a batch before leaving the tier
+    prefetch_skipped: int = 0  # no room without evicting experts in use
+
+    def as_dict(self) -> dict:
+        acc = self.prefetch_used / self.prefetch_issued if self.prefetch_issued else None
+        return {"hits": dict(self.hits), "misses": dict(self.misses), "bytes_moved": dict(self.bytes_moved),
+                "promotions": self.promotions, "demotions": self.demotions,
+                "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
+                "prefetch_skipped": self.prefetch_skipped, "prefetch_accuracy": acc}
+
+
+MoveHook = Callable[[str, str, float, int], None]  # (from tier, to tier, seconds, bytes)
+
+
+class ColdCache:
+    """Per-expert safetensors files under one directory, bounded in bytes.
+
+    Files are named by expert and content digest and written atomically (temp + rename), so
+    replicas sharing a node's directory never read a torn file."""
+
+    def __init__(self, root: Path, model_path: Path, budget: int | None):
+        tag = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:12]
+        self.dir = root / tag
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.budget = budget
+        self.files: dict[Key, tuple[Path, str, int]] = {}  # key -> (file, digest, bytes)
+
+    def used(self) -> int:
+        return sum(n for _, _, n in self.files.values())
+
+    def path_for(self, key: Key, digest: str) -> Path:
+        return self.dir / f"{key[0]}.{key[1]}-{digest.removeprefix('sha256:')[:16]}.safetensors"
+
+    def get(self, key: Key, digest: str) -> Path | None:
+        f = self.files.get(key)
+        return f[0] if f is not None and f[1] == digest and f[0].is_file() else None
+
+    def put(self, key: Key, digest: str, tensors: dict[str, torch.Tensor], evict: Callable[[int], bool]) -> bool:
+        """Write the file if the budget allows (after `evict(bytes needed)` made room)."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.drop(key)
+        if self.budget is not None and self.used() + nbytes > self.budget and not evict(nbytes):
+            return False
+        path = self.path_for(key, digest)
+        if not path.is_file():
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"digest": digest})
+            os.replace(tmp, path)
+        self.files[key] = (path, digest, nbytes)
+        return True
+
+    def drop(self, key: Key) -> None:
+        f = self.files.pop(key, None)
+        if f is not None:
+            with contextlib.suppress(FileNotFoundError):
+                f[0].unlink()
+
+
+class TieredExpertStore:
+    """Experts of one replica across hot / warm / cold, moved by use and by prefetch hints."""
+
+    def __init__(self, checkpoint: Checkpoint, compute_dtype: torch.dtype, config: TierConfig | None = None,
+                 device: torch.device | str | None = None, on_move: MoveHook | None = None):
+        self.ckpt = checkpoint
+        self.model: MoEConfig = checkpoint.config
+        self.dtype = compute_dtype
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        self.config = config or TierConfig()
+        self.policy: Policy = make_policy(self.config.policy)
+        self.cold = self._open_cold(self.config)
+        self.on_move = on_move
+        self.entries: dict[Key, Entry] = {}
+        self.used = {HOT: 0, WARM: 0}
+        self.reserved = {HOT: 0, WARM: 0}
+        self.stats = StoreStats()
+        self._cv = threading.Condition(threading.RLock())
+        self._swap_locks: dict[Key, threading.Lock] = {}
+        self._prefetch_q: queue.SimpleQueue = queue.SimpleQueue()  # keys, drain events, None to stop
+        self._prefetch_thread: threading.Thread | None = None
+        self.wait_timeout_s = 60.0
+
+    # -- configuration ------------------------------------------------------------------------
+
+    @property
+    def expert_bytes(self) -> int:
+        h, i = self.model.hidden_size, self.model.intermediate_size
+        return 3 * h * i * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _open_cold(self, cfg: TierConfig) -> ColdCache | None:
+        if not cfg.cold_dir:
+            return None
+        try:
+            return ColdCache(Path(cfg.cold_dir), self.ckpt.path, cfg.cold_budget)
+        except OSError as err:
+            raise TierConfigError(f"tiers.cold_dir: cannot use {cfg.cold_dir} ({err.strerror or err})") from None
+
+    def check_budgets(self, keys: Iterable[Key], config: TierConfig) -> None:
+        """Refuse budgets that cannot hold one batch: a call computes one layer's experts hosted
+        here, all of which must be hot at once."""
+        per_layer: dict[int, int] = {}
+        for layer, _ in keys:
+            per_layer[layer] = per_layer.get(layer, 0) + 1
+        if not per_layer or config.hot_budget is None:
+            return
+        layer, n = max(per_layer.items(), key=lambda kv: (kv[1], -kv[0]))
+        need = n * self.expert_bytes
+        if config.hot_budget < need:
+            raise TierConfigError(
+                f"tiers.hot_budget: {config.hot_budget} bytes cannot hold one batch's working set: layer {layer} "
+                f"has {n} experts on this shard, {need} bytes ({self.expert_bytes} each); raise the hot budget to "
+                f">= {need} or spread the experts over more groups")
+
+    def configure(self, keys: list[Key], config: TierConfig | None = None) -> None:
+        """Host exactly `keys` under `config`: new experts are read (digest, cold file) and placed
+        as high as budgets allow before this returns; dropped ones are released."""
+        config = config or self.config
+        self.check_budgets(keys, config)
+        with self._cv:
+            if config.policy != self.config.policy:
+                self.policy = make_policy(config.policy)
+            if (config.cold_dir, config.cold_budget) != (self.config.cold_dir, self.config.cold_budget):
+                if self.cold is not None and config.cold_dir == self.config.cold_dir:
+                    self.cold.budget = config.cold_budget
+                else:
+                    self.cold = self._open_cold(config)
+            self.config = config
+            wanted = set(keys)
+            for key in [k for k in self.entries if k not in wanted]:
+                self._release(key)
+        for key in keys:
+            if key not in self.entries:
+                self._register(key)
+        with self._cv:
+            for tier in (HOT, WARM):  # budgets may have shrunk
+                if not self._make_room(tier, 0, exclude=set(), wait=True):
+                    raise StoreFull(f"cannot shrink the {tier} tier to its budget")
+        for key in keys:  # fill from the top while there is room that needs no eviction
+            self._promote(key, HOT if self._fits(HOT) else WARM, mode="preload")
+
+    def _fits(self, tier: str) -> bool:
+        budget = self._budget(tier)
+        return budget is None or self.used[tier] + self.reserved[tier] + self.expert_bytes <= budget
+
+    def _budget(self, tier: str) -> int | None:
+        return self.config.hot_budget if tier == HOT else self.config.warm_budget
+
+    def _register(self, key: Key) -> None:
+        layer, expert = key
+        if not (0 <= layer < self.model.num_layers and 0 <= expert < self.model.num_experts):
+            raise TierConfigError(f"expert {layer}.{expert} does not exist "
+                                  f"({self.model.num_layers} layers x {self.model.num_experts} experts)")
+        raw = self.ckpt.expert(layer, expert)
+        version = Version(content_digest(raw), CHECKPOINT)
+        entry = Entry(key, version, self.expert_bytes)
+        self._write_cold(key, version, raw)
+        del raw
+        self.ckpt.close()
+        with self._cv:
+            self.entries[key] = entry
+
+    def _release(self, key: Key) -> None:
+        e = self.entries.pop(key)
+        if e.tier in (HOT, WARM):
+            self.used[e.tier] -= e.nbytes
+        e.tensors = None
+        if self.cold is not None:
+            self.cold.drop(key)
+        self.policy.forget(key)
+
+    # -- reading weights for a batch ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def use(self, keys: list[Key]) -> Iterator[dict[Key, dict[str, torch.Tensor]]]:
+        """Weights (compute layout) of `keys`, pinned for the duration of a batch."""
+        with self._cv:
+            missing = [k for k in keys if k not in self.entries]
+            if missing:
+                raise KeyError(f"this replica does not host expert(s) {', '.join(f'{l}.{e}' for l, e in missing)}")
+            deadline = time.monotonic() + self.wait_timeout_s
+            while any(self.entries[k].swap_pending for k in keys):  # a swap commits between batches
+                if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                    raise StoreFull("timed out waiting for a hot-swap to commit")
+            entries = [self.entries[k] for k in keys]
+            for e in entries:
+                e.pins += 1
+                self.policy.access(e.key)
+        try:
+            out = {}
+            for e in entries:
+                out[e.key] = self._promote(e.key, HOT, mode="demand")
+            yield out
+        finally:
+            now = time.monotonic()
+            with self._cv:
+                for e in entries:
+                    e.pins -= 1
+                    e.last_used = now
+                self._cv.notify_all()
+
+    def prefetch(self, keys: Iterable[Key]) -> None:
+        """Hint: these experts are needed soon. Promoted in the background, never by evicting
+        experts in use; unknown keys (hosted elsewhere) are ignored."""
+        if not self.config.prefetch:
+            return
+        if self._prefetch_thread is None:
+            self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch", daemon=True)
+            self._prefetch_thread.start()
+        for k in keys:
+            e = self.entries.get(k)
+            if e is not None and e.tier != HOT:
+                self._prefetch_q.put(k)
+
+    def _prefetch_loop(self) -> None:
+        while (item := self._prefetch_q.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                if item in self.entries and self.entries[item].tier != HOT:
+                    self._promote(item, HOT, mode="prefetch")
+            except Exception:  # a prefetch is a hint: failures only cost a later demand load
+                pass
+
+    def drain_prefetch(self, timeout_s: float = 30.0) -> None:
+        """Wait until queued prefetches are done (tests and benchmarks)."""
+        if self._prefetch_thread is None:
+            return
+        done = threading.Event()
+        self._prefetch_q.put(done)  # type: ignore[arg-type]
+        done.wait(timeout_s)
+
+    # -- moves --------------------------------------------------------------------------------
+
+    def _promote(self, key: Key, target: str, mode: str) -> dict[str, torch.Tensor] | None:
+        """Move `key` up to `target`; returns its tensors when it ends there. mode: "demand" (a
+        batch needs it: waits and evicts, or raises), "prefetch" (a hint: evicts by policy, never
+        waits), "preload" (fills free room only)."""
+        demand = mode == "demand"
+        evict = mode != "preload"
+        with self._cv:
+            deadline = time.monotonic() + self.wait_timeout_s
+            while True:
+                e = self.entries.get(key)
+                if e is None:
+                    if demand:
+                        raise KeyError(f"expert {key[0]}.{key[1]} was removed from this replica")
+                    return None
+                if not e.busy and (e.tier == target or (e.tier == HOT and target == WARM)):
+                    if demand:  # (also when it waited for a prefetch already under way)
+                        self.stats.hits[HOT] += 1
+                    if demand and e.prefetched:
+                        self.stats.prefetch_used += 1
+                        e.prefetched = False
+                    return e.tensors
+                if e.busy:
+                    if not demand:
+                        return None
+                    self._cv.wait(max(0.0, deadline - time.monotonic()))
+                    if time.monotonic() > deadline:
+                        raise StoreFull(f"timed out waiting for expert {key[0]}.{key[1]} to move")
+                    continue
+                e.busy = True  # from here on no eviction (nested ones included) may pick it
+                try:
+                    room = self._make_room(target, e.nbytes, exclude={key}, wait=demand, evict=evict)
+                except BaseException:
+                    e.busy = False
+                    self._cv.notify_all()
+                    raise
+                if not room:
+                    e.busy = False
+                    self._cv.notify_all()
+                    if mode == "prefetch":
+                        self.stats.prefetch_skipped += 1
+                    return None
+                source = e.tier
+                if demand:
+                    self._count_miss(e)
+                self.reserved[target] += e.nbytes
+                warm_copy = e.tensors if source == WARM else None
+                version = e.version
+                break
+        t0 = time.perf_counter()
+        try:
+            tensors = self._to_tier(target, warm_copy) if warm_copy is not None else self._read_cold(key, version, target)
+        except BaseException:
+            with self._cv:
+                self.reserved[target] -= e.nbytes
+                e.busy = False
+                self._cv.notify_all()
+            raise
+        seconds = time.perf_counter() - t0
+        with self._cv:
+            self.reserved[target] -= e.nbytes
+            self.used[target] += e.nbytes
+            if source in (HOT, WARM):
+                self.used[source] -= e.nbytes
+            e.tensors, e.tier, e.busy = tensors, target, False
+            e.prefetched = mode == "prefetch"
+            if mode == "prefetch":
+                self.stats.prefetch_issued += 1
+            self.stats.promotions += 1
+            move = f"{source if source != COLD or self._has_cold(e) else SOURCE}->{target}"
+            self.stats.bytes_moved[move] = self.stats.bytes_moved.get(move, 0) + e.nbytes
+            self._cv.notify_all()
+        if self.on_move is not None:
+            self.on_move(move.split("->")[0], target, seconds, e.nbytes)
+        return tensors
+
+    def _count_miss(self, e: Entry) -> None:
+        self.stats.misses[HOT] += 1
+        if e.tier == WARM:
+            self.stats.hits[WARM] += 1
+            return
+        self.stats.misses[WARM] += 1
+        if self._has_cold(e):
+            self.stats.hits[COLD] += 1
+        else:
+            self.stats.misses[COLD] += 1
+
+    def _has_cold(self, e: Entry) -> bool:
+        return self.cold is not None and self.cold.get(e.key, e.version.digest) is not None
+
+    def _make_room(self, tier: str, nbytes: int, exclude: set[Key], wait: bool, evict: bool = True) -> bool:
+        """Evict (by policy) until `nbytes` more fit in `tier`. Called with the lock held."""
+        budget = self._budget(tier)
+        if budget is None:
+            return True
+        if nbytes > budget:
+            return False
+        deadline = time.monotonic() + self.wait_timeout_s
+        while self.used[tier] + self.reserved[tier] + nbytes > budget:
+            candidates = [k for k, e in self.entries.items()
+                          if e.tier == tier and not e.busy and e.pins == 0 and k not in exclude] if evict else []
+            victim = self.policy.victim(candidates)
+            if victim is None:
+                if not wait:
+                    return False
+                if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                    raise StoreFull(f"no room in the {tier} tier: every resident expert is in use")
+                continue
+            self._demote(self.entries[victim])
+        return True
+
+    def _demote(self, e: Entry) -> None:
+        """One tier down (hot -> warm when warm has room without waiting, else to disk). Lock held."""
+        src = e.tier
+        self.stats.demotions += 1
+        self.used[src] -= e.nbytes
+        if src == HOT and self._make_room(WARM, e.nbytes, exclude={e.key}, wait=False):
+            t0 = time.perf_counter()
+            e.tensors = self._to_tier(WARM, e.tensors)
+            e.tier = WARM
+            self.used[WARM] += e.nbytes
+            dst = WARM
+        else:
+            e.tensors = None
+            e.tier = COLD
+            dst = COLD
+            t0 = time.perf_counter()
+        e.prefetched = False
+        move = f"{src}->{dst}"
+        self.stats.bytes_moved[move] = self.stats.bytes_moved.get(move, 0) + (e.nbytes if dst == WARM else 0)
+        if self.on_move is not None:
+            self.on_move(src, dst, time.perf_counter() - t0, e.nbytes if dst == WARM else 0)
+
+    def _to_tier(self, tier: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A copy in the tier's layout: hot = compute dtype on the device; warm = host (pinned)."""
+        if tier == HOT:
+            return {k: t.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True).contiguous()
+                    for k, t in tensors.items()}
+        if self.device.type == "cpu" and all(t.device.type == "cpu" for t in tensors.values()):
+            return tensors  # same memory, no copy: on CPU the hot layout is the warm layout
+        pin = self.config.pinned and torch.cuda.is_available()
+        out = {}
+        for k, t in tensors.items():
+            dst = torch.empty(t.shape, dtype=self.dtype, pin_memory=pin)
+            dst.copy_(t, non_blocking=pin)
+            out[k] = dst
+        if pin:
+            torch.cuda.current_stream().synchronize()
+        return out
+
+    def _read_cold(self, key: Key, version: Version, target: str) -> dict[str, torch.Tensor]:
+        """Read from the cold file (mmap), else from the version's source (filling the cold cache)."""
+        with self._cv:
+            path = self.cold.get(key, version.digest) if self.cold is not None else None
+        if path is not None:
+            try:
+                with safe_open(path, framework="pt") as f:
+                    raw = {k: f.get_tensor(k) for k in f.keys()}
+                return self._materialise(target, raw)
+            except FileNotFoundError:  # replaced by a swap meanwhile: read the source instead
+                pass
+        raw = self._read_source(key, version)
+        try:
+            self._write_cold(key, version, raw)
+            return self._materialise(target, raw)
+        finally:
+            del raw
+            self.ckpt.close()  # unmap: pages read through the mapping would otherwise stay in RSS
+
+    def _materialise(self, target: str, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy mapped tensors into owned memory of the target tier (the mapping is dropped)."""
+        if target == HOT:
+            out = self._to_tier(HOT, raw)
+            if self.device.type == "cpu":  # .to(copy=True) already owns its memory
+                return out
+            torch.cuda.current_stream().synchronize()
+            return out
+        pin = self.config.pinned and torch.cuda.is_available()
+        out = {}
+        for k, t in raw.items():
+            dst = torch.empty(t.shape, dtype=self.dtype, pin_memory=pin)
+            dst.copy_(t)
+            out[k] = dst
+        return out
+
+    def _read_source(self, key: Key, version: Version) -> dict[str, torch.Tensor]:
+        if version.source == CHECKPOINT:
+            return self.ckpt.expert(*key)
+        with safe_open(version.source, framework="pt") as f:
+            names = list(f.keys())
+            raw = {}
+            for n in names:
+                w = n.split(".")[-2] if n.endswith(".weight") else n
+                raw[w] = f.get_tensor(n)
+        return raw
+
+    def _write_cold(self, key: Key, version: Version, raw: dict[str, torch.Tensor]) -> None:
+        if self.cold is None or self.cold.get(key, version.digest) is not None:
+            return
+
+        def evict(nbytes: int) -> bool:
+            budget = self.cold.budget or 0
+            with self._cv:
+                while self.cold.used() + nbytes > budget:
+                    cands = [k for k in self.cold.files if k != key and not (k in self.entries and self.entries[k].busy)]
+                    victim = self.policy.victim(cands)
+                    if victim is None:
+                        return False
+                    self.cold.drop(victim)
+            return True
+
+        with self._cv:  # the cache index is shared with the prefetch thread
+            self.cold.put(key, version.digest, raw, evict)
+
+    # -- idle demotion ------------------------------------------------------------------------
+
+    def demote_idle(self, now: float | None = None) -> int:
+        """Move experts unused for idle_demotion_s down one tier; returns how many moved."""
+        idle = self.config.idle_demotion_s
+        if not idle:
+            return 0
+        now = time.monotonic() if now is None else now
+        moved = 0
+        with self._cv:
+            for e in list(self.entries.values()):
+                if e.tier in (HOT, WARM) and not e.busy and e.pins == 0 and now - e.last_used >= idle:
+                    self._demote(e)
+                    e.last_used = now  # the next step down waits another idle period
+                    moved += 1
+        return moved
+
+    # -- hot-swap -----------------------------------------------------------------------------
+
+    def swap(self, key: Key, load: Callable[[], dict[str, torch.Tensor]], source: str) -> Version:
+        """Replace `key`'s weights: stage beside the serving version (room reserved in its tier,
+        else warm), validate (`load` raises SwapError), commit between batches, release the old.
+        On any failure the old version keeps serving and the error propagates."""
+        if key not in self.entries:
+            raise SwapError(f"expert {key[0]}.{key[1]} is not hosted on this replica")
+        lock = self._swap_locks.setdefault(key, threading.Lock())
+        with lock:  # swaps of one expert are serialised; the last one to commit wins
+            with self._cv:
+                e = self.entries[key]
+                stage = None
+                for tier in ([e.tier] if e.tier in (HOT, WARM) else []) + [WARM, HOT]:
+                    if self._make_room(tier, e.nbytes, exclude={key}, wait=False):
+                        stage = tier
+                        break
+                if stage is None:
+                    raise SwapError(f"no room to stage expert {key[0]}.{key[1]} beside the serving version "
+                                    "(hot and warm budgets are full of experts in use)")
+                self.reserved[stage] += e.nbytes
+            try:
+                raw = load()
+                version = Version(content_digest(raw), source)
+                staged = self._to_tier(stage, raw) if stage == HOT else self._materialise(WARM, raw)
+                self._write_cold(key, version, raw)
+            except BaseException:
+                with self._cv:
+                    self.reserved[stage] -= e.nbytes
+                    self._cv.notify_all()
+                raise
+            with self._cv:
+                e.swap_pending = True
+                deadline = time.monotonic() + self.wait_timeout_s
+                while e.pins or e.busy:  # the batch boundary
+                    if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                        e.swap_pending = False
+                        self.reserved[stage] -= e.nbytes
+                        self._cv.notify_all()
+                        raise SwapError(f"expert {key[0]}.{key[1]} stayed in use for {self.wait_timeout_s:.0f} s; "
+                                        "swap not committed")
+                old_tier = e.tier
+                if old_tier in (HOT, WARM):
+                    self.used[old_tier] -= e.nbytes
+                self.reserved[stage] -= e.nbytes
+                self.used[stage] += e.nbytes
+                e.tensors, e.tier, e.version = staged, stage, version
+                e.swap_pending = False
+                e.prefetched = False
+                self._cv.notify_all()
+            return version
+
+    # -- status -------------------------------------------------------------------------------
+
+    def residency(self) -> dict[str, dict]:
+        """Per tier: experts and bytes (cold: files in the cache)."""
+        with self._cv:
+            out = {t: {"experts": 0, "bytes": 0} for t in TIERS}
+            for e in self.entries.values():
+                if e.tier in (HOT, WARM):
+                    out[e.tier]["experts"] += 1
+                    out[e.tier]["bytes"] += e.nbytes
+            if self.cold is not None:
+                out[COLD]["experts"] = len(self.cold.files)
+                out[COLD]["bytes"] = self.cold.used()
+            return out
+
+    def experts(self) -> dict[str, dict]:
+        """Per hosted expert: version digest and source, tier."""
+        with self._cv:
+            out = {}
+            for (l, ex), e in sorted(self.entries.items()):
+                tier = e.tier if e.tier != COLD or self._has_cold(e) else SOURCE
+                out[f"{l}.{ex}"] = {"digest": e.version.digest, "source": e.version.source, "tier": tier}
+            return out
+
+    def budgets(self) -> dict[str, int | None]:
+        return {HOT: self.config.hot_budget, WARM: self.config.warm_budget,
+                COLD: self.cold.budget if self.cold is not None else None}
+
+    def close(self) -> None:
+        if self._prefetch_thread is not None:
+            self._prefetch_q.put(None)

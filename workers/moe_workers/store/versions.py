@@ -1,0 +1,112 @@
+"""Expert versions: content digests and validation of replacement weights (hot-swap).
+
+A version is identified by a digest of its tensors' content (names, dtypes, shapes, bytes), so
+the same weights give the same digest whether they came from the checkpoint, a cold-cache file
+or an override file. Replacement files are only ever safetensors, only from allowed roots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from moe_workers.model.checkpoint import EXPERT_KEY, EXPERT_WEIGHTS
+from moe_workers.model.config import MoEConfig
+
+CHECKPOINT = "checkpoint"  # version source of the checkpoint's own weights
+
+
+class SwapError(ValueError):
+    """Replacement weights refused; the message says what was wrong and where."""
+
+
+@dataclass(frozen=True)
+class Version:
+    digest: str  # "sha256:<hex>" over the tensors' content
+    source: str  # CHECKPOINT or the override file's path
+
+
+def content_digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_allowed(path: str | Path, allowed_roots: list[str]) -> Path:
+    """The resolved path, if it lies under one of the allowed roots (symlinks resolved first)."""
+    resolved = Path(os.path.realpath(path))
+    for root in allowed_roots:
+        r = Path(os.path.realpath(root))
+        if resolved == r or r in resolved.parents:
+            return resolved
+    raise SwapError(f"{path}: outside the allowed weight roots ({', '.join(allowed_roots) or 'none configured'})")
+
+
+def expected_shapes(cfg: MoEConfig) -> dict[str, tuple[int, ...]]:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
+
+
+def load_expert_file(path: str | Path, layer: int, expert: int, cfg: MoEConfig, allowed_roots: list[str],
+                     sha256: str | None = None) -> dict[str, torch.Tensor]:
+    """Read and validate one expert's replacement weights; {'w1','w2','w3'} tensors in host memory.
+
+    Accepted names: the checkpoint's (model.layers.L.block_sparse_moe.experts.E.wN.weight) or
+    the short wN.weight. Checks: allowed root, a regular safetensors file, sha256 when given,
+    exactly the three tensors, shapes and dtype as the model's config says, finite values."""
+    resolved = check_allowed(path, allowed_roots)
+    if not resolved.is_file():
+        raise SwapError(f"{path}: no such file")
+    if resolved.suffix != ".safetensors":
+        raise SwapError(f"{path}: not a .safetensors file (only safetensors are loaded, never pickle)")
+    if sha256 is not None:
+        actual = file_sha256(resolved)
+        if actual != sha256.lower():
+            raise SwapError(f"{path}: sha256 is {actual}, expected {sha256.lower()}")
+    try:
+        with safe_open(resolved, framework="pt") as f:
+            names = list(f.keys())
+            found: dict[str, str] = {}
+            for w in EXPERT_WEIGHTS:
+                for candidate in (EXPERT_KEY.format(layer=layer, expert=expert, w=w), f"{w}.weight"):
+                    if candidate in names:
+                        found[w] = candidate
+                        break
+            missing = [w for w in EXPERT_WEIGHTS if w not in found]
+            if missing:
+                raise SwapError(f"{path}: missing tensor(s) {', '.join(m + '.weight' for m in missing)} for expert "
+                                f"{layer}.{expert} (found {', '.join(sorted(names)[:6]) or 'none'})")
+            extra = sorted(set(names) - set(found.values()))
+            if extra:
+                raise SwapError(f"{path}: unexpected tensor(s) {', '.join(extra[:6])}; the file must hold one expert")
+            tensors = {w: f.get_tensor(n).clone() for w, n in found.items()}  # clone: own memory, not the mapping
+    except SafetensorError as err:
+        raise SwapError(f"{path}: not a valid safetensors file ({err})") from None
+    except OSError as err:
+        raise SwapError(f"{path}: cannot read ({err.strerror or err})") from None
+    shapes = expected_shapes(cfg)
+    for w, t in tensors.items():
+        if tuple(t.shape) != shapes[w]:
+            raise SwapError(f"{path}: {w} has shape {tuple(t.shape)}, the model needs {shapes[w]}")
+        if t.dtype != cfg.dtype:
+            raise SwapError(f"{path}: {w} is {str(t.dtype).removeprefix('torch.')}, the model's dtype is "
+                            f"{str(cfg.dtype).removeprefix('torch.')}")
+        if not torch.isfinite(t).all():
+            raise SwapError(f"{path}: {w} has non-finite values (NaN or inf)")
+    return tensors
