@@ -25,10 +25,14 @@ from ray.serve.handle import DeploymentHandle
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel, KVCache
 from moe_workers.model.layers import combine, expert_mlp, group_by_expert
+from moe_workers.model.layers import route
 from moe_workers.serve.config import INGRESS, AppArgs
 from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
+from moe_workers.serve.metrics import ShardMetrics
 from moe_workers.serve.protocol import RequestError, parse_completion
 from moe_workers.serve.routing import ExpertRouter
+from moe_workers.store.store import StoreFull, TierConfig, TieredExpertStore
+from moe_workers.store.versions import CHECKPOINT, SwapError, load_expert_file
 
 
 def peak_rss_bytes() -> int:
@@ -36,70 +40,132 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _expert_key(eid: str) -> tuple[int, int]:
+    layer, expert = (int(p) for p in eid.split("."))
+    return layer, expert
+
+
+def _now_rfc3339() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 @serve.deployment
 class ExpertShard:
-    """Hosts the experts named in its user_config; computes them for the ingress."""
+    """Hosts the experts named in its user_config in a TieredExpertStore; computes them for the
+    ingress. user_config: {"experts": [L.E, ...], "tiers": {...TierConfig}, "overrides":
+    {L.E: {"path": ..., "sha256": ...}}}; changes apply in place (reconfigure)."""
 
-    def __init__(self, model_path: str, dtype: str, torch_threads: int):
+    def __init__(self, model_path: str, dtype: str, torch_threads: int, allowed_weight_roots: list[str] | None = None):
         torch.set_num_threads(torch_threads)
         self.ckpt = Checkpoint(model_path)
         self.cfg = self.ckpt.config.with_dtype(dtype)
+        self.allowed_roots = list(allowed_weight_roots or [])
         self.group = serve.get_replica_context().deployment
-        self.experts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.metrics = ShardMetrics(self.group, self.replica)
+        self.store = TieredExpertStore(self.ckpt, self.cfg.dtype, TierConfig(), on_move=self.metrics.on_move)
+        self.overrides: dict[str, dict] = {}  # applied: expert -> {"path", "sha256"}
+        self.swaps: dict[str, dict] = {}  # last swap per expert, as status reports it
         self.load: TokenCounter = TokenCounter()
         self.compute_s = 0.0
         self.calls = 0
-        self._lock = threading.Lock()
-        try:
-            from ray.util.metrics import Counter
-            self._metric = Counter("moe_expert_tokens", description="Tokens routed to each expert.",
-                                   tag_keys=("layer", "expert", "group"))
-        except Exception:  # metrics are best effort; serving must not depend on them
-            self._metric = None
+        self._config_lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._maintain, name="store-maintenance", daemon=True).start()
 
     def reconfigure(self, config: dict) -> None:
-        """New expert set: load the new ones first, then switch; calls in flight keep the old dict."""
-        wanted = []
-        for eid in config.get("experts", []):
-            layer, expert = (int(p) for p in eid.split("."))
-            wanted.append((layer, expert))
-        with self._lock:
-            current = self.experts
-            fresh = {k: current[k] for k in wanted if k in current}
-            for k in wanted:
-                if k not in fresh:
-                    fresh[k] = {n: t.contiguous() for n, t in self.ckpt.expert(*k, dtype=self.cfg.dtype).items()}
-            self.experts = fresh  # one reference swap: a call sees either the old or the new set
-            self.ckpt.close()  # unmap the files: mapped pages we read would otherwise stay in RSS
+        """Expert set and budgets first (new experts loaded before routing reaches them), then
+        swaps and rollbacks. A refused swap is recorded, never raised: the old version serves."""
+        with self._config_lock:
+            keys = [_expert_key(eid) for eid in config.get("experts", [])]
+            self.store.configure(keys, TierConfig.from_dict(config.get("tiers")))
+            hosted = {f"{l}.{e}" for l, e in keys}
+            wanted = {eid: o for eid, o in (config.get("overrides") or {}).items() if eid in hosted}
+            for eid in sorted(set(self.overrides) - set(wanted)):
+                if eid in hosted:
+                    self._swap(eid, None)
+                self.overrides.pop(eid, None)
+            for eid, o in sorted(wanted.items()):
+                if self.overrides.get(eid) != o:
+                    self._swap(eid, o)
 
-    def forward(self, layer: int, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        experts = self.experts
-        out = {}
+    def _swap(self, eid: str, override: dict | None) -> None:
+        key = _expert_key(eid)
+        record = {"expert": eid, "started_at": _now_rfc3339(), "path": (override or {}).get("path", "checkpoint")}
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            for e, x in inputs.items():
-                w = experts.get((layer, e))
-                if w is None:
-                    raise KeyError(f"{self.group} does not host expert {layer}.{e}")
-                out[e] = expert_mlp(x, w["w1"], w["w2"], w["w3"])
-                self.load[(layer, e)] += x.shape[0]
-                if self._metric is not None:
-                    self._metric.inc(x.shape[0], tags={"layer": str(layer), "expert": str(e), "group": self.group})
+        try:
+            if override is None:
+                version = self.store.swap(key, lambda: self.ckpt.expert(*key), CHECKPOINT)
+                record["outcome"] = "RolledBack"
+            else:
+                version = self.store.swap(key, lambda: load_expert_file(
+                    override["path"], *key, self.ckpt.config, self.allowed_roots, override.get("sha256")),
+                    override["path"])
+                record["outcome"] = "Serving"
+                self.overrides[eid] = override
+            record["digest"] = version.digest
+        except (SwapError, StoreFull, OSError) as err:
+            record.update(outcome="Failed", reason=str(err), digest=self.store.experts()[eid]["digest"])
+            if override is not None:
+                self.overrides[eid] = override  # applied = attempted: the same spec is not retried in a loop
+        record["duration_s"] = round(time.perf_counter() - t0, 4)
+        self.swaps[eid] = record
+        self.metrics.swap(record)
+
+    def forward(self, layer: int, x: torch.Tensor, experts: list[int], counts: list[int],
+                prefetch: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """Rows of x grouped by expert (`counts[i]` rows for `experts[i]`) -> their outputs."""
+        t0 = time.perf_counter()
+        keys = [(layer, e) for e in experts]
+        out = torch.empty_like(x)
+        with self.store.use(keys) as weights, torch.inference_mode():
+            if prefetch:
+                self.store.prefetch(prefetch)  # loads overlap this call's compute
+            start = 0
+            for key, n in zip(keys, counts):
+                w = weights[key]
+                out[start:start + n] = expert_mlp(x[start:start + n], w["w1"], w["w2"], w["w3"])
+                start += n
+                self.load[key] += n
+        self.metrics.tokens(layer, experts, counts)
         self.compute_s += time.perf_counter() - t0
         self.calls += 1
         return out
 
+    def _maintain(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.store.demote_idle()
+                self.metrics.export(self.store)
+            except Exception:  # keep maintaining; the next round retries
+                pass
+
     def status(self) -> dict:
+        versions = self.store.experts()
+        for eid, v in versions.items():
+            v["tokens"] = self.load.get(_expert_key(eid), 0)
+        residency = self.store.residency()
         return {
             "group": self.group,
-            "replica": serve.get_replica_context().replica_id.unique_id,
+            "replica": self.replica,
             "pid": os.getpid(),
-            "experts": sorted(f"{l}.{e}" for l, e in self.experts),
+            "experts": sorted(versions, key=lambda eid: _expert_key(eid)),
+            "versions": versions,
             "load": {f"{l}.{e}": n for (l, e), n in sorted(self.load.items())},
-            "bytes": sum(t.numel() * t.element_size() for w in self.experts.values() for t in w.values()),
+            "bytes": residency["hot"]["bytes"] + residency["warm"]["bytes"],
+            "tiers": residency,
+            "budgets": self.store.budgets(),
+            "store": self.store.stats.as_dict(),
+            "swaps": dict(self.swaps),
             "compute_s": self.compute_s,
             "calls": self.calls,
             "peak_rss_bytes": peak_rss_bytes(),
+            "rss_bytes": current_rss_bytes(),
         }
 
 
@@ -129,6 +195,7 @@ class Ingress:
                                         max_slots=max(self.args.max_batch_size, 1) * 2)
         self.shards = shards
         self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
+        self.prefetch_lookahead = 0
         self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
                              self.args.max_queued_requests, self.args.micro_batches,
                              self.args.micro_batch_min_tokens)
@@ -150,6 +217,7 @@ class Ingress:
             raise ValueError(f"placement hosts no copy of experts {', '.join(missing[:10])}"
                              + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
         self.router = router
+        self.prefetch_lookahead = int(config.get("prefetch_lookahead", 0))
 
     async def _dispatch(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         groups = group_by_expert(indices)
@@ -157,21 +225,38 @@ class Ingress:
         if router is None:
             raise RuntimeError("no expert placement configured (user_config.placement)")
         assignment = router.assign(layer, {e: int(rows.numel()) for e, (rows, _) in groups.items()})
+        hints = self._predict_next(layer, x) if self.prefetch_lookahead else {}
         calls = []
         for group, experts in assignment.items():
-            payload = {e: x[groups[e][0]] for e in experts}  # row gathers: fresh contiguous tensors
-            tokens = sum(int(groups[e][0].numel()) for e in experts)
+            rows = [groups[e][0] for e in experts]
+            counts = [int(r.numel()) for r in rows]
+            payload = x[torch.cat(rows)] if len(rows) > 1 else x[rows[0]]  # one contiguous tensor per call
+            tokens = sum(counts)
             router.begin(group, tokens)
-            calls.append((group, tokens, self.shards[group].forward.remote(layer, payload)))
+            calls.append((group, tokens, experts, counts,
+                          self.shards[group].forward.remote(layer, payload, experts, counts, hints.get(group))))
         try:
-            results = await asyncio.gather(*(call for _, _, call in calls))
+            results = await asyncio.gather(*(c[-1] for c in calls))
         finally:
-            for group, tokens, _ in calls:
+            for group, tokens, *_ in calls:
                 router.end(group, tokens)
         outputs: dict[int, torch.Tensor] = {}
-        for r in results:
-            outputs.update(r)
+        for (_, _, experts, counts, _), out in zip(calls, results):
+            for e, part in zip(experts, torch.split(out, counts)):
+                outputs[e] = part
         return combine(x.shape[0], x.shape[1], x.dtype, groups, outputs, weights)
+
+    def _predict_next(self, layer: int, x: torch.Tensor) -> dict[str, list[tuple[int, int]]]:
+        """Prefetch hints per group: the experts the next layers' routers would pick for this
+        layer's normed hidden states (cheap: one small matmul per layer ahead)."""
+        hints: dict[str, list[tuple[int, int]]] = {}
+        cfg = self.dense.cfg
+        for ahead in range(layer + 1, min(layer + 1 + self.prefetch_lookahead, cfg.num_layers)):
+            predicted, _ = route(x, self.dense.layers[ahead]["gate"], cfg.top_k)
+            for e in torch.unique(predicted).tolist():
+                for group in self.router.hosts.get((ahead, e), []):
+                    hints.setdefault(group, []).append((ahead, e))
+        return hints
 
     # -- HTTP -----------------------------------------------------------------------------------
 
@@ -265,7 +350,8 @@ def build_app(args: AppArgs) -> serve.Application:
         options = {"name": name, "ray_actor_options": {"num_cpus": args.shard_num_cpus, "num_gpus": args.shard_num_gpus}}
         if args.placement is not None:
             options["user_config"] = {"experts": list(placement.get(name, []))}
-        shards[name] = ExpertShard.options(**options).bind(args.model_path, args.dtype, args.torch_threads)
+        shards[name] = ExpertShard.options(**options).bind(args.model_path, args.dtype, args.torch_threads,
+                                                           args.allowed_weight_roots)
     options = {"name": INGRESS, "num_replicas": args.ingress_replicas,
                "ray_actor_options": {"num_cpus": args.ingress_num_cpus},
                "max_ongoing_requests": max(1000, args.max_batch_size + args.max_queued_requests + 16)}

@@ -39,6 +39,8 @@ class AppArgs(BaseModel):
                                         "(decode steps are dispatch-bound; extra calls would cost more than the overlap).")
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per shard replica.")
     ingress_torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per ingress replica.")
+    allowed_weight_roots: list[str] = Field(default_factory=list, description="Directories hot-swap weight "
+                                            "files must lie under; none means every swap is refused.")
     placement: dict[str, list[str]] | None = Field(
         default=None,
         description="Initial placement (group -> expert ids) for `serve.run`; Serve configs carry it in "

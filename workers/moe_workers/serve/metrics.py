@@ -1,0 +1,90 @@
+"""Per-replica metrics of an ExpertShard, exported through Ray's metrics (Prometheus format on
+each node's metrics export port). Best effort: serving never fails because of a metric."""
+
+from __future__ import annotations
+
+import threading
+
+TIERS = ("hot", "warm", "cold")
+
+
+class ShardMetrics:
+    def __init__(self, group: str, replica: str):
+        self.group, self.replica = group, replica
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+        try:
+            from ray.util.metrics import Counter, Gauge, Histogram
+        except Exception:  # not inside Ray (unit use): record nothing
+            self.enabled = False
+            return
+        self.enabled = True
+        tags = ("group", "replica")
+        self.expert_tokens = Counter("moe_expert_tokens", description="Tokens routed to each expert.",
+                                     tag_keys=("layer", "expert", "group"))
+        self.tier_bytes = Gauge("moe_tier_bytes", description="Bytes of expert weights resident per tier.",
+                                tag_keys=tags + ("tier",))
+        self.tier_experts = Gauge("moe_tier_experts", description="Experts resident per tier.", tag_keys=tags + ("tier",))
+        self.tier_budget = Gauge("moe_tier_budget_bytes", description="Byte budget per tier.", tag_keys=tags + ("tier",))
+        self.hits = Counter("moe_tier_hits", description="Lookups served by a tier.", tag_keys=tags + ("tier",))
+        self.misses = Counter("moe_tier_misses", description="Lookups a tier could not serve.", tag_keys=tags + ("tier",))
+        self.moved = Counter("moe_tier_moved_bytes", description="Bytes moved between tiers.",
+                             tag_keys=tags + ("src", "dst"))
+        self.promotion = Histogram("moe_tier_promotion_seconds", description="Time to move one expert up a tier.",
+                                   boundaries=[0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10],
+                                   tag_keys=tags + ("src", "dst"))
+        self.prefetch_issued = Counter("moe_prefetch_issued", description="Experts promoted by prefetch hints.",
+                                       tag_keys=tags)
+        self.prefetch_used = Counter("moe_prefetch_used", description="Prefetched experts used before eviction.",
+                                     tag_keys=tags)
+        self.swaps = Counter("moe_hotswaps", description="Hot-swaps by outcome.", tag_keys=tags + ("outcome",))
+        self.swap_seconds = Histogram("moe_hotswap_seconds", description="Hot-swap duration, request to serving.",
+                                      boundaries=[0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30], tag_keys=tags)
+
+    def _tags(self, **extra) -> dict:
+        return {"group": self.group, "replica": self.replica, **extra}
+
+    def tokens(self, layer: int, experts: list[int], counts: list[int]) -> None:
+        if not self.enabled:
+            return
+        for e, n in zip(experts, counts):
+            self.expert_tokens.inc(n, tags={"layer": str(layer), "expert": str(e), "group": self.group})
+
+    def on_move(self, src: str, dst: str, seconds: float, nbytes: int) -> None:
+        if not self.enabled:
+            return
+        if nbytes:
+            self.moved.inc(nbytes, tags=self._tags(src=src, dst=dst))
+        if TIERS.index(dst) < (TIERS.index(src) if src in TIERS else 3):
+            self.promotion.observe(seconds, tags=self._tags(src=src, dst=dst))
+
+    def swap(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.swaps.inc(1, tags=self._tags(outcome=record["outcome"]))
+        if record["outcome"] != "Failed":
+            self.swap_seconds.observe(record["duration_s"], tags=self._tags())
+
+    def export(self, store) -> None:
+        """Gauges from the store's current state; counters by their increase since last export."""
+        if not self.enabled:
+            return
+        for tier, r in store.residency().items():
+            self.tier_bytes.set(r["bytes"], tags=self._tags(tier=tier))
+            self.tier_experts.set(r["experts"], tags=self._tags(tier=tier))
+        for tier, b in store.budgets().items():
+            if b is not None:
+                self.tier_budget.set(b, tags=self._tags(tier=tier))
+        st = store.stats
+        with self._lock:
+            for tier in TIERS:
+                self._inc(self.hits, f"hit.{tier}", st.hits[tier], tier=tier)
+                self._inc(self.misses, f"miss.{tier}", st.misses[tier], tier=tier)
+            self._inc(self.prefetch_issued, "pf.issued", st.prefetch_issued)
+            self._inc(self.prefetch_used, "pf.used", st.prefetch_used)
+
+    def _inc(self, counter, name: str, total: float, **tags) -> None:
+        delta = total - self._last.get(name, 0)
+        if delta > 0:
+            counter.inc(delta, tags=self._tags(**tags))
+        self._last[name] = total
