@@ -147,8 +147,15 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
         _post(url, {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})  # warm-up
         out = {}
         ps = prompts(work["prefill_n"], work["prefill_len"], vocab, 1)
+        e0, s0 = stats()
         out["prefill_s"] = _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
         out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
+        e1, s1 = stats()
+        shard_compute = [b_["compute_s"] - a_["compute_s"] for a_, b_ in zip(s0, s1)]
+        out["prefill_breakdown"] = {"wall_s": out["prefill_s"], "dense_s": e1["dense_s"] - e0["dense_s"],
+                                    "expert_wait_s": e1["experts_s"] - e0["experts_s"],
+                                    "shard_compute_max_s": max(shard_compute),
+                                    "shard_compute_sum_s": sum(shard_compute), "steps": e1["steps"] - e0["steps"]}
         for b in work["decode_batches"]:
             ps = prompts(b, 8, vocab, 2)
             one = _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
@@ -177,6 +184,14 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
         head.stop()
 
 
+def print_breakdown(title: str, bd: dict) -> None:
+    print(f"\nwhere served {title} time goes ({bd['steps']} steps, {bd['wall_s']:.2f} s wall):")
+    print(f"  dense compute (ingress)          {bd['dense_s']:7.2f} s")
+    print(f"  waiting on expert calls           {bd['expert_wait_s']:7.2f} s (summed over micro-batches)")
+    print(f"    of which slowest shard compute  {bd['shard_compute_max_s']:7.2f} s (sum over shards {bd['shard_compute_sum_s']:.2f} s)")
+    print(f"    dispatch overhead (wait - slowest compute) {bd['expert_wait_s'] - bd['shard_compute_max_s']:7.2f} s")
+
+
 def main() -> int:
     a = parse_args()
     sys.path.insert(0, str(REPO / "workers"))
@@ -200,15 +215,11 @@ def main() -> int:
         ratio = served[key] / local[key]
         print(f"{label:18} {local[key]:17.1f} {served[key]:13.1f} {ratio:7.2f}")
         figures[key.replace("_tps", "") + "-ratio"] = ratio
-    big = f"decode{work['decode_batches'][-1]}_breakdown"
-    bd = served[big]
-    print(f"\nwhere served decode time goes (batch {work['decode_batches'][-1]}, {bd['steps']} steps, "
-          f"{bd['wall_s']:.2f} s wall):")
-    print(f"  dense compute (ingress)          {bd['dense_s']:7.2f} s")
-    print(f"  waiting on expert calls           {bd['expert_wait_s']:7.2f} s (summed over micro-batches)")
-    print(f"    of which slowest shard compute  {bd['shard_compute_max_s']:7.2f} s (sum over shards {bd['shard_compute_sum_s']:.2f} s)")
-    print(f"    dispatch overhead (wait - slowest compute) {bd['expert_wait_s'] - bd['shard_compute_max_s']:7.2f} s")
+    for title, bd in ((f"decode (batch {work['decode_batches'][-1]})", served[f"decode{work['decode_batches'][-1]}_breakdown"]),
+                      ("prefill", served["prefill_breakdown"])):
+        print_breakdown(title, bd)
     print("\npeak resident memory:")
+
     print(f"  in-process                 {local['peak_rss_bytes'] / 2**20:9.1f} MiB")
     for name, rss in served["peak_rss_bytes"].items():
         extra = (f" (dense part {served['ingress_dense_bytes'] / 2**20:.1f} MiB)" if name == "Ingress"

@@ -16,6 +16,7 @@ from moe_operator.api.semantics import validate_semantics
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.backends.ray_rest import RayServeClient, RayServeError
 from moe_operator.metrics import RAY_APPLY_SECONDS
+from moe_operator.observe import fetch_app_status, summarise, swap_transitions
 from moe_operator.planner.initial import initial_placement
 from moe_operator.render.serve_app import app_name, merge_applications, render_application
 from moe_workers.serve.config import INGRESS
@@ -120,7 +121,7 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
         return result(False, cond.RAY_UNREACHABLE, f"Ray dashboard {client.dashboard_url}: {err}", "Warning", retry=10)
     previous = deployed_placement(cluster, app)
     placement = initial_placement(facts.num_layers, facts.num_experts, spec.experts.groups, previous)
-    ours = render_application(namespace, name, spec, placement)
+    ours = render_application(namespace, name, spec, placement, allowed_roots)
     try:
         with RAY_APPLY_SECONDS.time():
             cluster = apply_application(client, ours, http_port, wait_s)
@@ -130,6 +131,8 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
         return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
     prefix = spec.ingress.route_prefix.rstrip("/")
     status["endpoint"] = f"http://{endpoint_host}:{http_port}{prefix}/v1"
+    live, _ = observe_live(spec, status)
+    status.update(live)
     status["groups"] = observed_groups(cluster, app, placement, spec.experts.replicas_per_group)
     status["replicas"] = min((g["readyReplicas"] for g in status["groups"]), default=0)
     status["selector"] = f"serving.moe.io/app={app}"
@@ -152,3 +155,16 @@ def observed_groups(cluster: dict, app: str, placement: dict[str, list[str]], de
         ready = sum(1 for r in d.get("replicas", []) if r.get("state") == "RUNNING") if d else desired
         groups.append({"name": g, "replicas": replicas, "readyReplicas": ready, "experts": len(experts)})
     return groups
+
+
+def observe_live(spec: MoEDeploymentSpec, status: dict, fetch=fetch_app_status) -> tuple[dict, list[tuple[str, str, str]]]:
+    """Status fields from the running app's own report (tiers, overridden experts, hot-swaps)
+    and the events for swaps that reached an outcome. ({}, []) when the app cannot be read now."""
+    endpoint = status.get("endpoint")
+    if not endpoint:
+        return {}, []
+    report = fetch(endpoint.removesuffix("/v1"))
+    if report is None:
+        return {}, []
+    fields = summarise(spec, report, status)
+    return fields, swap_transitions(status.get("lastSwaps") or [], fields["lastSwaps"])

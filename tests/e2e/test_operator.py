@@ -1,5 +1,5 @@
 """The kopf operator against the real apiserver + etcd and a local Ray head: apply -> Ready ->
-completions -> change groups -> invalid spec -> operator killed and restarted -> delete."""
+completions -> hot-swap through the spec (moectl) -> change groups -> invalid spec -> operator killed and restarted -> delete."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import requests
+from safetensors.torch import save_file
 
 from moe_operator.backends.ray_rest import RayServeClient
 from moe_workers.model.inprocess import InProcessModel
 from waiting import wait_for
 from moe_workers.model.random_init import write_random_mixtral
+from moe_workers.store.versions import content_digest, file_sha256
 
 pytestmark = [pytest.mark.k8s, pytest.mark.ray]
 KOPF = str(Path(sys.executable).with_name("kopf"))
@@ -29,8 +31,68 @@ def _manifest(name, model_path, groups=2, prefix="/op"):
         "spec": {"model": {"path": str(model_path)},
                  "ingress": {"numCpus": 0.25, "kvCacheBudget": "16Mi", "routePrefix": prefix},
                  "experts": {"groups": groups, "numCpus": 0.25,
-                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}}},
+                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"},
+                                       "cold": {"path": str(Path(model_path).parent / "cold")}}}},
     }
+
+
+MOECTL = str(Path(sys.executable).with_name("moectl"))
+
+
+def _moectl(k8s, *args):
+    return subprocess.run([MOECTL, *args], env=k8s.env, capture_output=True, text=True, timeout=300)
+
+
+def _hot_swap_through_the_spec(k8s, model, endpoint, reference):
+    """moectl hot-swap --wait -> new version on every replica; a bad file -> exit 1 with the
+    reason and the old one serving; --rollback -> the checkpoint's version again."""
+    weights_dir = Path(model).parent / "weights"
+    weights_dir.mkdir()
+    original = {w: t.clone() for w, t in reference.experts.weights[(1, 1)].items()}
+    new = {w: (t * 40).contiguous() for w, t in original.items()}
+    f = weights_dir / "e-1.1.safetensors"
+    save_file({f"{w}.weight": t for w, t in new.items()}, str(f))
+    swapped = InProcessModel(model)
+    swapped.experts.weights[(1, 1)] = new
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [40, 41, 42, 43, 44]]
+
+    def tokens(p):
+        return requests.post(endpoint + "/completions", json={"prompt": p, "max_tokens": 5, "temperature": 0},
+                             timeout=60).json()["choices"][0]["token_ids"]
+
+    want_old = [reference.generate([p], 5, stop_at_eos=True)[0] for p in prompts]
+    want_new = [swapped.generate([p], 5, stop_at_eos=True)[0] for p in prompts]
+    assert want_old != want_new
+    r = _moectl(k8s, "hot-swap", "tiny", "--expert", "1.1", "--weights", str(f), "--sha256", file_sha256(f),
+                "--wait", "--timeout", "180")
+    assert r.returncode == 0, r.stderr
+    assert "serves sha256:" in r.stdout and "on every replica" in r.stdout
+    assert [tokens(p) for p in prompts] == want_new
+    st = k8s.kubectl_json("get", "moed", "tiny")["status"]
+    rec = next(x for x in st["lastSwaps"] if x["expert"] == "1.1")
+    assert rec["outcome"] == "Serving" and rec["digest"] == content_digest(new) and rec["durationSeconds"] >= 0
+    assert st["overriddenExperts"] == 1
+    assert st["tiers"]["hot"]["experts"] > 0 and st["tiers"]["cold"]["experts"] > 0
+    events = k8s.kubectl_json("get", "events", "--field-selector", "involvedObject.name=tiny")["items"]
+    assert any(e["reason"] == "HotSwapServing" for e in events)
+
+    # a wrong checksum: refused with the reason, exit 1, the swapped version keeps serving
+    r = _moectl(k8s, "hot-swap", "tiny", "--expert", "1.1", "--weights", str(f), "--sha256", "0" * 64,
+                "--wait", "--timeout", "180")
+    assert r.returncode == 1 and "sha256 is" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert [tokens(p) for p in prompts] == want_new
+    # dry run changes nothing
+    r = _moectl(k8s, "hot-swap", "tiny", "--expert", "1.1", "--rollback", "--dry-run")
+    assert r.returncode == 0 and "overrides: []" in r.stdout
+    assert k8s.kubectl_json("get", "moed", "tiny")["spec"]["experts"]["overrides"]
+    r = _moectl(k8s, "hot-swap", "tiny", "--expert", "1.1", "--rollback", "--wait", "--timeout", "180")
+    assert r.returncode == 0, r.stderr
+    assert [tokens(p) for p in prompts] == want_old
+    st = k8s.kubectl_json("get", "moed", "tiny")["status"]
+    assert st["overriddenExperts"] == 0 and st["lastSwaps"][0]["outcome"] == "RolledBack"
+    # an unknown object: exit 1, one line
+    r = _moectl(k8s, "hot-swap", "nope", "--expert", "1.1", "--rollback")
+    assert r.returncode == 1 and r.stderr.strip() == "error: moedeployment default/nope not found"
 
 
 def _ready(k8s, name):
@@ -89,6 +151,8 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
         assert any(e["reason"] == "Serving" for e in events)
         row = k8s.kubectl("get", "moed", "tiny").stdout.splitlines()[1].split()
         assert row[:4] == ["tiny", "True", "2", "1"]
+
+        _hot_swap_through_the_spec(k8s, model, endpoint, reference)
 
         # change the number of groups: re-planned, re-rendered, still serving the same tokens
         k8s.kubectl("patch", "moed", "tiny", "--type=merge", "-p", json.dumps({"spec": {"experts": {"groups": 3}}}))

@@ -41,7 +41,8 @@ def test_moectl_up_serves_reconciles_and_stops(tmp_path):
         "apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "tiny"},
         "spec": {"model": {"path": "models/tiny"}, "ingress": {"numCpus": 0.25, "kvCacheBudget": "16Mi"},
                  "experts": {"groups": 2, "numCpus": 0.25,
-                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}}},
+                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"},
+                                       "cold": {"path": str(tmp_path / "cold")}}}},
     }
     f = tmp_path / "tiny.yaml"
     f.write_text(yaml.safe_dump(manifest))

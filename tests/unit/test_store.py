@@ -318,3 +318,14 @@ def test_concurrent_swaps_of_one_expert_never_tear(model_dir, tmp_path):
         t.join()
     assert s.experts()["1.0"]["digest"] in digests
     assert_within_budgets(s)
+
+
+def test_unusable_cold_dir_degrades_to_the_source_and_says_so(model_dir, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, cold_dir=str(blocker / "cold"), hot_budget=EXPERTS * n, warm_budget=0)
+    s.configure(ALL)
+    assert s.cold is None and "cannot use" in s.cold_error and str(blocker) in s.cold_error
+    with s.use([(1, 1)]) as w:
+        assert torch.equal(w[(1, 1)]["w1"], Checkpoint(model_dir).expert(1, 1)["w1"])

@@ -44,3 +44,8 @@ def set_condition(conditions: list[dict], type_: str, status: bool | str, reason
 
 def get_condition(conditions: list[dict], type_: str) -> dict | None:
     return next((c for c in conditions if c.get("type") == type_), None)
+
+
+def is_true(conditions: list[dict], type_: str) -> bool:
+    c = get_condition(conditions, type_)
+    return c is not None and c.get("status") == "True"

@@ -406,7 +406,7 @@ class SwapRecord(ApiModel):
     outcome: Literal["Pending", "Serving", "Failed", "RolledBack"] = Field(description="Result.")
     reason: str = Field(default="", description="Why it failed, when it did.")
     started_at: str | None = Field(default=None, description="When the swap was requested.")
-    duration_seconds: float | None = Field(default=None, description="From request to serving on every replica.")
+    duration_seconds: float | None = Field(default=None, description="Stage + validate + commit time on the slowest replica.")
 
 
 class AutoscalingStatus(ApiModel):

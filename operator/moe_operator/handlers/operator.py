@@ -24,7 +24,9 @@ from moe_operator.api import models
 from moe_operator.backends.ray_rest import RayServeClient, RayServeError
 from moe_operator.backends.render_only import RenderOnlyClient
 from moe_operator.metrics import RECONCILES, RECONCILE_SECONDS, APPLIED_GENERATION, start_metrics_server
-from moe_operator.reconcile import reconcile, remove_application
+from moe_operator.api import conditions as cond
+from moe_operator.api.validation import SpecError, parse_spec
+from moe_operator.reconcile import observe_live, reconcile, remove_application
 from moe_operator.render.serve_app import app_name
 
 RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
@@ -110,3 +112,24 @@ def delete_handler(name: str, namespace: str, spec, logger, **_) -> None:
         raise kopf.TemporaryError(f"removing {app_name(namespace, name)}: {err}", delay=10)
     logger.info("removed Serve application %s" if removed else "Serve application %s was already gone",
                 app_name(namespace, name))
+
+
+@kopf.timer(*RESOURCE, interval=5.0, initial_delay=5.0)
+def observe_handler(spec, status, meta, patch, body, **_) -> None:
+    """Between reconciles: read the live app's report and update tiers, overridden experts and
+    hot-swap outcomes (written only when they changed; events on each outcome)."""
+    status = dict(status or {})
+    if status.get("observedGeneration") != meta.get("generation"):
+        return  # the reconcile handler owns this generation until it has applied it
+    if not cond.is_true(status.get("conditions") or [], cond.READY):
+        return
+    try:
+        parsed = parse_spec(dict(spec))
+    except SpecError:
+        return
+    fields, events = observe_live(parsed, status)
+    for key, value in fields.items():
+        if status.get(key) != value:
+            patch.status[key] = value
+    for event_type, reason, message in events:
+        kopf.event(body, type=event_type, reason=reason, message=message[:1000])

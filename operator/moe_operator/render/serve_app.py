@@ -12,7 +12,33 @@ def app_name(namespace: str, name: str) -> str:
     return f"{namespace}.{name}"
 
 
-def app_args(name: str, spec: MoEDeploymentSpec) -> AppArgs:
+def tier_config(spec: MoEDeploymentSpec) -> dict:
+    """The shard's user_config["tiers"] (moe_workers.store.TierConfig fields)."""
+    t = spec.experts.tiers
+    return {
+        "hot_budget": quantity_bytes(t.hot.budget),
+        "warm_budget": quantity_bytes(t.warm.budget),
+        "cold_dir": t.cold.path,
+        "cold_budget": quantity_bytes(t.cold.budget) if t.cold.budget is not None else None,
+        "policy": t.policy,
+        "idle_demotion_s": t.idle_demotion_seconds,
+        "prefetch": t.prefetch.enabled,
+        "pinned": t.warm.pinned,
+    }
+
+
+def overrides_config(spec: MoEDeploymentSpec) -> dict[str, dict]:
+    """expert -> {"path", "sha256"} for the shards hosting it (hot-swaps)."""
+    out = {}
+    for o in spec.experts.overrides:
+        entry = {"path": o.weights.path}
+        if o.weights.sha256:
+            entry["sha256"] = o.weights.sha256
+        out[o.expert] = entry
+    return out
+
+
+def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None = None) -> AppArgs:
     return AppArgs(
         model_path=spec.model.path,
         served_model_name=spec.model.served_model_name or name,
@@ -26,13 +52,19 @@ def app_args(name: str, spec: MoEDeploymentSpec) -> AppArgs:
         ingress_num_cpus=spec.ingress.num_cpus,
         shard_num_cpus=spec.experts.num_cpus,
         shard_num_gpus=spec.experts.num_gpus,
+        allowed_weight_roots=list(allowed_roots or []),
     )
 
 
-def render_application(namespace: str, name: str, spec: MoEDeploymentSpec, placement: dict[str, list[str]]) -> dict:
-    """One entry of the Serve config's `applications` for this MoEDeployment."""
-    return serve_application(app_name(namespace, name), spec.ingress.route_prefix, app_args(name, spec), placement,
-                             spec.experts.replicas_per_group)
+def render_application(namespace: str, name: str, spec: MoEDeploymentSpec, placement: dict[str, list[str]],
+                       allowed_roots: list[str] | None = None) -> dict:
+    """One entry of the Serve config's `applications` for this MoEDeployment. Tiers, overrides
+    and prefetch go into user_config (applied in place); allowed roots into the static args."""
+    prefetch = spec.experts.tiers.prefetch
+    return serve_application(app_name(namespace, name), spec.ingress.route_prefix,
+                             app_args(name, spec, allowed_roots), placement, spec.experts.replicas_per_group,
+                             tiers=tier_config(spec), overrides=overrides_config(spec),
+                             prefetch_lookahead=prefetch.lookahead_layers if prefetch.enabled else 0)
 
 
 def merge_applications(current: list[dict], ours: dict) -> list[dict]:

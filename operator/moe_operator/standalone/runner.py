@@ -20,7 +20,7 @@ from moe_operator.api import conditions as cond
 from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.backends.ray_rest import RayServeClient
-from moe_operator.reconcile import reconcile, remove_application
+from moe_operator.reconcile import observe_live, reconcile, remove_application
 from moe_operator.render.serve_app import app_name
 
 
@@ -131,11 +131,27 @@ class StandaloneRunner:
             return True
         return False
 
-    def watch(self, stop: Callable[[], bool], poll_s: float = 1.0) -> None:
+    def observe(self) -> None:
+        """Between reconciles: live tiers, overridden experts and hot-swap outcomes."""
+        m = load_manifest(self.manifest_path)
+        if m.spec is None or not cond.is_true(self.status.get("conditions") or [], cond.READY):
+            return
+        fields, events = observe_live(m.spec, self.status)
+        if any(self.status.get(k) != v for k, v in fields.items()):
+            self.status.update(fields)
+            self._write_status(m)
+        for _, reason, message in events:
+            self.log(f"{reason}: {message}")
+
+    def watch(self, stop: Callable[[], bool], poll_s: float = 1.0, observe_every_s: float = 2.0) -> None:
+        last_observe = 0.0
         while not stop():
             if self.changed():
                 self.log(f"{self.manifest_path} changed; reconciling")
                 self.reconcile()
+            elif time.monotonic() - last_observe >= observe_every_s:
+                self.observe()
+                last_observe = time.monotonic()
             time.sleep(poll_s)
 
     def teardown(self) -> None:

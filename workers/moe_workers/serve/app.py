@@ -13,6 +13,7 @@ import resource
 import threading
 import time
 import uuid
+import warnings
 from collections import Counter as TokenCounter
 from pathlib import Path
 
@@ -40,6 +41,27 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def to_wire(t: torch.Tensor):
+    """Tensors cross Ray as numpy arrays: Ray hands those over without copying them out of the
+    object store (a pickled torch tensor is copied on both sides). bf16 has no numpy dtype, so
+    it travels as its raw 16 bits."""
+    if t.dtype == torch.bfloat16:
+        return ("bf16", t.contiguous().view(torch.int16).numpy())
+    return t.contiguous().numpy()
+
+
+def from_wire(a) -> torch.Tensor:
+    if isinstance(a, tuple):
+        return _from_numpy(a[1]).view(torch.bfloat16)
+    return _from_numpy(a)
+
+
+def _from_numpy(a) -> torch.Tensor:
+    with warnings.catch_warnings():  # read-only buffer from the object store: we only read it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
 def current_rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -54,13 +76,33 @@ def _now_rfc3339() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+@serve.deployment(ray_actor_options={"num_cpus": 0.01})
+class StatusBoard:
+    """The latest status of every shard replica. A DeploymentHandle call reaches one replica of a
+    deployment, not each, so every replica reports itself here (every 2 s and after each
+    reconfigure) and the ingress serves the collection at GET /moe/v1/status."""
+
+    def __init__(self):
+        self.reports: dict[str, tuple[float, dict]] = {}
+
+    def report(self, status: dict) -> None:
+        self.reports[status["replica"]] = (time.monotonic(), status)
+
+    def snapshot(self, max_age_s: float = 10.0) -> list[dict]:
+        now = time.monotonic()
+        self.reports = {r: v for r, v in self.reports.items() if now - v[0] <= max_age_s}  # gone replicas age out
+        return [{**st, "age_s": round(now - t, 2)} for t, st in sorted(self.reports.values(),
+                                                                       key=lambda v: (v[1]["group"], v[1]["replica"]))]
+
+
 @serve.deployment
 class ExpertShard:
     """Hosts the experts named in its user_config in a TieredExpertStore; computes them for the
     ingress. user_config: {"experts": [L.E, ...], "tiers": {...TierConfig}, "overrides":
     {L.E: {"path": ..., "sha256": ...}}}; changes apply in place (reconfigure)."""
 
-    def __init__(self, model_path: str, dtype: str, torch_threads: int, allowed_weight_roots: list[str] | None = None):
+    def __init__(self, model_path: str, dtype: str, torch_threads: int, allowed_weight_roots: list[str] | None = None,
+                 board: DeploymentHandle | None = None):
         torch.set_num_threads(torch_threads)
         self.ckpt = Checkpoint(model_path)
         self.cfg = self.ckpt.config.with_dtype(dtype)
@@ -71,11 +113,15 @@ class ExpertShard:
         self.store = TieredExpertStore(self.ckpt, self.cfg.dtype, TierConfig(), on_move=self.metrics.on_move)
         self.overrides: dict[str, dict] = {}  # applied: expert -> {"path", "sha256"}
         self.swaps: dict[str, dict] = {}  # last swap per expert, as status reports it
+        self._swap_seq = 0
         self.load: TokenCounter = TokenCounter()
         self.compute_s = 0.0
         self.calls = 0
         self._config_lock = threading.Lock()
         self._stop = threading.Event()
+        self.board = board
+        self._report_now = threading.Event()
+        self.baseline_rss_bytes = current_rss_bytes()  # torch + Ray + this code, before any expert
         threading.Thread(target=self._maintain, name="store-maintenance", daemon=True).start()
 
     def reconfigure(self, config: dict) -> None:
@@ -93,6 +139,7 @@ class ExpertShard:
             for eid, o in sorted(wanted.items()):
                 if self.overrides.get(eid) != o:
                     self._swap(eid, o)
+        self._report_now.set()
 
     def _swap(self, eid: str, override: dict | None) -> None:
         key = _expert_key(eid)
@@ -114,13 +161,16 @@ class ExpertShard:
             if override is not None:
                 self.overrides[eid] = override  # applied = attempted: the same spec is not retried in a loop
         record["duration_s"] = round(time.perf_counter() - t0, 4)
+        self._swap_seq += 1
+        record["seq"] = self._swap_seq  # lets a watcher tell a new attempt from an old record
         self.swaps[eid] = record
         self.metrics.swap(record)
 
-    def forward(self, layer: int, x: torch.Tensor, experts: list[int], counts: list[int],
-                prefetch: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    def forward(self, layer: int, x, experts: list[int], counts: list[int],
+                prefetch: list[tuple[int, int]] | None = None):
         """Rows of x grouped by expert (`counts[i]` rows for `experts[i]`) -> their outputs."""
         t0 = time.perf_counter()
+        x = from_wire(x)
         keys = [(layer, e) for e in experts]
         out = torch.empty_like(x)
         with self.store.use(keys) as weights, torch.inference_mode():
@@ -135,13 +185,19 @@ class ExpertShard:
         self.metrics.tokens(layer, experts, counts)
         self.compute_s += time.perf_counter() - t0
         self.calls += 1
-        return out
+        return to_wire(out)
 
     def _maintain(self) -> None:
-        while not self._stop.wait(1.0):
+        last_report = 0.0
+        while not self._stop.is_set():
+            self._report_now.wait(1.0)
             try:
                 self.store.demote_idle()
                 self.metrics.export(self.store)
+                if self.board is not None and (self._report_now.is_set() or time.monotonic() - last_report >= 2.0):
+                    self._report_now.clear()
+                    self.board.report.remote(self.status())  # fire and forget: the next report supersedes it
+                    last_report = time.monotonic()
             except Exception:  # keep maintaining; the next round retries
                 pass
 
@@ -160,12 +216,14 @@ class ExpertShard:
             "bytes": residency["hot"]["bytes"] + residency["warm"]["bytes"],
             "tiers": residency,
             "budgets": self.store.budgets(),
+            "cold_error": self.store.cold_error,
             "store": self.store.stats.as_dict(),
             "swaps": dict(self.swaps),
             "compute_s": self.compute_s,
             "calls": self.calls,
             "peak_rss_bytes": peak_rss_bytes(),
             "rss_bytes": current_rss_bytes(),
+            "baseline_rss_bytes": self.baseline_rss_bytes,
         }
 
 
@@ -183,7 +241,7 @@ async def _request_error(_: Request, err: RequestError):
 class Ingress:
     """HTTP API, continuous batching, dense compute; experts through the shard handles."""
 
-    def __init__(self, args: dict, shards: dict[str, DeploymentHandle]):
+    def __init__(self, args: dict, shards: dict[str, DeploymentHandle], board: DeploymentHandle | None = None):
         self.args = AppArgs.model_validate(args)
         torch.set_num_threads(self.args.ingress_torch_threads)
         ckpt = Checkpoint(self.args.model_path)
@@ -194,6 +252,7 @@ class Ingress:
         self.cache = KVCache.for_budget(cfg, self.args.kv_cache_budget_bytes, self.max_len, cfg.dtype,
                                         max_slots=max(self.args.max_batch_size, 1) * 2)
         self.shards = shards
+        self.board = board
         self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
         self.prefetch_lookahead = 0
         self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
@@ -230,7 +289,7 @@ class Ingress:
         for group, experts in assignment.items():
             rows = [groups[e][0] for e in experts]
             counts = [int(r.numel()) for r in rows]
-            payload = x[torch.cat(rows)] if len(rows) > 1 else x[rows[0]]  # one contiguous tensor per call
+            payload = to_wire(x[torch.cat(rows)] if len(rows) > 1 else x[rows[0]])  # one array per call
             tokens = sum(counts)
             router.begin(group, tokens)
             calls.append((group, tokens, experts, counts,
@@ -242,7 +301,7 @@ class Ingress:
                 router.end(group, tokens)
         outputs: dict[int, torch.Tensor] = {}
         for (_, _, experts, counts, _), out in zip(calls, results):
-            for e, part in zip(experts, torch.split(out, counts)):
+            for e, part in zip(experts, torch.split(from_wire(out), counts)):
                 outputs[e] = part
         return combine(x.shape[0], x.shape[1], x.dtype, groups, outputs, weights)
 
@@ -332,6 +391,14 @@ class Ingress:
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
 
+    @fastapi_app.get("/moe/v1/status")
+    async def moe_status(self):
+        """Every shard replica's experts (version digest, tier, tokens), tiers, swaps; this
+        ingress replica's engine. What the operator and moectl read."""
+        replicas = await self.board.snapshot.remote() if self.board is not None else []
+        return {"model": self.args.served_model_name, "placement": self.router.placement if self.router else {},
+                "prefetch_lookahead": self.prefetch_lookahead, "ingress": self.engine_stats(), "replicas": replicas}
+
     def engine_stats(self) -> dict:
         t = self.engine.timings
         return {"steps": t.steps, "tokens": t.tokens, "dense_s": t.dense, "experts_s": t.experts,
@@ -345,16 +412,17 @@ def build_app(args: AppArgs) -> serve.Application:
     """The Serve application for these typed args (placement from args.placement, if given;
     Serve configs override it per deployment through user_config)."""
     placement = args.placement or {}
+    board = StatusBoard.bind()
     shards = {}
     for name in args.group_names():
         options = {"name": name, "ray_actor_options": {"num_cpus": args.shard_num_cpus, "num_gpus": args.shard_num_gpus}}
         if args.placement is not None:
             options["user_config"] = {"experts": list(placement.get(name, []))}
         shards[name] = ExpertShard.options(**options).bind(args.model_path, args.dtype, args.torch_threads,
-                                                           args.allowed_weight_roots)
+                                                           args.allowed_weight_roots, board)
     options = {"name": INGRESS, "num_replicas": args.ingress_replicas,
                "ray_actor_options": {"num_cpus": args.ingress_num_cpus},
                "max_ongoing_requests": max(1000, args.max_batch_size + args.max_queued_requests + 16)}
     if args.placement is not None:
         options["user_config"] = {"placement": placement}
-    return Ingress.options(**options).bind(args.model_copy(update={"placement": None}).model_dump(), shards)
+    return Ingress.options(**options).bind(args.model_copy(update={"placement": None}).model_dump(), shards, board)

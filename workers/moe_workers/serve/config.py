@@ -52,15 +52,28 @@ class AppArgs(BaseModel):
 
 
 def serve_application(name: str, route_prefix: str, args: AppArgs, placement: dict[str, list[str]],
-                      replicas_per_group: dict[str, int] | int = 1) -> dict:
-    """One entry of a Serve config's `applications`, with placement and replicas as in-place options."""
+                      replicas_per_group: dict[str, int] | int = 1, tiers: dict | None = None,
+                      overrides: dict[str, dict] | None = None, prefetch_lookahead: int = 0) -> dict:
+    """One entry of a Serve config's `applications`. Placement, replicas, tier budgets, expert
+    overrides (hot-swaps: expert -> {"path", "sha256"}) and prefetch are in-place options: Serve
+    applies them through reconfigure() / num_replicas without restarting replicas."""
     static = args.model_copy(update={"placement": None}).model_dump(exclude_none=True)
     unknown = sorted(set(placement) - set(args.group_names()))
     if unknown:
         raise ValueError(f"placement names groups outside 0..{args.num_groups - 1}: {', '.join(unknown)}")
-    deployments = [{"name": INGRESS, "user_config": {"placement": {g: list(placement.get(g, [])) for g in args.group_names()}}}]
+    ingress_config: dict = {"placement": {g: list(placement.get(g, [])) for g in args.group_names()}}
+    if prefetch_lookahead:
+        ingress_config["prefetch_lookahead"] = prefetch_lookahead
+    deployments = [{"name": INGRESS, "user_config": ingress_config}]
     for g in args.group_names():
         n = replicas_per_group if isinstance(replicas_per_group, int) else replicas_per_group.get(g, 1)
-        deployments.append({"name": g, "num_replicas": n, "user_config": {"experts": list(placement.get(g, []))}})
+        hosted = list(placement.get(g, []))
+        shard_config: dict = {"experts": hosted}
+        if tiers:
+            shard_config["tiers"] = dict(tiers)
+        mine = {eid: dict(o) for eid, o in sorted((overrides or {}).items()) if eid in set(hosted)}
+        if mine:
+            shard_config["overrides"] = mine
+        deployments.append({"name": g, "num_replicas": n, "user_config": shard_config})
     return {"name": name, "route_prefix": route_prefix, "import_path": IMPORT_PATH, "args": static,
             "deployments": deployments}

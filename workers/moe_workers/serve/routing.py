@@ -13,6 +13,7 @@ from collections import defaultdict
 class ExpertRouter:
     def __init__(self, placement: dict[str, list[str]]):
         """placement: group name -> expert ids ('L.E') it hosts."""
+        self.placement = {g: list(e) for g, e in placement.items()}
         self.hosts: dict[tuple[int, int], list[str]] = defaultdict(list)
         for group, experts in sorted(placement.items()):
             for eid in experts:

@@ -169,6 +169,7 @@ class TieredExpertStore:
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
         self.config = config or TierConfig()
         self.policy: Policy = make_policy(self.config.policy)
+        self.cold_error: str | None = None
         self.cold = self._open_cold(self.config)
         self.on_move = on_move
         self.entries: dict[Key, Entry] = {}
@@ -189,12 +190,16 @@ class TieredExpertStore:
         return 3 * h * i * torch.tensor([], dtype=self.dtype).element_size()
 
     def _open_cold(self, cfg: TierConfig) -> ColdCache | None:
+        """The cache directory; an unusable one degrades to reading from the source (reported in
+        `cold_error`), because a node without the NVMe path should still serve."""
+        self.cold_error = None
         if not cfg.cold_dir:
             return None
         try:
             return ColdCache(Path(cfg.cold_dir), self.ckpt.path, cfg.cold_budget)
         except OSError as err:
-            raise TierConfigError(f"tiers.cold_dir: cannot use {cfg.cold_dir} ({err.strerror or err})") from None
+            self.cold_error = f"tiers.cold_dir: cannot use {cfg.cold_dir} ({err.strerror or err}); reading experts from the source"
+            return None
 
     def check_budgets(self, keys: Iterable[Key], config: TierConfig) -> None:
         """Refuse budgets that cannot hold one batch: a call computes one layer's experts hosted
@@ -221,7 +226,7 @@ class TieredExpertStore:
             if config.policy != self.config.policy:
                 self.policy = make_policy(config.policy)
             if (config.cold_dir, config.cold_budget) != (self.config.cold_dir, self.config.cold_budget):
-                if self.cold is not None and config.cold_dir == self.config.cold_dir:
+                if self.cold is not None and config.cold_dir == self.config.cold_dir and self.cold_error is None:
                     self.cold.budget = config.cold_budget
                 else:
                     self.cold = self._open_cold(config)
@@ -298,6 +303,18 @@ class TieredExpertStore:
                     e.pins -= 1
                     e.last_used = now
                 self._cv.notify_all()
+
+    def promote(self, key: Key, tier: str = HOT) -> bool:
+        """Move one expert up to `tier` now, evicting by policy (experts in use are never
+        evicted); False when there was no room. For operators' warm-up and benchmarks."""
+        return self._promote(key, tier, mode="prefetch") is not None
+
+    def demote(self, key: Key) -> None:
+        """Move one expert down a tier now (unless a batch is using it)."""
+        with self._cv:
+            e = self.entries[key]
+            if e.tier in (HOT, WARM) and not e.busy and e.pins == 0:
+                self._demote(e)
 
     def prefetch(self, keys: Iterable[Key]) -> None:
         """Hint: these experts are needed soon. Promoted in the background, never by evicting

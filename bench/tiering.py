@@ -1,0 +1,300 @@
+"""Tiered expert store: moves against the raw physical operation, policies against the optimum,
+serving with small hot tiers, and memory against budgets. Side by side in one run.
+
+    python bench/tiering.py            # the bench/serving model (hidden 1024, 8 experts, 4 layers)
+    python bench/tiering.py --quick    # a small model, for a smoke run
+
+1. promote-ratio: cold->warm promotion throughput against a raw sequential read of the same
+   files into a preallocated buffer; warm->hot against a raw copy (allocate + copy) of the same
+   bytes. Page cache warm for both sides (the files were just written).
+2. hit-ratio-vs-optimal: hits of the default policy (RecencyFrequency), LRU and LFU against
+   Belady's offline optimum on the same trace, for synthetic routing traces (Zipf popularity,
+   temporal locality: the next token keeps its top-1 expert with probability p) and for a trace
+   recorded from the model itself, at cache sizes of 25% and 50% of the experts.
+3. Served decode tokens/s with each shard's hot budget at 25% and 50% of its experts (the rest
+   warm) against 100%, and each replica's peak resident memory against hot + warm budgets plus
+   the process's own baseline (rss-over-budget-ratio).
+Ends with `figure: value` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator"), str(REPO / "bench")]
+
+import requests  # noqa: E402
+import torch  # noqa: E402
+
+from serving import ensure_checkpoint, model_shape, prompts  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
+    p.add_argument("--skip-served", action="store_true", help="only the in-process parts (1 and 2)")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "tiering.json"))
+    return p.parse_args()
+
+
+# -- 1. promotion against raw operations --------------------------------------------------------
+
+
+def bench_promotion(path: Path, work_dir: Path, repeats: int = 3) -> dict:
+    from moe_workers.model.checkpoint import Checkpoint
+    from moe_workers.store.store import COLD, HOT, WARM, TierConfig, TieredExpertStore
+
+    ckpt = Checkpoint(path)
+    cfg = ckpt.config
+    keys = [(l, e) for l in range(cfg.num_layers) for e in range(cfg.num_experts)]
+    n = cfg.expert_bytes
+    store = TieredExpertStore(ckpt, cfg.dtype, TierConfig(hot_budget=len(keys) * n, warm_budget=len(keys) * n,
+                                                          cold_dir=str(work_dir / "cold"), prefetch=False))
+    store.configure(keys, TierConfig(hot_budget=cfg.num_experts * n, warm_budget=len(keys) * n,
+                                     cold_dir=str(work_dir / "cold"), prefetch=False))
+    files = [store.cold.get(k, store.entries[k].version.digest) for k in keys]
+    total = len(keys) * n
+    best = {"cold_warm": 1e9, "raw_read": 1e9, "warm_hot": 1e9, "raw_copy": 1e9}
+    buf = bytearray(max(f.stat().st_size for f in files))
+    view = memoryview(buf)
+    for _ in range(repeats):
+        for k in keys:  # everything down to cold (files only)
+            while store.entries[k].tier != COLD:
+                store.demote(k)
+        t0 = time.perf_counter()
+        for k in keys:
+            assert store.promote(k, WARM)
+        best["cold_warm"] = min(best["cold_warm"], time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                fh.readinto(view)
+        best["raw_read"] = min(best["raw_read"], time.perf_counter() - t0)
+        # warm -> hot, one layer at a time (the hot budget holds one layer)
+        warm = {k: store.entries[k].tensors for k in keys}
+        t0 = time.perf_counter()
+        for k in keys:
+            assert store.promote(k, HOT)
+        best["warm_hot"] = min(best["warm_hot"], time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for k in keys:
+            for t in warm[k].values():
+                torch.empty_like(t).copy_(t)
+        best["raw_copy"] = min(best["raw_copy"], time.perf_counter() - t0)
+    gbs = {k: total / v / 1e9 for k, v in best.items()}
+    return {"bytes": total, "seconds": best, "GB_per_s": gbs,
+            "cold_warm_ratio": gbs["cold_warm"] / gbs["raw_read"], "warm_hot_ratio": gbs["warm_hot"] / gbs["raw_copy"]}
+
+
+# -- 2. policies against the optimum --------------------------------------------------------------
+
+
+def synthetic_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, zipf_s: float, stay: float,
+                    seed: int) -> list[tuple[int, int]]:
+    """Accesses (layer, expert) of batch-1 decoding: per token, per layer, top-k experts drawn
+    from a Zipf popularity (a different ranking per layer); with probability `stay` the token
+    keeps the previous token's top-1 expert of that layer (temporal locality)."""
+    rng = random.Random(seed)
+    ranks = [rng.sample(range(num_experts), num_experts) for _ in range(num_layers)]
+    weights = [1 / (r + 1) ** zipf_s for r in range(num_experts)]
+    prev = [None] * num_layers
+    trace = []
+    for _ in range(tokens):
+        for layer in range(num_layers):
+            chosen: list[int] = []
+            if prev[layer] is not None and rng.random() < stay:
+                chosen.append(prev[layer])
+            while len(chosen) < top_k:
+                e = ranks[layer][rng.choices(range(num_experts), weights=weights)[0]]
+                if e not in chosen:
+                    chosen.append(e)
+            prev[layer] = chosen[0]
+            trace.extend((layer, e) for e in chosen)
+    return trace
+
+
+def recorded_trace(path: Path, tokens: int) -> list[tuple[int, int]]:
+    """The routing of the model itself while it generates (batch 1, greedy)."""
+    from moe_workers.model.inprocess import InProcessModel
+
+    model = InProcessModel(path, max_len=tokens + 16, max_sequences=1)
+    trace: list[tuple[int, int]] = []
+    route = model.dense.route
+
+    def recording(layer, h):
+        x, indices, weights = route(layer, h)
+        for row in indices[-1:].tolist():  # the newest token (prefill: its last position)
+            trace.extend((layer, e) for e in row)
+        return x, indices, weights
+
+    model.dense.route = recording
+    model.generate([[5, 17, 99, 3]], max_tokens=tokens)
+    return trace
+
+
+def stay_rate(trace, num_layers, top_k) -> float:
+    """How often consecutive tokens keep their top-1 expert, averaged over layers."""
+    per_token = top_k * num_layers
+    firsts = [trace[i:i + per_token:top_k] for i in range(0, len(trace) - per_token + 1, per_token)]
+    same = sum(a[l] == b[l] for a, b in zip(firsts, firsts[1:]) for l in range(num_layers))
+    return same / max(1, (len(firsts) - 1) * num_layers)
+
+
+def bench_policies(traces: dict[str, list], num_experts_total: int) -> dict:
+    from moe_workers.store.policy import LFU, LRU, RecencyFrequency, belady_hits, policy_hits
+
+    out = {}
+    for name, trace in traces.items():
+        for frac in (0.25, 0.5):
+            cap = max(1, int(num_experts_total * frac))
+            opt = belady_hits(trace, cap)
+            row = {"capacity": cap, "accesses": len(trace), "belady": opt / len(trace)}
+            for label, policy in (("RecencyFrequency", RecencyFrequency()), ("LRU", LRU()), ("LFU", LFU())):
+                row[label] = policy_hits(trace, cap, policy) / len(trace)
+            row["default_vs_optimal"] = row["RecencyFrequency"] / row["belady"] if opt else 1.0
+            row["lru_vs_optimal"] = row["LRU"] / row["belady"] if opt else 1.0
+            out[f"{name}@{int(frac * 100)}%"] = row
+    return out
+
+
+# -- 3. served with small hot tiers ----------------------------------------------------------------
+
+
+def bench_served(path: Path, shape: dict, work_dir: Path, batch: int, tokens: int) -> dict:
+    from moe_operator.backends.ray_rest import RayServeClient
+    from moe_operator.standalone.local_ray import LocalRayHead
+    from moe_workers.model.config import MoEConfig
+    from moe_workers.serve.config import AppArgs, serve_application
+
+    groups = 2
+    layers, experts = shape["num_layers"], shape["num_experts"]
+    one = MoEConfig.from_dir(path).expert_bytes
+    per_shard = layers * experts // groups
+    placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in range(layers) for e in range(experts) if e % groups == g]
+                 for g in range(groups)}
+    head = LocalRayHead(work_dir=Path(tempfile.mkdtemp(prefix="moe-bench-ray-")), num_cpus=8).start()
+    out = {}
+    try:
+        ray = head.connect_driver(namespace="bench")
+        from ray import serve
+
+        client = RayServeClient(head.dashboard_url, head.token)
+        args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=groups, max_batch_size=batch,
+                       kv_cache_budget_bytes=2**30, max_queued_requests=256, max_model_len=256,
+                       ingress_num_cpus=1, shard_num_cpus=1, ingress_torch_threads=2)
+        url = f"http://127.0.0.1:{head.serve_http_port}"
+        for frac in (1.0, 0.5, 0.25):
+            hot = max(int(per_shard * frac), experts // groups) * one
+            warm = per_shard * one - hot
+            tiers = {"hot_budget": hot, "warm_budget": warm, "cold_dir": str(work_dir / "served-cold")}
+            client.put({"http_options": {"host": "127.0.0.1", "port": head.serve_http_port},
+                        "applications": [serve_application("bench", "/", args, placement, tiers=tiers,
+                                                           prefetch_lookahead=1)]})
+            client.wait_running(["bench"], timeout_s=900)
+            shards = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="bench") for g in range(groups)]
+            # the budgets apply in place: wait until every shard reports them
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                st = [s.status.remote().result() for s in shards]
+                if all(x["budgets"]["hot"] == hot for x in st):
+                    break
+                time.sleep(1)
+            ps = prompts(batch, 8, shape["vocab_size"], 2)
+
+            def run(n):
+                t0 = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+                    list(pool.map(lambda p: requests.post(url + "/v1/completions", json={
+                        "prompt": p, "max_tokens": n, "temperature": 0}, timeout=3600).raise_for_status(), ps))
+                return time.perf_counter() - t0
+
+            run(2)  # warm-up
+            one_tok, full = run(1), run(tokens)
+            st = [s.status.remote().result() for s in shards]
+            out[f"hot{int(frac * 100)}"] = {
+                "hot_budget": hot, "warm_budget": warm, "decode_tps": batch * (tokens - 1) / (full - one_tok),
+                "replicas": [{"group": x["group"], "peak_rss_bytes": x["peak_rss_bytes"],
+                              "baseline_rss_bytes": x["baseline_rss_bytes"], "store": x["store"],
+                              "tiers": x["tiers"]} for x in st],
+            }
+            print(f"  hot {int(frac * 100)}%: {out[f'hot{int(frac * 100)}']['decode_tps']:.1f} tok/s", flush=True)
+        client.delete_all()
+        ray.shutdown()
+    finally:
+        head.stop()
+    return out
+
+
+def main() -> int:
+    a = parse_args()
+    shape = model_shape(a.quick)
+    path = ensure_checkpoint(a.cache_dir, shape)
+    work = Path(tempfile.mkdtemp(prefix="moe-bench-tiering-"))
+    print(f"model {shape}", flush=True)
+    results: dict = {"shape": shape}
+
+    print("\n1. promotion against raw operations", flush=True)
+    pr = results["promotion"] = bench_promotion(path, work)
+    g = pr["GB_per_s"]
+    print(f"  cold->warm {g['cold_warm']:.2f} GB/s vs raw sequential read {g['raw_read']:.2f} GB/s: "
+          f"{pr['cold_warm_ratio']:.2f}")
+    print(f"  warm->hot  {g['warm_hot']:.2f} GB/s vs raw copy {g['raw_copy']:.2f} GB/s: {pr['warm_hot_ratio']:.2f}")
+
+    print("\n2. hit rate against the offline optimum (Belady)", flush=True)
+    L, E, K = 32, 8, 2  # Mixtral-8x7B's routing shape for the synthetic traces
+    traces = {
+        "zipf1.0-stay0.25": synthetic_trace(L, E, K, 1500, 1.0, 0.25, 1),
+        "zipf1.2-stay0.25": synthetic_trace(L, E, K, 1500, 1.2, 0.25, 2),
+        "zipf0.8-stay0.125": synthetic_trace(L, E, K, 1500, 0.8, 0.125, 3),
+        "zipf1.0-stay0.5": synthetic_trace(L, E, K, 1500, 1.0, 0.5, 4),
+    }
+    recorded = recorded_trace(path, 400 if not a.quick else 100)
+    results["recorded_stay_rate"] = stay_rate(recorded, shape["num_layers"], shape["top_k"])
+    pol = results["policies"] = bench_policies(traces, L * E)
+    pol.update(bench_policies({"recorded": recorded}, shape["num_layers"] * shape["num_experts"]))
+    print(f"  {'trace @ cache size':28} {'Belady':>7} {'default':>8} {'LRU':>6} {'LFU':>6} {'default/opt':>12}")
+    for name, row in pol.items():
+        print(f"  {name:28} {row['belady']:7.3f} {row['RecencyFrequency']:8.3f} {row['LRU']:6.3f} {row['LFU']:6.3f} "
+              f"{row['default_vs_optimal']:12.2f}")
+    print(f"  (recorded trace: consecutive tokens keep their top-1 expert {results['recorded_stay_rate']:.0%} of the time)")
+
+    figures = {
+        "promote-ratio": min(pr["cold_warm_ratio"], pr["warm_hot_ratio"]),
+        "hit-ratio-vs-optimal": min(r["default_vs_optimal"] for r in pol.values()),
+        "default-minus-lru-worst": min(r["RecencyFrequency"] - r["LRU"] for r in pol.values()),
+    }
+    if not a.skip_served:
+        print("\n3. served decode with small hot tiers (2 shard groups, the rest of each shard's experts warm)",
+              flush=True)
+        sv = results["served"] = bench_served(path, shape, work, batch=4 if a.quick else 8,
+                                              tokens=8 if a.quick else 16)
+        base = sv["hot100"]["decode_tps"]
+        for k in ("hot50", "hot25"):
+            figures[f"{k}-tps-ratio"] = sv[k]["decode_tps"] / base
+        ratios = []
+        for k, row in sv.items():
+            for r in row["replicas"]:
+                ratios.append(r["peak_rss_bytes"] / (row["hot_budget"] + row["warm_budget"] + r["baseline_rss_bytes"]))
+        figures["rss-over-budget-ratio"] = max(ratios)
+        print(f"  peak RSS / (hot + warm + baseline), worst replica: {max(ratios):.2f}")
+    results["figures"] = figures
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(results, indent=2))
+    print()
+    for k, v in figures.items():
+        print(f"{k}: {v:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The live app's per-replica report (GET {endpoint}/moe/v1/status) -> the MoEDeployment status
+fields that summarise it (pure): tier residency, overridden experts, and the hot-swaps as the
+spec asked for them (Serving on every replica hosting the expert, Failed with the replica's
+reason, or Pending). Status stays small: aggregates only; details come from moectl."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from moe_operator.api.models import MoEDeploymentSpec
+
+MAX_SWAPS = 20
+CHECKPOINT = "checkpoint"
+
+
+def fetch_app_status(base_url: str, timeout_s: float = 5.0) -> dict | None:
+    """The app's report, or None when it cannot be read now (the caller keeps what it had)."""
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/moe/v1/status", timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def tier_summary(replicas: list[dict]) -> dict[str, dict]:
+    out = {t: {"experts": 0, "bytes": 0} for t in ("hot", "warm", "cold")}
+    for r in replicas:
+        for tier, v in (r.get("tiers") or {}).items():
+            if tier in out:
+                out[tier]["experts"] += int(v.get("experts", 0))
+                out[tier]["bytes"] += int(v.get("bytes", 0))
+    return out
+
+
+def swap_records(spec: MoEDeploymentSpec, replicas: list[dict], previous: list[dict]) -> list[dict]:
+    """One record per override in the spec, plus rollbacks of overrides no longer there;
+    newest first. A record is Serving only when every replica hosting the expert serves the
+    override's file."""
+    records = []
+    wanted = {o.expert: o for o in spec.experts.overrides}
+    hosting: dict[str, list[dict]] = {}
+    for r in replicas:
+        for eid in (r.get("versions") or {}):
+            hosting.setdefault(eid, []).append(r)
+    for eid, o in wanted.items():
+        reps = hosting.get(eid, [])
+        rec = {"expert": eid, "outcome": "Pending", "reason": "", "digest": ""}
+        attempts = [r.get("swaps", {}).get(eid) or {} for r in reps]
+        mine = [a for a in attempts if a.get("path") == o.weights.path]
+        failed = [(r, a) for r, a in zip(reps, attempts) if a.get("path") == o.weights.path and a.get("outcome") == "Failed"]
+        serving = [r for r in reps if (r["versions"][eid].get("source") == o.weights.path)]
+        if failed:
+            r, a = failed[0]
+            rec.update(outcome="Failed", reason=f"{r.get('group')} replica {r.get('replica')}: {a.get('reason', '')}")
+        elif reps and len(serving) == len(reps):
+            digests = {r["versions"][eid]["digest"] for r in serving}
+            rec.update(outcome="Serving", digest=digests.pop() if len(digests) == 1 else "mixed")
+        elif not reps:
+            rec["reason"] = "no replica reports hosting this expert yet"
+        else:
+            rec["reason"] = f"serving on {len(serving)} of {len(reps)} replicas"
+        if mine:
+            rec["startedAt"] = min(a.get("started_at", "") for a in mine) or None
+            if rec["outcome"] == "Serving":
+                rec["durationSeconds"] = max(float(a.get("duration_s", 0.0)) for a in mine)
+        records.append(rec)
+    for eid, reps in sorted(hosting.items()):
+        if eid in wanted:
+            continue
+        attempts = [r.get("swaps", {}).get(eid) or {} for r in reps]
+        if not any(a.get("outcome") == "RolledBack" for a in attempts):
+            continue
+        done = all(r["versions"][eid].get("source") == CHECKPOINT for r in reps)
+        rec = {"expert": eid, "outcome": "RolledBack" if done else "Pending",
+               "digest": reps[0]["versions"][eid]["digest"] if done else "",
+               "reason": "" if done else "rolling back",
+               "startedAt": min(a.get("started_at", "") for a in attempts if a) or None}
+        if done:
+            rec["durationSeconds"] = max(float(a.get("duration_s", 0.0)) for a in attempts if a)
+        records.append(rec)
+    # keep older records of other experts (up to the limit), newest first
+    seen = {r["expert"] for r in records}
+    records += [p for p in previous if p.get("expert") not in seen]
+    records.sort(key=lambda r: r.get("startedAt") or "", reverse=True)
+    return [{k: v for k, v in r.items() if v not in (None, "")} | {"outcome": r["outcome"], "expert": r["expert"]}
+            for r in records[:MAX_SWAPS]]
+
+
+def overridden_experts(replicas: list[dict]) -> int:
+    return len({eid for r in replicas for eid, v in (r.get("versions") or {}).items()
+                if v.get("source") != CHECKPOINT})
+
+
+def summarise(spec: MoEDeploymentSpec, report: dict, previous_status: dict) -> dict:
+    """Status fields from the app's report."""
+    replicas = report.get("replicas") or []
+    return {
+        "tiers": tier_summary(replicas),
+        "overriddenExperts": overridden_experts(replicas),
+        "lastSwaps": swap_records(spec, replicas, previous_status.get("lastSwaps") or []),
+    }
+
+
+def swaps_settled(status: dict) -> bool:
+    return all(r.get("outcome") != "Pending" for r in status.get("lastSwaps") or [])
+
+
+def swap_transitions(before: list[dict], after: list[dict]) -> list[tuple[str, str, str]]:
+    """Events (type, reason, message) for swaps that reached an outcome since `before`."""
+    old = {r["expert"]: r.get("outcome") for r in before}
+    events = []
+    for r in after:
+        if r["outcome"] == old.get(r["expert"]) or r["outcome"] == "Pending":
+            continue
+        if r["outcome"] == "Failed":
+            events.append(("Warning", "HotSwapFailed", f"expert {r['expert']}: {r.get('reason', '')}"))
+        elif r["outcome"] == "Serving":
+            events.append(("Normal", "HotSwapServing", f"expert {r['expert']} serves {r.get('digest', '')} on every "
+                           f"replica ({r.get('durationSeconds', 0):.2f} s)"))
+        else:
+            events.append(("Normal", "HotSwapRolledBack", f"expert {r['expert']} back to the checkpoint's version"))
+    return events

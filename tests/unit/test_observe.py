@@ -1,0 +1,83 @@
+"""Live app report -> MoEDeployment status fields (pure)."""
+
+from moe_operator.api.validation import parse_spec
+from moe_operator.observe import summarise, swap_transitions, swaps_settled
+
+PATH = "/weights/e-1.2.safetensors"
+
+
+def spec(overrides=()):
+    return parse_spec({
+        "model": {"path": "/models/m"},
+        "experts": {"groups": 2, "tiers": {"hot": {"budget": "1Gi"}, "warm": {"budget": "1Gi"}},
+                    "overrides": [{"expert": e, "weights": {"path": p}} for e, p in overrides]},
+    })
+
+
+def replica(name, group, versions, swaps=None, hot=(1, 100), warm=(2, 200), cold=(3, 300)):
+    return {"replica": name, "group": group, "versions": versions, "swaps": swaps or {},
+            "tiers": {"hot": {"experts": hot[0], "bytes": hot[1]}, "warm": {"experts": warm[0], "bytes": warm[1]},
+                      "cold": {"experts": cold[0], "bytes": cold[1]}}}
+
+
+def v(source="checkpoint", digest="sha256:old"):
+    return {"source": source, "digest": digest, "tier": "hot", "tokens": 0}
+
+
+def swap(outcome, path=PATH, reason="", duration=0.2, started="2026-11-29T10:00:00Z"):
+    return {"outcome": outcome, "path": path, "reason": reason, "duration_s": duration, "started_at": started}
+
+
+def test_serving_on_every_replica():
+    reps = [replica("a", "ExpertShard-0", {"1.2": v(PATH, "sha256:new")}, {"1.2": swap("Serving", duration=0.3)}),
+            replica("b", "ExpertShard-0", {"1.2": v(PATH, "sha256:new")}, {"1.2": swap("Serving", duration=0.5)}),
+            replica("c", "ExpertShard-1", {"1.3": v()})]
+    out = summarise(spec([("1.2", PATH)]), {"replicas": reps}, {})
+    assert out["lastSwaps"] == [{"expert": "1.2", "outcome": "Serving", "digest": "sha256:new",
+                                 "startedAt": "2026-11-29T10:00:00Z", "durationSeconds": 0.5}]
+    assert out["overriddenExperts"] == 1
+    assert out["tiers"] == {"hot": {"experts": 3, "bytes": 300}, "warm": {"experts": 6, "bytes": 600},
+                            "cold": {"experts": 9, "bytes": 900}}
+    assert swaps_settled(out)
+
+
+def test_pending_until_every_replica_serves():
+    reps = [replica("a", "ExpertShard-0", {"1.2": v(PATH, "sha256:new")}, {"1.2": swap("Serving")}),
+            replica("b", "ExpertShard-0", {"1.2": v()})]
+    out = summarise(spec([("1.2", PATH)]), {"replicas": reps}, {})
+    assert out["lastSwaps"][0]["outcome"] == "Pending"
+    assert out["lastSwaps"][0]["reason"] == "serving on 1 of 2 replicas"
+    assert not swaps_settled(out)
+
+
+def test_failure_names_the_replica_and_reason():
+    reps = [replica("a", "ExpertShard-0", {"1.2": v()}, {"1.2": swap("Failed", reason="w2 has shape (3, 3)")}),
+            replica("b", "ExpertShard-0", {"1.2": v()})]
+    out = summarise(spec([("1.2", PATH)]), {"replicas": reps}, {})
+    rec = out["lastSwaps"][0]
+    assert rec["outcome"] == "Failed" and rec["reason"] == "ExpertShard-0 replica a: w2 has shape (3, 3)"
+    assert out["overriddenExperts"] == 0
+
+
+def test_an_old_failure_of_another_file_does_not_count():
+    reps = [replica("a", "ExpertShard-0", {"1.2": v()}, {"1.2": swap("Failed", path="/weights/old.safetensors")})]
+    out = summarise(spec([("1.2", PATH)]), {"replicas": reps}, {})
+    assert out["lastSwaps"][0]["outcome"] == "Pending"
+
+
+def test_rollback_after_the_override_is_removed_and_history_kept():
+    previous = [{"expert": "1.2", "outcome": "Serving", "startedAt": "2026-11-29T10:00:00Z"},
+                {"expert": "0.1", "outcome": "Failed", "reason": "x", "startedAt": "2026-11-29T09:00:00Z"}]
+    reps = [replica("a", "ExpertShard-0", {"1.2": v()}, {"1.2": swap("RolledBack", path="checkpoint",
+                                                                     started="2026-11-29T11:00:00Z")})]
+    out = summarise(spec(), {"replicas": reps}, {"lastSwaps": previous})
+    assert [(r["expert"], r["outcome"]) for r in out["lastSwaps"]] == [("1.2", "RolledBack"), ("0.1", "Failed")]
+
+
+def test_transitions_post_one_event_per_outcome():
+    before = [{"expert": "1.2", "outcome": "Pending"}]
+    after = [{"expert": "1.2", "outcome": "Serving", "digest": "sha256:new", "durationSeconds": 0.5},
+             {"expert": "0.1", "outcome": "Failed", "reason": "sha256 is abc"}]
+    events = swap_transitions(before, after)
+    assert [e[1] for e in events] == ["HotSwapServing", "HotSwapFailed"]
+    assert swap_transitions(after, after) == []
