@@ -31,6 +31,7 @@ class Result:
     retry_after_s: float | None = None
     ready: bool = False
     placement: dict[str, list[str]] = field(default_factory=dict)
+    swap_events: list[tuple[str, str, str]] = field(default_factory=list)  # hot-swaps that reached an outcome
 
 
 def deployed_placement(cluster: dict, name: str) -> dict[str, list[str]] | None:
@@ -131,7 +132,7 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
         return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
     prefix = spec.ingress.route_prefix.rstrip("/")
     status["endpoint"] = f"http://{endpoint_host}:{http_port}{prefix}/v1"
-    live, _ = observe_live(spec, status)
+    live, swap_events = observe_live(spec, status)
     status.update(live)
     status["groups"] = observed_groups(cluster, app, placement, spec.experts.replicas_per_group)
     status["replicas"] = min((g["readyReplicas"] for g in status["groups"]), default=0)
@@ -141,7 +142,9 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
         conditions, cond.DEGRADED, bool(short), "ReplicasNotReady" if short else "AllReplicasReady",
         ", ".join(f"{g['name']}: {g['readyReplicas']}/{g['replicas']} ready" for g in short)
         or f"every replica of {len(status['groups'])} groups is running", generation)
-    return result(True, cond.SERVING, f"serving at {status['endpoint']}", placement=placement)
+    res = result(True, cond.SERVING, f"serving at {status['endpoint']}", placement=placement)
+    res.swap_events = swap_events
+    return res
 
 
 def observed_groups(cluster: dict, app: str, placement: dict[str, list[str]], desired: int) -> list[dict]:

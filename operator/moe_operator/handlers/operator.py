@@ -94,8 +94,8 @@ def reconcile_handler(name: str, namespace: str, spec, meta, status, patch, body
     patch.status.update(res.status)
     RECONCILE_SECONDS.observe(time.perf_counter() - started)
     RECONCILES.labels(result=res.event[1] if res.event else "None").inc()
-    if res.event:
-        kopf.event(body, type=res.event[0], reason=res.event[1], message=res.event[2][:1000])
+    for event_type, reason, message in ([res.event] if res.event else []) + res.swap_events:
+        kopf.event(body, type=event_type, reason=reason, message=message[:1000])
     if res.ready:
         APPLIED_GENERATION.labels(namespace=namespace, name=name).set(meta.get("generation", 0))
     elif res.retry_after_s is not None:

@@ -115,6 +115,8 @@ class StandaloneRunner:
                         self.allowed_roots, self.http_port, spec=m.spec)
         self.status = res.status
         self._write_status(m)
+        for _, reason, message in res.swap_events:
+            self.log(f"{reason}: {message}")
         if res.ready:
             self._app = app_name(m.namespace, m.name)
         else:
