@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import yaml
 
 from moe_operator.api import conditions as cond
 from moe_operator.api.models import MoEDeploymentSpec
@@ -19,7 +22,11 @@ from moe_operator.metrics import RAY_APPLY_SECONDS
 from moe_operator.observe import fetch_app_status, summarise, swap_transitions
 from moe_operator.planner.initial import initial_placement
 from moe_operator.render.serve_app import app_name, merge_applications, render_application
+from moe_operator.api.models import GROUP
 from moe_workers.serve.config import INGRESS
+
+if TYPE_CHECKING:
+    from moe_operator.backends.kuberay import KubeRayClient
 
 
 @dataclass
@@ -91,30 +98,51 @@ def remove_application(client: RayServeClient, name: str, port: int, wait_s: flo
     return True
 
 
-def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int, status: dict,
-              client: RayServeClient, allowed_roots: list[str], http_port: int, endpoint_host: str = "127.0.0.1",
-              wait_s: float = 600.0, spec: MoEDeploymentSpec | None = None) -> Result:
-    status = {k: v for k, v in (status or {}).items()}
-    conditions = status.get("conditions", [])
+class _Outcome:
+    """Builds a pass's Result: Ready/Progressing written through the pure condition helper."""
 
-    def result(ok: bool, reason: str, message: str, event_type: str = "Normal", retry: float | None = None,
-               placement=None) -> Result:
-        nonlocal conditions
-        conditions = cond.set_condition(conditions, cond.READY, ok, reason, message, generation)
-        conditions = cond.set_condition(conditions, cond.PROGRESSING, False, reason if not ok else cond.RECONCILED,
-                                        message if not ok else f"generation {generation} applied", generation)
-        status["conditions"] = conditions
-        status["observedGeneration"] = generation
-        return Result(status, (event_type, reason, message), retry, ok, placement or {})
+    def __init__(self, status: dict, generation: int):
+        self.status = {k: v for k, v in (status or {}).items()}
+        self.generation = generation
 
+    @property
+    def conditions(self) -> list[dict]:
+        return self.status.get("conditions", [])
+
+    def set(self, type_: str, ok: bool, reason: str, message: str) -> None:
+        self.status["conditions"] = cond.set_condition(self.conditions, type_, ok, reason, message, self.generation)
+
+    def __call__(self, ok: bool, reason: str, message: str, event_type: str = "Normal", retry: float | None = None,
+                 placement=None) -> Result:
+        g = self.generation
+        self.set(cond.READY, ok, reason, message)
+        self.set(cond.PROGRESSING, False, reason if not ok else cond.RECONCILED,
+                 message if not ok else f"generation {g} applied")
+        self.status["observedGeneration"] = g
+        return Result(self.status, (event_type, reason, message), retry, ok, placement or {})
+
+
+def _validated(raw_spec, spec, allowed_roots, result: _Outcome):
+    """(spec, facts, None) or (None, None, a failed Result)."""
     if spec is None:
         try:
             spec = parse_spec(raw_spec)
         except SpecError as err:
-            return result(False, cond.INVALID_SPEC, str(err), "Warning")
+            return None, None, result(False, cond.INVALID_SPEC, str(err), "Warning")
     facts, problems = validate_semantics(spec, allowed_roots)
     if problems:
-        return result(False, cond.INVALID_SPEC, "; ".join(problems), "Warning")
+        return None, None, result(False, cond.INVALID_SPEC, "; ".join(problems), "Warning")
+    return spec, facts, None
+
+
+def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int, status: dict,
+              client: RayServeClient, allowed_roots: list[str], http_port: int, endpoint_host: str = "127.0.0.1",
+              wait_s: float = 600.0, spec: MoEDeploymentSpec | None = None) -> Result:
+    result = _Outcome(status, generation)
+    status = result.status
+    spec, facts, failed = _validated(raw_spec, spec, allowed_roots, result)
+    if failed:
+        return failed
     app = app_name(namespace, name)
     try:
         cluster = client.get()
@@ -138,10 +166,9 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
     status["replicas"] = min((g["readyReplicas"] for g in status["groups"]), default=0)
     status["selector"] = f"serving.moe.io/app={app}"
     short = [g for g in status["groups"] if g["readyReplicas"] < g["replicas"]]
-    conditions = cond.set_condition(
-        conditions, cond.DEGRADED, bool(short), "ReplicasNotReady" if short else "AllReplicasReady",
-        ", ".join(f"{g['name']}: {g['readyReplicas']}/{g['replicas']} ready" for g in short)
-        or f"every replica of {len(status['groups'])} groups is running", generation)
+    result.set(cond.DEGRADED, bool(short), "ReplicasNotReady" if short else "AllReplicasReady",
+               ", ".join(f"{g['name']}: {g['readyReplicas']}/{g['replicas']} ready" for g in short)
+               or f"every replica of {len(status['groups'])} groups is running")
     res = result(True, cond.SERVING, f"serving at {status['endpoint']}", placement=placement)
     res.swap_events = swap_events
     return res
@@ -171,3 +198,57 @@ def observe_live(spec: MoEDeploymentSpec, status: dict, fetch=fetch_app_status) 
         return {}, []
     fields = summarise(spec, report, status)
     return fields, swap_transitions(status.get("lastSwaps") or [], fields["lastSwaps"])
+
+
+def placement_from_rayservice(rayservice: dict | None) -> dict[str, list[str]] | None:
+    """The placement a RayService's serveConfigV2 carries (observed state for re-planning)."""
+    if not rayservice:
+        return None
+    try:
+        config = yaml.safe_load((rayservice.get("spec") or {}).get("serveConfigV2") or "") or {}
+    except yaml.YAMLError:
+        return None
+    for app in config.get("applications") or []:
+        for d in app.get("deployments") or []:
+            if d.get("name") == INGRESS:
+                return (d.get("user_config") or {}).get("placement")
+    return None
+
+
+def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None, generation: int, status: dict,
+                      kuberay: "KubeRayClient", allowed_roots: list[str], http_port: int = 8000,
+                      spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status) -> Result:
+    """ray.mode KubeRay: own a RayService whose serveConfigV2 is the rendered app; Ready follows
+    the RayService's own readiness (KubeRay deploys the app on the cluster it runs)."""
+    from moe_operator.backends.kuberay import KubeRayError
+    from moe_operator.render.rayservice import rayservice_ready, render_rayservice
+
+    result = _Outcome(status, generation)
+    status = result.status
+    spec, facts, failed = _validated(raw_spec, spec, allowed_roots, result)
+    if failed:
+        return failed
+    try:
+        previous = placement_from_rayservice(kuberay.get(namespace, name))
+        placement = initial_placement(facts.num_layers, facts.num_experts, spec.experts.groups, previous)
+        app = render_application(namespace, name, spec, placement, allowed_roots)
+        observed = kuberay.apply(render_rayservice(namespace, name, uid, spec, app, http_port))
+    except KubeRayError as err:
+        return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
+    prefix = spec.ingress.route_prefix.rstrip("/")
+    status["endpoint"] = f"http://{name}-serve-svc.{namespace}.svc:{http_port}{prefix}/v1"
+    status["rayService"] = name
+    ready, why = rayservice_ready(observed)
+    desired = spec.experts.replicas_per_group
+    status["groups"] = [{"name": g, "replicas": desired, "readyReplicas": desired if ready else 0,
+                         "experts": len(experts)} for g, experts in sorted(placement.items())]
+    status["replicas"] = desired if ready else 0
+    status["selector"] = f"{GROUP}/moedeployment={name}"
+    if not ready:
+        return result(False, "RayServiceNotReady", f"RayService {namespace}/{name}: {why}", retry=15,
+                      placement=placement)
+    live, swap_events = observe_live(spec, status, fetch)
+    status.update(live)
+    res = result(True, cond.SERVING, f"serving at {status['endpoint']} (RayService {name})", placement=placement)
+    res.swap_events = swap_events
+    return res

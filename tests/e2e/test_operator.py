@@ -17,12 +17,12 @@ from safetensors.torch import save_file
 
 from moe_operator.backends.ray_rest import RayServeClient
 from moe_workers.model.inprocess import InProcessModel
+from operator_proc import Operator
 from waiting import wait_for
 from moe_workers.model.random_init import write_random_mixtral
 from moe_workers.store.versions import content_digest, file_sha256
 
 pytestmark = [pytest.mark.k8s, pytest.mark.ray]
-KOPF = str(Path(sys.executable).with_name("kopf"))
 
 
 def _manifest(name, model_path, groups=2, prefix="/op"):
@@ -100,24 +100,6 @@ def _ready(k8s, name):
     st = obj.get("status") or {}
     ready = next((c for c in st.get("conditions", []) if c["type"] == "Ready"), None)
     return obj, st, ready
-
-
-class Operator:
-    def __init__(self, k8s, ray_head, roots, log):
-        self.env = {**k8s.env, "MOE_RAY_ADDRESS": ray_head.dashboard_url, "MOE_RAY_TOKEN": ray_head.token,
-                    "MOE_ALLOWED_ROOTS": roots, "MOE_SERVE_HTTP_PORT": str(ray_head.serve_http_port)}
-        self.log = log
-        self.proc = None
-
-    def start(self):
-        self.proc = subprocess.Popen([KOPF, "run", "--standalone", "--namespace", "default", "-m",
-                                      "moe_operator.handlers.operator"], env=self.env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    def kill(self, sig=signal.SIGKILL):
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            self.proc.wait(timeout=60)
 
 
 def test_operator_lifecycle(crd_installed, ray_head, tmp_path):

@@ -180,3 +180,24 @@ def test_bad_swaps_leave_the_serving_version_and_rollback_restores(setup):
     assert setup["status"]()["versions"][EID]["digest"] == setup["old_digest"]
     old = setup["old"]
     assert [complete(url, p).json()["choices"][0]["token_ids"] for p in probe] == [old.generate([p], 4, stop_at_eos=True)[0] for p in probe]
+
+
+def test_tier_metrics_exported_in_prometheus_format(setup, ray_head):
+    """Per-replica tier metrics reach Ray's metrics export (after the load test above moved experts)."""
+    assert complete(setup["url"], [3, 4, 5]).status_code == 200
+    wanted = ("ray_moe_tier_bytes{", "ray_moe_tier_experts{", "ray_moe_tier_budget_bytes{", "ray_moe_tier_hits",
+              "ray_moe_tier_misses", "ray_moe_tier_promotion_seconds_bucket{", "ray_moe_tier_moved_bytes",
+              "ray_moe_hotswaps", "ray_moe_prefetch_issued")
+    deadline = time.monotonic() + 90
+    missing = wanted
+    while time.monotonic() < deadline:
+        text = requests.get(ray_head.metrics_url, timeout=10).text
+        missing = [w for w in wanted if w not in text]
+        if not missing:
+            break
+        time.sleep(2)
+    assert not missing, missing
+    hot = [l for l in text.splitlines() if l.startswith("ray_moe_tier_bytes{") and 'tier="hot"' in l
+           and 'group="ExpertShard-0"' in l]
+    one = setup["old"].cfg.expert_bytes
+    assert hot and all(0 < float(l.rsplit(" ", 1)[1]) <= 2 * one for l in hot)  # within the hot budget

@@ -50,6 +50,25 @@ def test_semantic_problems_name_what_to_fix(model_dir, mutate, needle):
     assert any(needle in p for p in problems), problems
 
 
+def test_model_shape_stands_in_for_an_unreadable_config_and_must_agree_with_a_readable_one(model_dir):
+    from moe_operator.api.models import ModelShape
+
+    shape = ModelShape(num_layers=2, num_experts=4, top_k=2, hidden_size=32, intermediate_size=64, dtype="float32")
+    spec = _spec(model_dir)
+    spec.model.shape = shape
+    assert validate_semantics(spec, [str(model_dir)])[1] == []  # agrees with config.json
+    spec.model.shape = shape.model_copy(update={"num_experts": 8})
+    _, problems = validate_semantics(spec, [str(model_dir)])
+    assert problems == [f"spec.model.shape disagrees with {model_dir / 'm'}/config.json: num_experts 8 (config.json: 4)"]
+    # not readable here (on the Ray Pods): the shape gives the facts, and its checks still apply
+    spec.model.path = str(model_dir / "on-the-pods")
+    spec.model.shape = shape
+    facts, problems = validate_semantics(spec, [str(model_dir)])
+    assert problems == [] and facts.num_experts == 4
+    spec.experts.overrides[0].expert = "1.4"
+    assert "1.4 does not exist" in validate_semantics(spec, [str(model_dir)])[1][0]
+
+
 def test_symlink_out_of_root_is_refused(model_dir, tmp_path):
     (model_dir / "escape").symlink_to("/etc")
     spec = _spec(model_dir)
@@ -72,10 +91,12 @@ def test_load_manifest_resolves_relative_paths_and_reports_errors(tmp_path):
     doc = copy.deepcopy(VALID)
     doc["spec"]["model"]["path"] = "models/m"
     doc["spec"]["experts"]["overrides"][0]["weights"]["path"] = "patches/e.safetensors"
+    doc["spec"]["experts"]["tiers"]["cold"] = {"path": "cache"}
     f = tmp_path / "m.yaml"
     f.write_text(yaml.safe_dump(doc))
     m = load_manifest(f)
     assert m.problems == [] and m.spec.model.path == str(tmp_path / "models" / "m")
+    assert m.spec.experts.tiers.cold.path == str(tmp_path / "cache")
     assert m.spec.experts.overrides[0].weights.path == str(tmp_path / "patches" / "e.safetensors")
     doc["spec"]["experts"]["groups"] = 0
     f.write_text(yaml.safe_dump(doc))

@@ -35,6 +35,18 @@ class ApiModel(BaseModel):
 # spec.model
 
 
+class ModelShape(ApiModel):
+    """What the operator needs to know of the checkpoint when it cannot read its config.json
+    (KubeRay: the model lives on the Ray Pods). When both are readable they must agree."""
+
+    num_layers: int = Field(ge=1, le=1024, description="num_hidden_layers.")
+    num_experts: int = Field(ge=1, le=65536, description="num_local_experts.")
+    top_k: int = Field(ge=1, le=64, description="num_experts_per_tok.")
+    hidden_size: int = Field(ge=1, le=1_048_576, description="hidden_size.")
+    intermediate_size: int = Field(ge=1, le=4_194_304, description="intermediate_size (per expert).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="bfloat16", description="torch_dtype.")
+
+
 class ModelSource(ApiModel):
     """The checkpoint to serve."""
 
@@ -71,6 +83,12 @@ class ModelSource(ApiModel):
         le=1_048_576,
         description="Longest sequence (prompt + completion) in tokens. Defaults to the "
         "checkpoint's max_position_embeddings.",
+    )
+    shape: ModelShape | None = Field(
+        default=None,
+        description="The checkpoint's shape, for when the operator cannot read config.json "
+        "(required then, for example with ray.mode KubeRay); checked against config.json when "
+        "both are available.",
     )
 
 
@@ -430,6 +448,7 @@ class MoEDeploymentStatus(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     endpoint: str | None = Field(default=None, description="Base URL of the OpenAI-compatible API.")
+    ray_service: str | None = Field(default=None, description="Name of the RayService this object owns (ray.mode KubeRay).")
     replicas: int = Field(default=0, description="Ready replicas per shard group (the least across groups); the scale subresource reads it.")
     selector: str = Field(default="", description="Label selector of the application's Pods (scale subresource).")
     groups: list[GroupStatus] = Field(default_factory=list, description="Per shard group.")

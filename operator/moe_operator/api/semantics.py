@@ -62,9 +62,25 @@ def check_model_root(spec, roots, facts):
 
 def check_model_dir(spec, roots, facts):
     if facts is None:
-        return ("InvalidSpec", f"spec.model.path {spec.model.path} has no readable config.json "
-                "(expected a Hugging Face layout directory)", True)
+        hint = (" here; with ray.mode KubeRay the model lives on the Ray Pods: set spec.model.shape"
+                if spec.ray.mode == "KubeRay" else " (expected a Hugging Face layout directory)")
+        return ("InvalidSpec", f"spec.model.path {spec.model.path} has no readable config.json{hint}", True)
     return OK
+
+
+def check_shape_agrees(spec, roots, facts):
+    given = spec.model.shape
+    if facts is None or given is None or facts == facts_from_shape(given):
+        return OK
+    diff = [f"{k} {getattr(given, k)} (config.json: {getattr(facts, k)})"
+            for k in ("num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size", "dtype")
+            if getattr(given, k) != getattr(facts, k)]
+    return ("InvalidSpec", f"spec.model.shape disagrees with {spec.model.path}/config.json: {', '.join(diff)}", True)
+
+
+def facts_from_shape(shape) -> ModelFacts:
+    return ModelFacts(num_layers=shape.num_layers, num_experts=shape.num_experts, top_k=shape.top_k,
+                      hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size, dtype=shape.dtype)
 
 
 def check_topk(spec, roots, facts):
@@ -99,7 +115,8 @@ def check_hot_budget(spec, roots, facts):
     return OK
 
 
-CHECKS: list[Check] = [check_model_root, check_model_dir, check_topk, check_overrides, check_hot_budget]
+CHECKS: list[Check] = [check_model_root, check_model_dir, check_shape_agrees, check_topk, check_overrides,
+                       check_hot_budget]
 
 
 def validate_semantics(spec: MoEDeploymentSpec, roots: list[str]) -> tuple[ModelFacts | None, list[str]]:
@@ -112,6 +129,9 @@ def validate_semantics(spec: MoEDeploymentSpec, roots: list[str]) -> tuple[Model
             facts = None
     problems = []
     for check in CHECKS:
+        if check is check_model_dir and facts is None and spec.model.shape is not None:
+            facts = facts_from_shape(spec.model.shape)  # config.json not readable here: the spec says
+            continue
         _, message, failed = check(spec, roots, facts)
         if failed:
             problems.append(message)

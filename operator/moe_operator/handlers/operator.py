@@ -21,12 +21,13 @@ import time
 import kopf
 
 from moe_operator.api import models
+from moe_operator.backends.kuberay import KubeRayClient, KubeRayError
 from moe_operator.backends.ray_rest import RayServeClient, RayServeError
 from moe_operator.backends.render_only import RenderOnlyClient
 from moe_operator.metrics import RECONCILES, RECONCILE_SECONDS, APPLIED_GENERATION, start_metrics_server
 from moe_operator.api import conditions as cond
 from moe_operator.api.validation import SpecError, parse_spec
-from moe_operator.reconcile import observe_live, reconcile, remove_application
+from moe_operator.reconcile import observe_live, reconcile, reconcile_kuberay, remove_application
 from moe_operator.render.serve_app import app_name
 
 RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
@@ -50,6 +51,22 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
         start_metrics_server(int(port))
 
 
+def _load_kube_config() -> None:
+    import kubernetes
+
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+
+
+def _kuberay() -> KubeRayClient:
+    import kubernetes
+
+    _load_kube_config()
+    return KubeRayClient(kubernetes.client.CustomObjectsApi())
+
+
 def _token(spec: dict, namespace: str) -> str | None:
     ref = ((spec.get("ray") or {}).get("authTokenSecretRef")) or None
     if ref:
@@ -57,10 +74,7 @@ def _token(spec: dict, namespace: str) -> str | None:
 
         import kubernetes
 
-        try:
-            kubernetes.config.load_incluster_config()
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()
+        _load_kube_config()
         secret = kubernetes.client.CoreV1Api().read_namespaced_secret(ref["name"], namespace)
         value = (secret.data or {}).get(ref.get("key", "token"))
         if value is None:
@@ -88,9 +102,13 @@ def reconcile_handler(name: str, namespace: str, spec, meta, status, patch, body
     started = time.perf_counter()
     spec_dict = dict(spec)
     roots = [r for r in _setting("MOE_ALLOWED_ROOTS").split(":") if r]
-    res = reconcile(namespace, name, spec_dict, meta.get("generation", 0), dict(status or {}),
-                    _client(spec_dict, namespace), roots, int(_setting("MOE_SERVE_HTTP_PORT", "8000")),
-                    endpoint_host=_setting("MOE_ENDPOINT_HOST", "127.0.0.1"))
+    if _kuberay_mode(spec_dict):
+        res = reconcile_kuberay(namespace, name, meta["uid"], spec_dict, meta.get("generation", 0),
+                                dict(status or {}), _kuberay(), roots)
+    else:
+        res = reconcile(namespace, name, spec_dict, meta.get("generation", 0), dict(status or {}),
+                        _client(spec_dict, namespace), roots, int(_setting("MOE_SERVE_HTTP_PORT", "8000")),
+                        endpoint_host=_setting("MOE_ENDPOINT_HOST", "127.0.0.1"))
     patch.status.update(res.status)
     RECONCILE_SECONDS.observe(time.perf_counter() - started)
     RECONCILES.labels(result=res.event[1] if res.event else "None").inc()
@@ -102,9 +120,22 @@ def reconcile_handler(name: str, namespace: str, spec, meta, status, patch, body
         raise kopf.TemporaryError(res.event[2], delay=res.retry_after_s)
 
 
+def _kuberay_mode(spec: dict) -> bool:
+    return (spec.get("ray") or {}).get("mode") == "KubeRay"
+
+
 @kopf.on.delete(*RESOURCE)
-def delete_handler(name: str, namespace: str, spec, logger, **_) -> None:
+def delete_handler(name: str, namespace: str, spec, meta, logger, **_) -> None:
     spec_dict = dict(spec)
+    if _kuberay_mode(spec_dict):
+        # the owner reference lets the garbage collector do this too; deleting it here means the
+        # finalizer is only released once the RayService (and with it the app) is gone
+        try:
+            removed = _kuberay().delete_owned(namespace, name, meta["uid"])
+        except KubeRayError as err:
+            raise kopf.TemporaryError(str(err), delay=10)
+        logger.info("deleted RayService %s/%s" if removed else "no RayService %s/%s of ours to delete", namespace, name)
+        return
     try:
         removed = remove_application(_client(spec_dict, namespace), app_name(namespace, name),
                                      int(_setting("MOE_SERVE_HTTP_PORT", "8000")))

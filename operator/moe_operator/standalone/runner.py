@@ -62,6 +62,9 @@ def load_manifest(path: Path) -> Manifest:
     model = spec_raw.get("model") or {}
     if isinstance(model.get("path"), str) and not model["path"].startswith("/"):
         model["path"] = str((base / model["path"]).resolve())
+    cold = ((spec_raw.get("experts") or {}).get("tiers") or {}).get("cold") or {}
+    if isinstance(cold.get("path"), str) and not cold["path"].startswith("/"):
+        cold["path"] = str((base / cold["path"]).resolve())
     for o in (spec_raw.get("experts") or {}).get("overrides") or []:
         w = o.get("weights") or {}
         if isinstance(w.get("path"), str) and not w["path"].startswith("/"):
