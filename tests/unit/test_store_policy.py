@@ -79,3 +79,27 @@ def test_online_policies_never_beat_belady():
             assert policy_hits(trace, cap, p) <= opt
     assert belady_hits(trace, 32) == len(trace) - len(set(trace))
     assert belady_hits(trace, 0) == 0
+
+
+def test_recency_frequency_counts_per_layer():
+    """A layer's popular expert is not aged by traffic in other layers (each layer is visited
+    once per token, whatever the number of layers)."""
+    p = RecencyFrequency(half_life=8)
+    for _ in range(4):
+        p.access((0, 0))
+    p.access((0, 1))
+    for i in range(200):  # many accesses in other layers
+        p.access((1 + i % 30, i % 8))
+    assert p.victim([(0, 0), (0, 1)]) == (0, 1)
+    assert p.score((0, 0)) > p.score((5, 3))  # 4 recent uses in its layer beat an aged one elsewhere
+
+
+def test_recency_frequency_forgets_a_shifted_popularity_lfu_does_not():
+    rf, lfu = RecencyFrequency(half_life=16), LFU()
+    for p in (rf, lfu):
+        for _ in range(100):
+            p.access((0, "old"))
+        for _ in range(60):
+            p.access((0, "new"))
+    assert rf.victim([(0, "old"), (0, "new")]) == (0, "old")
+    assert lfu.victim([(0, "old"), (0, "new")]) == (0, "new")

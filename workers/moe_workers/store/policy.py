@@ -84,9 +84,14 @@ class LFU(Policy):
 
 
 class RecencyFrequency(Policy):
-    """LRFU (Lee et al., 2001): each access adds 1 to a value that halves every `half_life`
-    accesses of the whole store. A small half-life behaves like LRU, a large one like LFU; the
-    default keeps popular experts (Zipf-like routing) through bursts of rarely used ones."""
+    """Exponentially decayed frequency (LRFU, Lee et al. 2001), counted per layer.
+
+    Each access adds 1 to the key's value, which halves every `half_life` accesses of the key's
+    layer (keys are (layer, expert); other keys share one group). Counting per layer makes the
+    value an estimate of how likely the expert is at its layer's next visit, comparable across
+    layers whatever their number: under Zipf-like routing it keeps the popular experts through
+    bursts of rare ones (like LFU), and unlike LFU it forgets a popularity that has shifted.
+    A small half-life behaves like LRU, a large one like LFU. Ties go to the least recent."""
 
     name = "RecencyFrequency"
 
@@ -95,23 +100,35 @@ class RecencyFrequency(Policy):
         if half_life <= 0:
             raise ValueError("half_life must be positive")
         self.decay = math.log(2) / half_life
-        self.crf: dict[Hashable, float] = {}  # value at time `last`
+        self.value: dict[Hashable, float] = {}  # as of the key's group clock at `updated`
+        self.updated: dict[Hashable, int] = {}
+        self.group_clock: dict[Hashable, int] = {}
         self.last: dict[Hashable, int] = {}
 
+    @staticmethod
+    def _group(key: Hashable) -> Hashable:
+        return key[0] if isinstance(key, tuple) and key else None
+
     def _record(self, key: Hashable) -> None:
-        self.crf[key] = self._value(key) + 1.0
+        g = self._group(key)
+        now = self.group_clock.get(g, 0) + 1
+        self.group_clock[g] = now
+        self.value[key] = self._log_value(key, now, empty=0.0, log=False) + 1.0
+        self.updated[key] = now
         self.last[key] = self.clock
 
-    def _value(self, key: Hashable) -> float:
-        if key not in self.crf:
-            return 0.0
-        return self.crf[key] * math.exp(-self.decay * (self.clock - self.last[key]))
+    def _log_value(self, key: Hashable, now: int, empty: float, log: bool) -> float:
+        if key not in self.value:
+            return empty
+        age = now - self.updated[key]
+        if log:  # log form: comparable without underflow after long idle periods
+            return math.log(self.value[key]) - self.decay * age
+        return self.value[key] * math.exp(-self.decay * age)
 
     def score(self, key: Hashable) -> float:
-        # log form: comparable without underflow after long idle periods
-        if key not in self.crf:
-            return -math.inf
-        return math.log(self.crf[key]) - self.decay * (self.clock - self.last[key])
+        now = self.group_clock.get(self._group(key), 0)
+        # the recency term (< 1e-6 of a halving) only orders keys with equal values
+        return self._log_value(key, now, empty=-math.inf, log=True) + 1e-9 * self.last.get(key, -1)
 
 
 def make_policy(name: str) -> Policy:
