@@ -329,3 +329,19 @@ def test_unusable_cold_dir_degrades_to_the_source_and_says_so(model_dir, tmp_pat
     assert s.cold is None and "cannot use" in s.cold_error and str(blocker) in s.cold_error
     with s.use([(1, 1)]) as w:
         assert torch.equal(w[(1, 1)]["w1"], Checkpoint(model_dir).expert(1, 1)["w1"])
+
+
+def test_slots_are_reused_so_memory_stays_at_the_budgets(model_dir, tmp_path):
+    """Every expert buffer comes from a per-tier pool capped at budget // expert size."""
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=EXPERTS * n, warm_budget=2 * n, prefetch=False)
+    s.configure(ALL)
+    for _ in range(5):
+        for layer in range(LAYERS):
+            with s.use([(layer, e) for e in range(EXPERTS)]):
+                pass
+    assert s.pools[HOT].allocated <= EXPERTS and s.pools[WARM].allocated <= 2
+    in_use = {id(e.slot) for e in s.entries.values() if e.slot is not None}
+    assert len(in_use) == sum(1 for e in s.entries.values() if e.tier in (HOT, WARM))
+    s.configure(ALL, TierConfig(hot_budget=EXPERTS * n, warm_budget=0, cold_dir=str(tmp_path / "cold")))
+    assert s.pools[WARM].allocated == 0 and s.used[WARM] == 0

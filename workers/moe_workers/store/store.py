@@ -83,7 +83,8 @@ class Entry:
     version: Version
     nbytes: int
     tier: str = COLD
-    tensors: dict[str, torch.Tensor] | None = None  # hot or warm copy
+    tensors: dict[str, torch.Tensor] | None = None  # hot or warm copy: views into `slot`
+    slot: torch.Tensor | None = None
     pins: int = 0
     busy: bool = False  # being moved; waiters wait on the store's condition
     swap_pending: bool = False
@@ -111,6 +112,38 @@ class StoreStats:
 
 
 MoveHook = Callable[[str, str, float, int], None]  # (from tier, to tier, seconds, bytes)
+
+
+class SlotPool:
+    """Fixed-size buffers of one expert each, for one tier. Reusing them keeps a replica's memory
+    at its budgets: freshly allocated and freed 100 MB tensors fragment the host heap (and each
+    thread's malloc arena) until RSS is several times the weights it holds."""
+
+    def __init__(self, slot_bytes: int, device: torch.device, pin: bool, capacity: int | None):
+        self.slot_bytes, self.device, self.pin = slot_bytes, device, pin
+        self.capacity = capacity  # slots; None: unbounded (then only a couple of free ones are kept)
+        self.free: list[torch.Tensor] = []
+        self.allocated = 0
+
+    def take(self) -> torch.Tensor:
+        if self.free:
+            return self.free.pop()
+        self.allocated += 1
+        return torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        if self.capacity is None and len(self.free) >= 2 or \
+                self.capacity is not None and self.allocated > self.capacity:
+            self.allocated -= 1  # dropped: its memory goes back
+            return
+        self.free.append(buf)
+
+    def resize(self, capacity: int | None) -> None:
+        self.capacity = capacity
+        while self.free and (capacity is None and len(self.free) > 2 or
+                             capacity is not None and self.allocated > capacity):
+            self.free.pop()
+            self.allocated -= 1
 
 
 class ColdCache:
@@ -173,6 +206,9 @@ class TieredExpertStore:
         self.cold = self._open_cold(self.config)
         self.on_move = on_move
         self.entries: dict[Key, Entry] = {}
+        pin = self.config.pinned and torch.cuda.is_available()
+        self.pools = {HOT: SlotPool(self.expert_bytes, self.device, False, self._slots(self.config.hot_budget)),
+                      WARM: SlotPool(self.expert_bytes, torch.device("cpu"), pin, self._slots(self.config.warm_budget))}
         self.used = {HOT: 0, WARM: 0}
         self.reserved = {HOT: 0, WARM: 0}
         self.stats = StoreStats()
@@ -232,6 +268,8 @@ class TieredExpertStore:
                     self.cold = self._open_cold(config)
             self.config = config
             wanted = set(keys)
+            self.pools[HOT].resize(self._slots(config.hot_budget))
+            self.pools[WARM].resize(self._slots(config.warm_budget))
             for key in [k for k in self.entries if k not in wanted]:
                 self._release(key)
         for key in keys:
@@ -243,6 +281,42 @@ class TieredExpertStore:
                     raise StoreFull(f"cannot shrink the {tier} tier to its budget")
         for key in keys:  # fill from the top while there is room that needs no eviction
             self._promote(key, HOT if self._fits(HOT) else WARM, mode="preload")
+
+    def _slots(self, budget: int | None) -> int | None:
+        return None if budget is None else budget // self.expert_bytes
+
+    def _layout(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """w1, w2, w3 as views of one slot, in the compute dtype."""
+        h, i = self.model.hidden_size, self.model.intermediate_size
+        out, offset = {}, 0
+        for name, shape in (("w1", (i, h)), ("w2", (h, i)), ("w3", (i, h))):
+            n = shape[0] * shape[1] * torch.tensor([], dtype=self.dtype).element_size()
+            out[name] = buf[offset:offset + n].view(self.dtype).view(shape)
+            offset += n
+        return out
+
+    def _fill(self, tier: str, src: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Copy an expert into a slot of `tier` (room already reserved): (views, slot)."""
+        with self._cv:
+            buf = self.pools[tier].take()
+        try:
+            views = self._layout(buf)
+            asynchronous = buf.device.type == "cuda" or self.pools[tier].pin
+            for name, dst in views.items():
+                dst.copy_(src[name], non_blocking=asynchronous)  # converts dtype, and host<->device
+            if asynchronous:
+                torch.cuda.current_stream().synchronize()
+        except BaseException:
+            with self._cv:
+                self.pools[tier].give(buf)
+            raise
+        return views, buf
+
+    def _free_slot(self, e: Entry) -> None:
+        """Give e's slot back to the pool of its tier (lock held)."""
+        if e.slot is not None and e.tier in (HOT, WARM):
+            self.pools[e.tier].give(e.slot)
+        e.slot, e.tensors = None, None
 
     def _fits(self, tier: str) -> bool:
         budget = self._budget(tier)
@@ -269,7 +343,7 @@ class TieredExpertStore:
         e = self.entries.pop(key)
         if e.tier in (HOT, WARM):
             self.used[e.tier] -= e.nbytes
-        e.tensors = None
+        self._free_slot(e)
         if self.cold is not None:
             self.cold.drop(key)
         self.policy.forget(key)
@@ -400,7 +474,7 @@ class TieredExpertStore:
                 break
         t0 = time.perf_counter()
         try:
-            tensors = self._to_tier(target, warm_copy) if warm_copy is not None else self._read_cold(key, version, target)
+            tensors, slot = self._fill(target, warm_copy) if warm_copy is not None else self._read_cold(key, version, target)
         except BaseException:
             with self._cv:
                 self.reserved[target] -= e.nbytes
@@ -413,7 +487,8 @@ class TieredExpertStore:
             self.used[target] += e.nbytes
             if source in (HOT, WARM):
                 self.used[source] -= e.nbytes
-            e.tensors, e.tier, e.busy = tensors, target, False
+            self._free_slot(e)
+            e.tensors, e.slot, e.tier, e.busy = tensors, slot, target, False
             e.prefetched = mode == "prefetch"
             if mode == "prefetch":
                 self.stats.prefetch_issued += 1
@@ -465,41 +540,24 @@ class TieredExpertStore:
         src = e.tier
         self.stats.demotions += 1
         self.used[src] -= e.nbytes
+        t0 = time.perf_counter()
         if src == HOT and self._make_room(WARM, e.nbytes, exclude={e.key}, wait=False):
-            t0 = time.perf_counter()
-            e.tensors = self._to_tier(WARM, e.tensors)
-            e.tier = WARM
+            tensors, slot = self._fill(WARM, e.tensors)
+            self._free_slot(e)
+            e.tensors, e.slot, e.tier = tensors, slot, WARM
             self.used[WARM] += e.nbytes
             dst = WARM
         else:
-            e.tensors = None
+            self._free_slot(e)
             e.tier = COLD
             dst = COLD
-            t0 = time.perf_counter()
         e.prefetched = False
         move = f"{src}->{dst}"
         self.stats.bytes_moved[move] = self.stats.bytes_moved.get(move, 0) + (e.nbytes if dst == WARM else 0)
         if self.on_move is not None:
             self.on_move(src, dst, time.perf_counter() - t0, e.nbytes if dst == WARM else 0)
 
-    def _to_tier(self, tier: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A copy in the tier's layout: hot = compute dtype on the device; warm = host (pinned)."""
-        if tier == HOT:
-            return {k: t.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True).contiguous()
-                    for k, t in tensors.items()}
-        if self.device.type == "cpu" and all(t.device.type == "cpu" for t in tensors.values()):
-            return tensors  # same memory, no copy: on CPU the hot layout is the warm layout
-        pin = self.config.pinned and torch.cuda.is_available()
-        out = {}
-        for k, t in tensors.items():
-            dst = torch.empty(t.shape, dtype=self.dtype, pin_memory=pin)
-            dst.copy_(t, non_blocking=pin)
-            out[k] = dst
-        if pin:
-            torch.cuda.current_stream().synchronize()
-        return out
-
-    def _read_cold(self, key: Key, version: Version, target: str) -> dict[str, torch.Tensor]:
+    def _read_cold(self, key: Key, version: Version, target: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Read from the cold file (mmap), else from the version's source (filling the cold cache)."""
         with self._cv:
             path = self.cold.get(key, version.digest) if self.cold is not None else None
@@ -507,32 +565,16 @@ class TieredExpertStore:
             try:
                 with safe_open(path, framework="pt") as f:
                     raw = {k: f.get_tensor(k) for k in f.keys()}
-                return self._materialise(target, raw)
+                return self._fill(target, raw)
             except FileNotFoundError:  # replaced by a swap meanwhile: read the source instead
                 pass
         raw = self._read_source(key, version)
         try:
             self._write_cold(key, version, raw)
-            return self._materialise(target, raw)
+            return self._fill(target, raw)
         finally:
             del raw
             self.ckpt.close()  # unmap: pages read through the mapping would otherwise stay in RSS
-
-    def _materialise(self, target: str, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy mapped tensors into owned memory of the target tier (the mapping is dropped)."""
-        if target == HOT:
-            out = self._to_tier(HOT, raw)
-            if self.device.type == "cpu":  # .to(copy=True) already owns its memory
-                return out
-            torch.cuda.current_stream().synchronize()
-            return out
-        pin = self.config.pinned and torch.cuda.is_available()
-        out = {}
-        for k, t in raw.items():
-            dst = torch.empty(t.shape, dtype=self.dtype, pin_memory=pin)
-            dst.copy_(t)
-            out[k] = dst
-        return out
 
     def _read_source(self, key: Key, version: Version) -> dict[str, torch.Tensor]:
         if version.source == CHECKPOINT:
@@ -601,13 +643,16 @@ class TieredExpertStore:
                     raise SwapError(f"no room to stage expert {key[0]}.{key[1]} beside the serving version "
                                     "(hot and warm budgets are full of experts in use)")
                 self.reserved[stage] += e.nbytes
+            slot = None
             try:
                 raw = load()
                 version = Version(content_digest(raw), source)
-                staged = self._to_tier(stage, raw) if stage == HOT else self._materialise(WARM, raw)
+                staged, slot = self._fill(stage, raw)
                 self._write_cold(key, version, raw)
             except BaseException:
                 with self._cv:
+                    if slot is not None:
+                        self.pools[stage].give(slot)
                     self.reserved[stage] -= e.nbytes
                     self._cv.notify_all()
                 raise
@@ -617,6 +662,7 @@ class TieredExpertStore:
                 while e.pins or e.busy:  # the batch boundary
                     if not self._cv.wait(max(0.0, deadline - time.monotonic())):
                         e.swap_pending = False
+                        self.pools[stage].give(slot)
                         self.reserved[stage] -= e.nbytes
                         self._cv.notify_all()
                         raise SwapError(f"expert {key[0]}.{key[1]} stayed in use for {self.wait_timeout_s:.0f} s; "
@@ -624,9 +670,10 @@ class TieredExpertStore:
                 old_tier = e.tier
                 if old_tier in (HOT, WARM):
                     self.used[old_tier] -= e.nbytes
+                self._free_slot(e)  # the old version's memory: released after its last batch
                 self.reserved[stage] -= e.nbytes
                 self.used[stage] += e.nbytes
-                e.tensors, e.tier, e.version = staged, stage, version
+                e.tensors, e.slot, e.tier, e.version = staged, slot, stage, version
                 e.swap_pending = False
                 e.prefetched = False
                 self._cv.notify_all()
