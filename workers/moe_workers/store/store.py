@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import queue
 import threading
@@ -35,6 +36,7 @@ from .policy import Policy, make_policy
 from .versions import CHECKPOINT, SwapError, Version, content_digest
 
 HOT, WARM, COLD, SOURCE = "hot", "warm", "cold", "source"
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 TIERS = (HOT, WARM, COLD)
 
 Key = tuple[int, int]  # (layer, expert)
@@ -563,7 +565,9 @@ class TieredExpertStore:
             path = self.cold.get(key, version.digest) if self.cold is not None else None
         if path is not None:
             try:
-                with safe_open(path, framework="pt") as f:
+                if self.pools[target].device.type == "cpu":
+                    return self._read_file_into(target, path)
+                with safe_open(path, framework="pt") as f:  # to the device: through the mapping
                     raw = {k: f.get_tensor(k) for k in f.keys()}
                 return self._fill(target, raw)
             except FileNotFoundError:  # replaced by a swap meanwhile: read the source instead
@@ -575,6 +579,42 @@ class TieredExpertStore:
         finally:
             del raw
             self.ckpt.close()  # unmap: pages read through the mapping would otherwise stay in RSS
+
+    def _read_file_into(self, tier: str, path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Read a cold file straight into a host slot with sequential reads: no mapping, so no
+        transient resident pages beyond the slot itself, at the disk's sequential speed. Falls
+        back to the mapping (with dtype conversion) when the file's dtype is not the compute one."""
+        with open(path, "rb", buffering=0) as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+            size = os.fstat(f.fileno()).st_size
+            want = {"w1", "w2", "w3"}
+            if set(header) - {"__metadata__"} != want or any(
+                    header[w]["dtype"] != _SAFETENSORS_DTYPES.get(self.dtype) for w in want):
+                with safe_open(path, framework="pt") as g:
+                    return self._fill(tier, {k: g.get_tensor(k) for k in g.keys()})
+            with self._cv:
+                buf = self.pools[tier].take()
+            try:
+                views = self._layout(buf)
+                for w, dst in views.items():
+                    begin, end = header[w]["data_offsets"]
+                    if list(header[w]["shape"]) != list(dst.shape) or end - begin != dst.numel() * dst.element_size() \
+                            or 8 + header_len + end > size:
+                        raise SwapError(f"{path}: cache file does not match the model ({w})")
+                    f.seek(8 + header_len + begin)
+                    target = memoryview(dst.view(torch.uint8).reshape(-1).numpy())
+                    got = 0
+                    while got < len(target):
+                        n = f.readinto(target[got:])
+                        if not n:
+                            raise SwapError(f"{path}: truncated cache file")
+                        got += n
+            except BaseException:
+                with self._cv:
+                    self.pools[tier].give(buf)
+                raise
+        return views, buf
 
     def _read_source(self, key: Key, version: Version) -> dict[str, torch.Tensor]:
         if version.source == CHECKPOINT:

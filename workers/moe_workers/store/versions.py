@@ -36,7 +36,8 @@ def content_digest(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()))  # hashed in place, no copy
     return "sha256:" + h.hexdigest()
 
 
