@@ -627,6 +627,16 @@ class TieredExpertStore:
                 raw[w] = f.get_tensor(n)
         return raw
 
+    def _write_cold_if_current(self, key: Key, version: Version, raw: dict[str, torch.Tensor]) -> None:
+        with self._cv:
+            e = self.entries.get(key)
+            if e is None or e.version != version:
+                return  # superseded by a later swap meanwhile
+        try:
+            self._write_cold(key, version, raw)
+        except OSError:
+            pass  # the cache is an optimisation: the version's source still serves reads
+
     def _write_cold(self, key: Key, version: Version, raw: dict[str, torch.Tensor]) -> None:
         if self.cold is None or self.cold.get(key, version.digest) is not None:
             return
@@ -688,7 +698,6 @@ class TieredExpertStore:
                 raw = load()
                 version = Version(content_digest(raw), source)
                 staged, slot = self._fill(stage, raw)
-                self._write_cold(key, version, raw)
             except BaseException:
                 with self._cv:
                     if slot is not None:
@@ -717,6 +726,10 @@ class TieredExpertStore:
                 e.swap_pending = False
                 e.prefetched = False
                 self._cv.notify_all()
+            # the cold file after the commit, off the swap's path (until it exists, a demoted
+            # expert is read back from the version's own source file)
+            threading.Thread(target=self._write_cold_if_current, args=(key, version, raw), name="cold-write",
+                             daemon=True).start()
             return version
 
     # -- status -------------------------------------------------------------------------------
