@@ -8,7 +8,8 @@ Settings come from the environment (the Helm chart sets them):
   MOE_ALLOWED_ROOTS     colon-separated directories models and weights may be read from
   MOE_SERVE_HTTP_PORT   Serve proxy port on the Ray cluster (default 8000)
   MOE_ENDPOINT_HOST     host written into status.endpoint (default 127.0.0.1)
-  MOE_METRICS_PORT      serve the operator's Prometheus metrics on 127.0.0.1:PORT when set
+  MOE_METRICS_PORT      serve the operator's Prometheus metrics on MOE_METRICS_HOST:PORT when set
+  MOE_METRICS_HOST      address for the metrics (default 127.0.0.1; the Helm chart sets 0.0.0.0 in the Pod)
   MOE_RAY_BACKEND       render-only: keep the Serve config in MOE_RENDER_ONLY_DIR instead of deploying
 """
 
@@ -46,9 +47,12 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
         prefix=PREFIX, key="last-handled-configuration")
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 120
+    # serve the namespaces given on the command line and the CRDs present at start: watching all
+    # CRDs and namespaces would need cluster-wide RBAC the operator should not have
+    settings.scanning.disabled = True
     port = _setting("MOE_METRICS_PORT")
     if port:
-        start_metrics_server(int(port))
+        start_metrics_server(int(port), _setting("MOE_METRICS_HOST", "127.0.0.1"))
 
 
 def _load_kube_config() -> None:
