@@ -1,6 +1,6 @@
 """`moectl up` (standalone mode) end to end: its own local Ray head, a completion, status via
-`moectl get --local`, re-reconcile on file change, invalid edits reported without losing the
-running app, clean shutdown on SIGTERM."""
+`moectl get --local`, re-reconcile on file change, `moectl hot-swap --local` and rollback,
+invalid edits reported without losing the running app, clean shutdown on SIGTERM."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+from safetensors.torch import save_file
 
 from moe_operator.standalone.local_ray import free_port
 from moe_workers.model.inprocess import InProcessModel
@@ -83,10 +84,40 @@ def test_moectl_up_serves_reconciles_and_stops(tmp_path):
         assert requests.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0},
                              timeout=60).json()["choices"][0]["token_ids"] == want[:3]
 
+        # hot-swap with --local: moectl edits the manifest `moectl up` runs and waits on its status
+        weights = tmp_path / "models" / "e-1.1.safetensors"
+        new = {w: (t * 40).contiguous() for w, t in reference.experts.weights[(1, 1)].items()}
+        save_file({f"{w}.weight": t for w, t in new.items()}, str(weights))
+        swapped = InProcessModel(tmp_path / "models" / "tiny")
+        swapped.experts.weights[(1, 1)] = new
+        probes = [[40, 41, 42], [7, 8, 9, 10], [100, 3, 55]]
+
+        def tokens():
+            return [requests.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 5, "temperature": 0},
+                                  timeout=60).json()["choices"][0]["token_ids"] for p in probes]
+
+        want_new = [swapped.generate([p], 5, stop_at_eos=True)[0] for p in probes]
+        want_old = [reference.generate([p], 5, stop_at_eos=True)[0] for p in probes]
+        assert want_new != want_old
+        r = _moectl("hot-swap", "tiny", "--expert", "1.1", "--weights", str(weights), "--wait", "--timeout", "120",
+                    "--local", env=env)
+        assert "serves sha256:" in r.stdout and tokens() == want_new
+        st = _status(env)["status"]
+        assert st["overriddenExperts"] == 1 and st["lastSwaps"][0]["outcome"] == "Serving"
+        _moectl("hot-swap", "tiny", "--expert", "1.1", "--rollback", "--wait", "--timeout", "120", "--local", env=env)
+        assert tokens() == want_old and _status(env)["status"]["overriddenExperts"] == 0
+        assert "HotSwapServing" in (tmp_path / "up.log").read_text()
+
         # an invalid edit is reported and the running app keeps serving
         manifest["spec"]["experts"]["tiers"]["hot"]["budget"] = "1Ki"
         f.write_text(yaml.safe_dump(manifest))
-        bad = wait_for(lambda: (s := _status(env))["status"]["observedGeneration"] == 3 and s, what="invalid edit")
+
+        def invalid():
+            s = _status(env)
+            ready = next(c for c in s["status"]["conditions"] if c["type"] == "Ready")
+            return ready["reason"] == "InvalidSpec" and s
+
+        bad = wait_for(invalid, what="invalid edit")
         ready = next(c for c in bad["status"]["conditions"] if c["type"] == "Ready")
         assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
         assert "spec.experts.tiers.hot.budget" in ready["message"]
