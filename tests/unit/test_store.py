@@ -345,3 +345,19 @@ def test_slots_are_reused_so_memory_stays_at_the_budgets(model_dir, tmp_path):
     assert len(in_use) == sum(1 for e in s.entries.values() if e.tier in (HOT, WARM))
     s.configure(ALL, TierConfig(hot_budget=EXPERTS * n, warm_budget=0, cold_dir=str(tmp_path / "cold")))
     assert s.pools[WARM].allocated == 0 and s.used[WARM] == 0
+
+
+def test_registration_streams_digest_and_cold_file(model_dir, tmp_path):
+    """One sequential pass: the digest is content_digest of the checkpoint's tensors and the cold
+    file is a safetensors file holding exactly them."""
+    from safetensors.torch import load_file
+
+    s = make_store(model_dir, tmp_path)
+    s.configure([(1, 2)])
+    ref = Checkpoint(model_dir).expert(1, 2)
+    digest = s.experts()["1.2"]["digest"]
+    assert digest == content_digest(ref)
+    path = s.cold.get((1, 2), digest)
+    on_disk = load_file(str(path))
+    assert sorted(on_disk) == ["w1", "w2", "w3"] and all(torch.equal(on_disk[w], ref[w]) for w in ref)
+    assert not list(s.cold.dir.glob(".register-*"))  # no temp files left behind

@@ -37,6 +37,16 @@ from .versions import CHECKPOINT, SwapError, Version, content_digest
 
 HOT, WARM, COLD, SOURCE = "hot", "warm", "cold", "source"
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _safetensors_header(path: Path) -> tuple[int, dict]:
+    """(header length, header) of a safetensors file: JSON only, no tensor is loaded."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n <= 0 or n > 100 << 20:
+            raise TierConfigError(f"{path}: not a safetensors file (header length {n})")
+        return n, json.loads(f.read(n))
 TIERS = (HOT, WARM, COLD)
 
 Key = tuple[int, int]  # (layer, expert)
@@ -182,6 +192,16 @@ class ColdCache:
             tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"digest": digest})
             os.replace(tmp, path)
+        self.files[key] = (path, digest, nbytes)
+        return True
+
+    def adopt(self, key: Key, digest: str, tmp: Path, nbytes: int, evict: Callable[[int], bool]) -> bool:
+        """Take a fully written temp file as the cache file of (key, digest), budget allowing."""
+        self.drop(key)
+        if self.budget is not None and self.used() + nbytes > self.budget and not evict(nbytes):
+            return False
+        path = self.path_for(key, digest)
+        os.replace(tmp, path)
         self.files[key] = (path, digest, nbytes)
         return True
 
@@ -332,14 +352,65 @@ class TieredExpertStore:
         if not (0 <= layer < self.model.num_layers and 0 <= expert < self.model.num_experts):
             raise TierConfigError(f"expert {layer}.{expert} does not exist "
                                   f"({self.model.num_layers} layers x {self.model.num_experts} experts)")
-        raw = self.ckpt.expert(layer, expert)
-        version = Version(content_digest(raw), CHECKPOINT)
-        entry = Entry(key, version, self.expert_bytes)
-        self._write_cold(key, version, raw)
-        del raw
-        self.ckpt.close()
+        version = Version(self._stream_from_checkpoint(key), CHECKPOINT)
         with self._cv:
-            self.entries[key] = entry
+            self.entries[key] = Entry(key, version, self.expert_bytes)
+
+    def _stream_from_checkpoint(self, key: Key) -> str:
+        """The checkpoint version's digest, and its cold file, in one sequential pass over the
+        bytes with a small buffer: registering hundreds of experts never maps them into memory
+        (the digest equals content_digest of the same tensors)."""
+        names = self.ckpt.expert_names(*key)
+        h = hashlib.sha256()
+        tmp = None
+        out = None
+        if self.cold is not None:
+            tmp = self.cold.dir / f".register-{key[0]}.{key[1]}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            metas, chunks = [], 4 << 20
+            for w, name in sorted(zip(("w1", "w2", "w3"), names)):
+                file = self.ckpt.file_of(name)
+                header_len, header = _safetensors_header(file)
+                info = header[name]
+                metas.append((w, file, header_len, info))
+            if tmp is not None:
+                out = open(tmp, "wb")
+                layout, offset = {}, 0
+                for w, _, _, info in metas:
+                    n = info["data_offsets"][1] - info["data_offsets"][0]
+                    layout[w] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [offset, offset + n]}
+                    offset += n
+                head = json.dumps(layout, separators=(",", ":")).encode()
+                head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as safetensors writes it
+                out.write(len(head).to_bytes(8, "little") + head)
+            for w, file, header_len, info in metas:
+                dtype = _DTYPE_NAMES[info["dtype"]]
+                h.update(f"{w}|{dtype}|{tuple(info['shape'])}|".encode())
+                begin, end = info["data_offsets"]
+                with open(file, "rb", buffering=0) as f:
+                    f.seek(8 + header_len + begin)
+                    left = end - begin
+                    while left:
+                        chunk = f.read(min(chunks, left))
+                        if not chunk:
+                            raise TierConfigError(f"{file}: truncated while reading {info}")
+                        h.update(chunk)
+                        if out is not None:
+                            out.write(chunk)
+                        left -= len(chunk)
+            digest = "sha256:" + h.hexdigest()
+            if out is not None:
+                out.close()
+                out = None
+                with self._cv:
+                    self.cold.adopt(key, digest, tmp, sum(e["data_offsets"][1] - e["data_offsets"][0]
+                                                          for _, _, _, e in metas), self._cold_evictor(key))
+            return digest
+        finally:
+            if out is not None:
+                out.close()
+            if tmp is not None and tmp.exists():
+                tmp.unlink()
 
     def _release(self, key: Key) -> None:
         e = self.entries.pop(key)
@@ -641,6 +712,10 @@ class TieredExpertStore:
         if self.cold is None or self.cold.get(key, version.digest) is not None:
             return
 
+        with self._cv:  # the cache index is shared with the prefetch thread
+            self.cold.put(key, version.digest, raw, self._cold_evictor(key))
+
+    def _cold_evictor(self, key: Key) -> Callable[[int], bool]:
         def evict(nbytes: int) -> bool:
             budget = self.cold.budget or 0
             with self._cv:
@@ -652,8 +727,7 @@ class TieredExpertStore:
                     self.cold.drop(victim)
             return True
 
-        with self._cv:  # the cache index is shared with the prefetch thread
-            self.cold.put(key, version.digest, raw, evict)
+        return evict
 
     # -- idle demotion ------------------------------------------------------------------------
 
