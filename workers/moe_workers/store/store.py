@@ -334,6 +334,16 @@ class TieredExpertStore:
             raise
         return views, buf
 
+    def _same_memory(self) -> bool:
+        """Hot and warm are both plain host memory in the compute layout (no accelerator, no
+        pinning): moving between them is bookkeeping, and copying would only waste memory."""
+        return self.pools[HOT].device.type == "cpu" and not self.pools[WARM].pin
+
+    def _move_slot(self, src: str, dst: str) -> None:
+        """A slot changes pools with its expert (lock held); both stay within their budgets."""
+        self.pools[src].allocated -= 1
+        self.pools[dst].allocated += 1
+
     def _free_slot(self, e: Entry) -> None:
         """Give e's slot back to the pool of its tier (lock held)."""
         if e.slot is not None and e.tier in (HOT, WARM):
@@ -547,7 +557,12 @@ class TieredExpertStore:
                 break
         t0 = time.perf_counter()
         try:
-            tensors, slot = self._fill(target, warm_copy) if warm_copy is not None else self._read_cold(key, version, target)
+            if warm_copy is not None and self._same_memory():
+                tensors, slot = warm_copy, e.slot  # host to host in the same layout: the slot changes tier
+            elif warm_copy is not None:
+                tensors, slot = self._fill(target, warm_copy)
+            else:
+                tensors, slot = self._read_cold(key, version, target)
         except BaseException:
             with self._cv:
                 self.reserved[target] -= e.nbytes
@@ -560,7 +575,10 @@ class TieredExpertStore:
             self.used[target] += e.nbytes
             if source in (HOT, WARM):
                 self.used[source] -= e.nbytes
-            self._free_slot(e)
+            if slot is e.slot:
+                self._move_slot(source, target)
+            else:
+                self._free_slot(e)
             e.tensors, e.slot, e.tier, e.busy = tensors, slot, target, False
             e.prefetched = mode == "prefetch"
             if mode == "prefetch":
@@ -615,9 +633,13 @@ class TieredExpertStore:
         self.used[src] -= e.nbytes
         t0 = time.perf_counter()
         if src == HOT and self._make_room(WARM, e.nbytes, exclude={e.key}, wait=False):
-            tensors, slot = self._fill(WARM, e.tensors)
-            self._free_slot(e)
-            e.tensors, e.slot, e.tier = tensors, slot, WARM
+            if self._same_memory():
+                self._move_slot(HOT, WARM)
+            else:
+                tensors, slot = self._fill(WARM, e.tensors)
+                self._free_slot(e)
+                e.tensors, e.slot = tensors, slot
+            e.tier = WARM
             self.used[WARM] += e.nbytes
             dst = WARM
         else:
