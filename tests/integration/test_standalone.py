@@ -108,6 +108,24 @@ def test_moectl_up_serves_reconciles_and_stops(tmp_path):
         assert tokens() == want_old and _status(env)["status"]["overriddenExperts"] == 0
         assert "HotSwapServing" in (tmp_path / "up.log").read_text()
 
+        # the live views: experts table, heatmap frame, load generator
+        table = _moectl("experts", "tiny", "--local", env=env).stdout.splitlines()
+        assert table[0].split() == ["EXPERT", "GROUPS", "REPLICAS", "TIER", "VERSION", "LOAD"] and len(table) == 1 + 8
+        rows = json.loads(_moectl("experts", "tiny", "--local", "-o", "json", env=env).stdout)["experts"]
+        assert [r["expert"] for r in rows] == [f"{l}.{e}" for l in range(2) for e in range(4)]
+        assert all(r["version"].startswith("sha256:") and r["replicas"] == 1 for r in rows)
+        assert sum(r["tokens"] for r in rows) > 0
+        frame = _moectl("top", "tiny", "--local", "--once", env=env).stdout
+        assert "layer" in frame and "imbalance" in frame
+        result = json.loads(_moectl("bench", "tiny", "--local", "--duration", "2", "--concurrency", "2",
+                                    "--prompt-len", "4", "--max-tokens", "3", "-o", "json", env=env).stdout)
+        assert result["requests"] > 0 and result["failed"] == 0 and result["latency_s"]["p50"] > 0
+        assert _moectl("experts", "tiny", "--local", "-o", "xml", env=env, check=False).returncode == 2
+        down = _moectl("bench", "--endpoint", "http://127.0.0.1:9", "--duration", "1", env=env, check=False)
+        assert down.returncode == 1 and len(down.stderr.strip().splitlines()) == 1 and "cannot reach" in down.stderr
+        gone = _moectl("top", "nope", "--local", "--once", env=env, check=False)
+        assert gone.returncode == 1 and "not found" in gone.stderr
+
         # an invalid edit is reported and the running app keeps serving
         manifest["spec"]["experts"]["tiers"]["hot"]["budget"] = "1Ki"
         f.write_text(yaml.safe_dump(manifest))

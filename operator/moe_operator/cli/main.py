@@ -362,6 +362,237 @@ def hot_swap(
     fail(f"{action} expert {expert} did not finish within {timeout:.0f} s")
 
 
+def _base_url(name: str, namespace: str, kubeconfig: Optional[Path], local: bool, endpoint: Optional[str]) -> str:
+    """The app's base URL: --endpoint, else the object's status.endpoint (without /v1)."""
+    if endpoint:
+        return endpoint.rstrip("/").removesuffix("/v1")
+    doc = (_fetch_local(name, namespace, False) if local else _fetch_from_kubernetes(name, namespace, False, kubeconfig))[0]
+    url = (doc.get("status") or {}).get("endpoint")
+    if not url:
+        fail(f"moedeployment {namespace}/{name} has no endpoint yet (not serving)")
+    return url.removesuffix("/v1")
+
+
+def _app_report(base: str) -> dict:
+    from moe_operator.observe import fetch_app_status
+
+    report = fetch_app_status(base, timeout_s=10)
+    if report is None:
+        fail(f"cannot read {base}/moe/v1/status (is the app serving, and reachable from here? see --endpoint)")
+    return report
+
+
+def expert_rows(report: dict) -> list[dict]:
+    """Per expert across replicas: hosting groups, replicas, tiers, version, tokens (pure)."""
+    rows: dict[str, dict] = {}
+    for r in report.get("replicas") or []:
+        for eid, v in (r.get("versions") or {}).items():
+            row = rows.setdefault(eid, {"expert": eid, "groups": set(), "replicas": 0, "tiers": {}, "digests": set(),
+                                        "sources": set(), "tokens": 0})
+            row["groups"].add(r.get("group", "?"))
+            row["replicas"] += 1
+            row["tiers"][v.get("tier", "?")] = row["tiers"].get(v.get("tier", "?"), 0) + 1
+            row["digests"].add(v.get("digest", ""))
+            row["sources"].add(v.get("source", ""))
+            row["tokens"] += int(v.get("tokens", 0))
+    out = []
+    for eid in sorted(rows, key=lambda e: tuple(int(p) for p in e.split("."))):
+        row = rows[eid]
+        digest = row["digests"].pop() if len(row["digests"]) == 1 else "mixed"
+        out.append({"expert": eid, "groups": sorted(row["groups"]), "replicas": row["replicas"],
+                    "tiers": dict(sorted(row["tiers"].items())), "version": digest,
+                    "override": any(src != "checkpoint" for src in row["sources"]), "tokens": row["tokens"]})
+    return out
+
+
+@app.command()
+def experts(
+    name: str = typer.Argument(..., help="MoEDeployment name."),
+    namespace: str = typer.Option("default", "-n", "--namespace"),
+    output: str = typer.Option("", "-o", "--output", help="json, yaml or wide."),
+    kubeconfig: Optional[Path] = typer.Option(None, "--kubeconfig", envvar="KUBECONFIG"),
+    local: bool = typer.Option(False, "--local", help="Standalone mode (moectl up)."),
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="The app's URL, when status.endpoint is not "
+                                           "reachable from here (for example through kubectl port-forward)."),
+):
+    """Every expert: groups hosting it, replicas, tier residency, version, tokens served (live from the app)."""
+    if output not in ("", "json", "yaml", "wide"):
+        fail(f"-o {output!r}: expected json, yaml or wide", 2)
+    rows = expert_rows(_app_report(_base_url(name, namespace, kubeconfig, local, endpoint)))
+    if output == "json":
+        out.print_json(json.dumps({"experts": rows}))
+        return
+    if output == "yaml":
+        sys.stdout.write(yaml.safe_dump({"experts": rows}, sort_keys=False))
+        return
+    table = Table(box=None, header_style="bold")
+    for col in ("EXPERT", "GROUPS", "REPLICAS", "TIER", "VERSION", "LOAD"):
+        table.add_column(col, justify="right" if col in ("REPLICAS", "LOAD") else "left", no_wrap=True)
+    total = sum(r["tokens"] for r in rows) or 1
+    for r in rows:
+        digest = r["version"].removeprefix("sha256:")
+        version = (digest if output == "wide" else digest[:12]) + (" (override)" if r["override"] else "")
+        tiers = " ".join(f"{t}x{n}" if n > 1 else t for t, n in r["tiers"].items())
+        table.add_row(r["expert"], ",".join(g.removeprefix("ExpertShard-") for g in r["groups"]), str(r["replicas"]),
+                      tiers, version, f"{r['tokens']} ({100 * r['tokens'] / total:.1f}%)")
+    out.print(table)
+
+
+def load_grid(report: dict) -> tuple[list[list[int]], int, int]:
+    """tokens[layer][expert] summed over replicas (pure)."""
+    cells: dict[tuple[int, int], int] = {}
+    for r in report.get("replicas") or []:
+        for eid, v in (r.get("versions") or {}).items():
+            layer, expert = (int(p) for p in eid.split("."))
+            cells[(layer, expert)] = cells.get((layer, expert), 0) + int(v.get("tokens", 0))
+    layers = max((l for l, _ in cells), default=-1) + 1
+    experts_ = max((e for _, e in cells), default=-1) + 1
+    return [[cells.get((l, e), 0) for e in range(experts_)] for l in range(layers)], layers, experts_
+
+
+def heatmap(grid: list[list[float]], title: str) -> Table:
+    """Rows = layers, columns = experts; cell shade by share of the layer's load."""
+    shades = ["grey23", "grey42", "dark_cyan", "cyan", "yellow", "orange1", "red1"]
+    table = Table(title=title, box=None, header_style="bold", pad_edge=False)
+    table.add_column("layer", justify="right")
+    for e in range(len(grid[0]) if grid else 0):
+        table.add_column(str(e), justify="right")
+    table.add_column("imbalance", justify="right")
+    for l, row in enumerate(grid):
+        total = sum(row)
+        peak = max(row) if row else 0
+        cells = []
+        for v in row:
+            share = v / total if total else 0.0
+            level = min(len(shades) - 1, int(share * len(row) * (len(shades) - 1) / 2)) if total else 0
+            cells.append(f"[{shades[level]}]{'█' * 2} {v:>5.0f}[/]")
+        mean = total / len(row) if row else 0
+        table.add_row(str(l), *cells, f"{peak / mean:.2f}" if mean else "-")
+    return table
+
+
+@app.command()
+def top(
+    name: str = typer.Argument(..., help="MoEDeployment name."),
+    namespace: str = typer.Option("default", "-n", "--namespace"),
+    kubeconfig: Optional[Path] = typer.Option(None, "--kubeconfig", envvar="KUBECONFIG"),
+    local: bool = typer.Option(False, "--local", help="Standalone mode (moectl up)."),
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="The app's URL (see moectl experts)."),
+    interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes."),
+    once: bool = typer.Option(False, "--once", help="Print one frame (tokens so far) and exit."),
+):
+    """A live heatmap of expert load per layer (tokens/s over the last interval), refreshed."""
+    import time
+
+    from rich.live import Live
+
+    base = _base_url(name, namespace, kubeconfig, local, endpoint)
+    grid, _, _ = load_grid(_app_report(base))
+    if once:
+        out.print(heatmap(grid, f"{namespace}/{name}: tokens per expert so far"))
+        return
+    with Live(heatmap(grid, f"{namespace}/{name}: waiting for the first interval"), console=out,
+              refresh_per_second=4) as live:
+        try:
+            while True:
+                time.sleep(interval)
+                now, _, _ = load_grid(_app_report(base))
+                rate = [[(b - a) / interval for a, b in zip(ra, rb)] for ra, rb in zip(grid, now)] if grid else now
+                live.update(heatmap(rate, f"{namespace}/{name}: tokens/s per expert (every {interval:g} s; Ctrl-C quits)"))
+                grid = now
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command()
+def bench(
+    name: Optional[str] = typer.Argument(None, help="MoEDeployment name (its status.endpoint), or use --endpoint."),
+    namespace: str = typer.Option("default", "-n", "--namespace"),
+    kubeconfig: Optional[Path] = typer.Option(None, "--kubeconfig", envvar="KUBECONFIG"),
+    local: bool = typer.Option(False, "--local", help="Standalone mode (moectl up)."),
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="The app's URL."),
+    concurrency: int = typer.Option(8, "--concurrency", "-c", min=1, max=1024, help="Clients sending at once."),
+    duration: float = typer.Option(30.0, "--duration", min=0.5, help="Seconds to send requests."),
+    prompt_len: int = typer.Option(32, "--prompt-len", min=1, help="Prompt length in tokens (random ids)."),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Completion length."),
+    seed: int = typer.Option(0, "--seed"),
+    output: str = typer.Option("", "-o", "--output", help="json for machine-readable results."),
+):
+    """Load generator: concurrent clients for a duration; throughput and latency percentiles."""
+    import random
+    import time
+
+    import requests
+
+    if not name and not endpoint:
+        fail("give a MoEDeployment NAME or --endpoint URL", 2)
+    if output not in ("", "json"):
+        fail(f"-o {output!r}: expected json", 2)
+    base = _base_url(name, namespace, kubeconfig, local, endpoint) if name or endpoint else ""
+    try:
+        models = requests.get(base + "/v1/models", timeout=10).json()["data"][0]
+    except (requests.RequestException, ValueError, KeyError, IndexError) as e:
+        fail(f"cannot reach {base}/v1/models: {e.__class__.__name__}")
+    vocab_hi = int(models.get("vocab_size", 256))
+    if prompt_len + max_tokens > models.get("max_model_len", 1 << 30):
+        fail(f"--prompt-len + --max-tokens ({prompt_len + max_tokens}) exceeds the model's context "
+             f"({models['max_model_len']})", 2)
+    rng = random.Random(seed)
+    results: list[tuple[float, int, int]] = []  # (latency s, status, completion tokens)
+    lock = threading.Lock()
+    deadline = time.monotonic() + duration
+    session_errors: list[str] = []
+
+    def client(i: int) -> None:
+        s = requests.Session()
+        while time.monotonic() < deadline:
+            prompt = [rng.randrange(3, vocab_hi) for _ in range(prompt_len)]
+            t0 = time.monotonic()
+            try:
+                r = s.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                           "temperature": 0}, timeout=600)
+                n = len(r.json()["choices"][0]["token_ids"]) if r.status_code == 200 else 0
+                status = r.status_code
+            except (requests.RequestException, ValueError, KeyError) as e:
+                status, n = -1, 0
+                session_errors.append(e.__class__.__name__)
+            with lock:
+                results.append((time.monotonic() - t0, status, n))
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
+    started = time.monotonic()
+    with Progress(TextColumn("load"), BarColumn(), TextColumn("{task.fields[done]} requests"),
+                  TimeElapsedColumn(), console=err, transient=output == "json") as progress:
+        task = progress.add_task("load", total=duration, done=0)
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            time.sleep(0.2)
+            progress.update(task, completed=min(duration, time.monotonic() - started), done=len(results))
+    wall = time.monotonic() - started
+    ok = [r for r in results if r[1] == 200]
+    lat = sorted(r[0] for r in ok)
+
+    def pct(q: float) -> float:
+        return lat[min(len(lat) - 1, int(round(q * (len(lat) - 1))))] if lat else float("nan")
+
+    summary = {"requests": len(results), "failed": len(results) - len(ok), "wall_s": round(wall, 3),
+               "requests_per_s": round(len(ok) / wall, 3), "tokens_per_s": round(sum(r[2] for r in ok) / wall, 2),
+               "latency_s": {"p50": round(pct(0.5), 4), "p90": round(pct(0.9), 4), "p99": round(pct(0.99), 4)},
+               "concurrency": concurrency, "prompt_len": prompt_len, "max_tokens": max_tokens}
+    if output == "json":
+        out.print_json(json.dumps(summary))
+    else:
+        table = Table(box=None, show_header=False)
+        for k, v in (("requests", f"{summary['requests']} ({summary['failed']} failed)"),
+                     ("throughput", f"{summary['requests_per_s']} req/s, {summary['tokens_per_s']} tokens/s"),
+                     ("latency p50 / p90 / p99", " / ".join(f"{summary['latency_s'][q] * 1e3:.0f} ms" for q in ("p50", "p90", "p99")))):
+            table.add_row(k, v)
+        out.print(table)
+    if not ok:
+        fail(f"no request succeeded ({len(results)} sent; {', '.join(sorted(set(session_errors))) or 'HTTP errors'})")
+
+
 def main() -> None:
     app()
 

@@ -323,7 +323,7 @@ class Ingress:
     async def models(self):
         return {"object": "list", "data": [{
             "id": self.args.served_model_name, "object": "model", "owned_by": "moe-operator",
-            "max_model_len": self.max_len}]}
+            "max_model_len": self.max_len, "vocab_size": self.dense.cfg.vocab_size}]}
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request):
