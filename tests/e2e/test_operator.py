@@ -94,6 +94,18 @@ def _hot_swap_through_the_spec(k8s, model, endpoint, reference):
     r = _moectl(k8s, "hot-swap", "nope", "--expert", "1.1", "--rollback")
     assert r.returncode == 1 and r.stderr.strip() == "error: moedeployment default/nope not found"
 
+    # the live views through Kubernetes: status.endpoint of the object
+    rows = json.loads(_moectl(k8s, "experts", "tiny", "-o", "json").stdout)["experts"]
+    assert len(rows) == 8 and {r["replicas"] for r in rows} == {1}
+    assert any(r["tokens"] > 0 for r in rows)
+    r = _moectl(k8s, "top", "tiny", "--once")
+    assert r.returncode == 0 and "imbalance" in r.stdout
+    r = _moectl(k8s, "bench", "tiny", "--duration", "1", "-c", "2", "--prompt-len", "3", "--max-tokens", "2", "-o", "json")
+    assert r.returncode == 0 and json.loads(r.stdout)["failed"] == 0, r.stderr
+    for cmd in ("experts", "top", "bench"):
+        r = _moectl(k8s, cmd, "nope")
+        assert r.returncode == 1 and r.stderr.strip() == "error: moedeployment default/nope not found", (cmd, r.stderr)
+
 
 def _ready(k8s, name):
     obj = k8s.kubectl_json("get", "moed", name)
