@@ -24,13 +24,18 @@ from pathlib import Path
 _WORKER_PORTS = (20000, 29999)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(avoid: range = range(10002, 30000)) -> int:
-    """A free TCP port on 127.0.0.1 outside Ray's worker port range."""
+    """A free TCP port on 127.0.0.1 outside Ray's worker port range, never one this process has
+    handed out before (several are chosen before anything binds them)."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port not in avoid:
+        if port not in avoid and port not in _handed_out:
+            _handed_out.add(port)
             return port
     raise RuntimeError("no free loopback port outside Ray's worker range")
 
@@ -45,6 +50,12 @@ class LocalRayHead:
     dashboard_port: int = field(default_factory=free_port)
     serve_http_port: int = field(default_factory=free_port)
     metrics_export_port: int = field(default_factory=free_port)
+    # every other listener Ray starts gets an explicit port too: left to Ray, one of them may take
+    # the Serve HTTP port, which nothing binds until the first application is deployed
+    internal_ports: dict[str, int] = field(default_factory=lambda: {
+        flag: free_port() for flag in ("--node-manager-port", "--object-manager-port",
+                                       "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                                       "--runtime-env-agent-port", "--ray-client-server-port")})
     token: str = field(default_factory=lambda: secrets.token_hex(24))
     process: subprocess.Popen | None = None
 
@@ -101,6 +112,8 @@ class LocalRayHead:
             "--temp-dir", str(temp_dir),
             "--disable-usage-stats",
         ]
+        for flag, port in self.internal_ports.items():
+            cmd += [flag, str(port)]
         if self.num_cpus is not None:
             cmd += ["--num-cpus", str(self.num_cpus)]
         env = {**os.environ, **self.client_env(), "RAY_USAGE_STATS_ENABLED": "0"}
