@@ -32,3 +32,24 @@ def test_load_grid_and_heatmap_imbalance():
     assert table.row_count == 2
     imbalance = table.columns[-1]._cells
     assert imbalance == [f"{16 / 9.5:.2f}", f"{3 / 1.5:.2f}"]
+
+
+def test_replica_progress_of_a_swap():
+    from moe_operator.cli.main import replica_progress
+
+    path = "/w/new.safetensors"
+    rep = {"replicas": [
+        {"group": "ExpertShard-1", "replica": "aaaaaaaaaa",
+         "versions": {"1.1": {"source": path, "digest": "sha256:1234567890abcdef"}}},
+        {"group": "ExpertShard-1", "replica": "bbbbbbbbbb",
+         "versions": {"1.1": {"source": "checkpoint", "digest": "sha256:feedfeedfeed"}},
+         "swaps": {"1.1": {"path": path, "outcome": "Failed", "reason": "sha256 is x"}}},
+        {"group": "ExpertShard-2", "replica": "cccccccccc",
+         "versions": {"1.1": {"source": "checkpoint", "digest": "sha256:feedfeedfeed"}}},
+        {"group": "ExpertShard-0", "replica": "dddddddddd", "versions": {"0.0": {"source": "checkpoint"}}},
+    ]}
+    assert replica_progress(rep, "1.1", path) == [
+        ("ExpertShard-1/aaaaaaaa", "serving sha256:1234567890ab"),
+        ("ExpertShard-1/bbbbbbbb", "refused: sha256 is x"),
+        ("ExpertShard-2/cccccccc", "waiting (serving sha256:feedfeedfeed)")]
+    assert replica_progress(rep, "1.1", None)[2] == ("ExpertShard-2/cccccccc", "back on the checkpoint")

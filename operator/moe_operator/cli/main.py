@@ -301,9 +301,9 @@ def hot_swap(
         tmp.replace(manifest)
         generation = doc["metadata"].get("generation", 0)
 
-        def read() -> Optional[dict]:
+        def read() -> tuple[Optional[dict], dict]:
             d = _fetch_local(name, namespace, False)[0]
-            return _swap_record(d, expert) if d["metadata"].get("generation", 0) > generation else None
+            return (_swap_record(d, expert) if d["metadata"].get("generation", 0) > generation else None), d
     else:
         import kubernetes
 
@@ -336,9 +336,9 @@ def hot_swap(
             fail(f"moedeployment {namespace}/{name} kept changing; gave up after 5 attempts")
         generation = doc["metadata"]["generation"]
 
-        def read() -> Optional[dict]:
+        def read() -> tuple[Optional[dict], dict]:
             d = api.get_namespaced_custom_object(*args, _request_timeout=30)
-            return _swap_record(d, expert) if d["metadata"]["generation"] >= generation else None
+            return (_swap_record(d, expert) if d["metadata"]["generation"] >= generation else None), d
 
     action = "rollback of" if rollback else "hot-swap of"
     if not wait:
@@ -346,9 +346,16 @@ def hot_swap(
         return
     done = ("RolledBack",) if rollback else ("Serving",)
     deadline = time.monotonic() + timeout
+    from moe_operator.observe import fetch_app_status
+
     with err.status(f"{action} expert {expert}: waiting for the operator") as spinner:
         while time.monotonic() < deadline:
-            rec = read()
+            rec, doc = read()
+            url = ((doc.get("status") or {}).get("endpoint") or "").removesuffix("/v1")
+            report = fetch_app_status(url, timeout_s=2) if url else None
+            if report is not None:  # per replica, when the app is reachable from here
+                lines = [f"  {who}: {state}" for who, state in replica_progress(report, expert, weights)]
+                spinner.update("\n".join([f"{action} expert {expert}: {(rec or {}).get('outcome', 'requested')}"] + lines))
             if rec is not None:
                 if rec.get("outcome") == "Failed":
                     fail(f"{action} expert {expert} failed: {rec.get('reason', 'no reason given')}")
@@ -357,9 +364,32 @@ def hot_swap(
                     out.print(f"expert {expert} {'is back to the checkpoint' if rollback else 'serves ' + rec.get('digest', '')}"
                               f" on every replica" + (f" ({secs:.3f} s)" if secs is not None else ""), soft_wrap=True)
                     return
-                spinner.update(f"{action} expert {expert}: {rec.get('outcome')} {rec.get('reason', '')}".strip())
+                if report is None:
+                    spinner.update(f"{action} expert {expert}: {rec.get('outcome')} {rec.get('reason', '')}".strip())
             time.sleep(0.5)
     fail(f"{action} expert {expert} did not finish within {timeout:.0f} s")
+
+
+def replica_progress(report: dict, expert: str, path: Optional[str]) -> list[tuple[str, str]]:
+    """Per replica hosting `expert`: where its swap to `path` (None: rollback) stands (pure)."""
+    rows = []
+    for r in report.get("replicas") or []:
+        v = (r.get("versions") or {}).get(expert)
+        if v is None:
+            continue
+        who = f"{r.get('group', '?')}/{str(r.get('replica', '?'))[:8]}"
+        attempt = (r.get("swaps") or {}).get(expert) or {}
+        digest = str(v.get("digest", ""))[:19]
+        if path is None:
+            state = "back on the checkpoint" if v.get("source") == "checkpoint" else f"waiting (serving {digest})"
+        elif v.get("source") == path:
+            state = f"serving {digest}"
+        elif attempt.get("path") == path and attempt.get("outcome") == "Failed":
+            state = f"refused: {attempt.get('reason', '')}"
+        else:
+            state = f"waiting (serving {digest})"
+        rows.append((who, state))
+    return rows
 
 
 def _base_url(name: str, namespace: str, kubeconfig: Optional[Path], local: bool, endpoint: Optional[str]) -> str:
