@@ -201,3 +201,26 @@ def test_tier_metrics_exported_in_prometheus_format(setup, ray_head):
            and 'group="ExpertShard-0"' in l]
     one = setup["old"].cfg.expert_bytes
     assert hot and all(0 < float(l.rsplit(" ", 1)[1]) <= 2 * one for l in hot)  # within the hot budget
+
+
+def test_expert_load_signals_from_the_ray_export(setup, ray_head):
+    """The autoscaler's direct scrape of Ray's metrics export: per group and expert totals that
+    grow with traffic, and rates over a window."""
+    from moe_operator.autoscaling.signals import LoadWindow, ScrapeSource, group_load, imbalance
+
+    source = ScrapeSource([ray_head.metrics_url])
+    window = LoadWindow(window_s=60)
+    first = wait_for(lambda: source.expert_token_totals(), timeout_s=90, what="expert tokens exported")
+    window.add(time.monotonic(), first)
+    assert {g for g, _ in first} == {"ExpertShard-0", "ExpertShard-1"}
+    assert all(eid.count(".") == 1 for _, eid in first)
+    for p in prompts(8, 9):
+        assert complete(setup["url"], p).status_code == 200
+    before = sum(first.values())
+    later = wait_for(lambda: (t := source.expert_token_totals()) and sum(t.values()) > before and t, timeout_s=90,
+                     what="totals to grow")
+    window.add(time.monotonic(), later)
+    rates = window.window_rates()
+    assert sum(rates.values()) > 0
+    loads = group_load(rates, ["ExpertShard-0", "ExpertShard-1"])
+    assert imbalance(loads) >= 1.0
