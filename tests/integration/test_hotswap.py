@@ -208,7 +208,7 @@ def test_expert_load_signals_from_the_ray_export(setup, ray_head):
     grow with traffic, and rates over a window."""
     from moe_operator.autoscaling.signals import LoadWindow, ScrapeSource, group_load, imbalance
 
-    source = ScrapeSource([ray_head.metrics_url])
+    source = ScrapeSource([ray_head.metrics_url], app="swap")  # other tests' apps share this Ray cluster
     window = LoadWindow(window_s=60)
     first = wait_for(lambda: source.expert_token_totals(), timeout_s=90, what="expert tokens exported")
     window.add(time.monotonic(), first)

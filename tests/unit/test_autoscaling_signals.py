@@ -9,17 +9,19 @@ from moe_operator.autoscaling.signals import (LoadWindow, coefficient_of_variati
 
 EXPOSITION = """# HELP ray_moe_expert_tokens_total Tokens routed to each expert.
 # TYPE ray_moe_expert_tokens_total counter
-ray_moe_expert_tokens_total{Component="core_worker",Version="2.60.0",expert="0",group="ExpertShard-0",layer="1",WorkerId="a"} 30.0
-ray_moe_expert_tokens_total{Component="core_worker",Version="2.60.0",expert="0",group="ExpertShard-0",layer="1",WorkerId="b"} 12.0
-ray_moe_expert_tokens_total{Component="core_worker",Version="2.60.0",expert="1",group="ExpertShard-1",layer="1",WorkerId="c"} 6.0
+ray_moe_expert_tokens_total{Component="core_worker",Version="2.60.0",app="ns.a",expert="0",group="ExpertShard-0",layer="1",WorkerId="a"} 30.0
+ray_moe_expert_tokens_total{Component="core_worker",Version="2.60.0",app="ns.a",expert="0",group="ExpertShard-0",layer="1",WorkerId="b"} 12.0
+ray_moe_expert_tokens_total{Component="core_worker",Version="2.60.0",app="ns.a",expert="1",group="ExpertShard-1",layer="1",WorkerId="c"} 6.0
+ray_moe_expert_tokens_total{Component="core_worker",Version="2.60.0",app="ns.b",expert="1",group="ExpertShard-1",layer="1",WorkerId="d"} 99.0
 # HELP ray_moe_tier_bytes Bytes of expert weights resident per tier.
 # TYPE ray_moe_tier_bytes gauge
 ray_moe_tier_bytes{group="ExpertShard-0",replica="a",tier="hot"} 1.0e+06
 """
 
 
-def test_totals_sum_replicas_per_group_and_expert():
-    assert totals_from_exposition(EXPOSITION) == {("ExpertShard-0", "1.0"): 42.0, ("ExpertShard-1", "1.1"): 6.0}
+def test_totals_sum_replicas_per_group_and_expert_of_one_app():
+    assert totals_from_exposition(EXPOSITION, "ns.a") == {("ExpertShard-0", "1.0"): 42.0, ("ExpertShard-1", "1.1"): 6.0}
+    assert totals_from_exposition(EXPOSITION)[("ExpertShard-1", "1.1")] == 105.0  # every app on the cluster
 
 
 def test_window_rates_smoothing_and_counter_resets():

@@ -27,14 +27,15 @@ class MetricsUnavailable(RuntimeError):
     pass
 
 
-def totals_from_exposition(text: str) -> Totals:
-    """Sum the expert-token counter over replicas, per group and expert (Prometheus text format)."""
+def totals_from_exposition(text: str, app: str | None = None) -> Totals:
+    """Sum the expert-token counter over replicas, per group and expert (Prometheus text format),
+    for one Serve application when `app` is given (a Ray cluster may serve several)."""
     out: Totals = {}
     for family in text_string_to_metric_families(text):
         if family.name not in (EXPERT_TOKENS, EXPERT_TOKENS + "_total"):
             continue
         for s in family.samples:
-            if s.name.endswith("_created"):
+            if s.name.endswith("_created") or (app is not None and s.labels.get("app") != app):
                 continue
             key = (s.labels.get("group", ""), f"{s.labels.get('layer')}.{s.labels.get('expert')}")
             out[key] = out.get(key, 0.0) + float(s.value)
@@ -46,6 +47,7 @@ class ScrapeSource:
     """Ray's metrics export of every node (http://node:metrics-export-port/metrics)."""
 
     urls: list[str]
+    app: str | None = None
     timeout_s: float = 5.0
 
     def expert_token_totals(self) -> Totals:
@@ -56,7 +58,7 @@ class ScrapeSource:
                     text = resp.read().decode()
             except OSError as err:
                 raise MetricsUnavailable(f"{url}: {err}") from None
-            for k, v in totals_from_exposition(text).items():
+            for k, v in totals_from_exposition(text, self.app).items():
                 out[k] = out.get(k, 0.0) + v
         return out
 
@@ -66,10 +68,12 @@ class PrometheusSource:
     """A Prometheus server that scrapes the Ray nodes: instant query of the counter's sum."""
 
     url: str
+    app: str | None = None
     timeout_s: float = 5.0
 
     def expert_token_totals(self) -> Totals:
-        query = f"sum by (group, layer, expert) ({EXPERT_TOKENS}_total or {EXPERT_TOKENS})"
+        sel = f'{{app="{self.app}"}}' if self.app else ""
+        query = f"sum by (group, layer, expert) ({EXPERT_TOKENS}_total{sel} or {EXPERT_TOKENS}{sel})"
         target = self.url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": query})
         try:
             with urllib.request.urlopen(target, timeout=self.timeout_s) as resp:

@@ -109,7 +109,8 @@ class ExpertShard:
         self.allowed_roots = list(allowed_weight_roots or [])
         self.group = serve.get_replica_context().deployment
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.metrics = ShardMetrics(self.group, self.replica)
+        self.app = serve.get_replica_context().replica_id.deployment_id.app_name
+        self.metrics = ShardMetrics(self.group, self.replica, self.app)
         self.store = TieredExpertStore(self.ckpt, self.cfg.dtype, TierConfig(), on_move=self.metrics.on_move)
         self.overrides: dict[str, dict] = {}  # applied: expert -> {"path", "sha256"}
         self.swaps: dict[str, dict] = {}  # last swap per expert, as status reports it

@@ -9,8 +9,8 @@ TIERS = ("hot", "warm", "cold")
 
 
 class ShardMetrics:
-    def __init__(self, group: str, replica: str):
-        self.group, self.replica = group, replica
+    def __init__(self, group: str, replica: str, app: str = ""):
+        self.group, self.replica, self.app = group, replica, app
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
         try:
@@ -19,9 +19,9 @@ class ShardMetrics:
             self.enabled = False
             return
         self.enabled = True
-        tags = ("group", "replica")
+        tags = ("app", "group", "replica")  # app: several MoEDeployments may share a Ray cluster
         self.expert_tokens = Counter("moe_expert_tokens", description="Tokens routed to each expert.",
-                                     tag_keys=("layer", "expert", "group"))
+                                     tag_keys=("layer", "expert", "group", "app"))
         self.tier_bytes = Gauge("moe_tier_bytes", description="Bytes of expert weights resident per tier.",
                                 tag_keys=tags + ("tier",))
         self.tier_experts = Gauge("moe_tier_experts", description="Experts resident per tier.", tag_keys=tags + ("tier",))
@@ -42,13 +42,13 @@ class ShardMetrics:
                                       boundaries=[0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30], tag_keys=tags)
 
     def _tags(self, **extra) -> dict:
-        return {"group": self.group, "replica": self.replica, **extra}
+        return {"app": self.app, "group": self.group, "replica": self.replica, **extra}
 
     def tokens(self, layer: int, experts: list[int], counts: list[int]) -> None:
         if not self.enabled:
             return
         for e, n in zip(experts, counts):
-            self.expert_tokens.inc(n, tags={"layer": str(layer), "expert": str(e), "group": self.group})
+            self.expert_tokens.inc(n, tags={"layer": str(layer), "expert": str(e), "group": self.group, "app": self.app})
 
     def on_move(self, src: str, dst: str, seconds: float, nbytes: int) -> None:
         if not self.enabled:
