@@ -191,12 +191,12 @@ class ExpertShard:
     def _maintain(self) -> None:
         last_report = 0.0
         while not self._stop.is_set():
-            self._report_now.wait(1.0)
+            asked = self._report_now.wait(1.0)
+            self._report_now.clear()  # cleared first: a failing round must not turn this into a busy loop
             try:
                 self.store.demote_idle()
                 self.metrics.export(self.store)
-                if self.board is not None and (self._report_now.is_set() or time.monotonic() - last_report >= 2.0):
-                    self._report_now.clear()
+                if self.board is not None and (asked or time.monotonic() - last_report >= 2.0):
                     self.board.report.remote(self.status())  # fire and forget: the next report supersedes it
                     last_report = time.monotonic()
             except Exception:  # keep maintaining; the next round retries
