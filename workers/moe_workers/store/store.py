@@ -677,9 +677,8 @@ class TieredExpertStore:
         """Read a cold file straight into a host slot with sequential reads: no mapping, so no
         transient resident pages beyond the slot itself, at the disk's sequential speed. Falls
         back to the mapping (with dtype conversion) when the file's dtype is not the compute one."""
+        header_len, header = _safetensors_header(path)
         with open(path, "rb", buffering=0) as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
             size = os.fstat(f.fileno()).st_size
             want = {"w1", "w2", "w3"}
             if set(header) - {"__metadata__"} != want or any(
