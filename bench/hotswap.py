@@ -27,7 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator"), str(REPO / "bench")]
 
 import requests  # noqa: E402
-import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from serving import ensure_checkpoint, model_shape, prompts  # noqa: E402

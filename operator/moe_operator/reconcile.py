@@ -41,14 +41,18 @@ class Result:
     swap_events: list[tuple[str, str, str]] = field(default_factory=list)  # hot-swaps that reached an outcome
 
 
-def deployed_placement(cluster: dict, name: str) -> dict[str, list[str]] | None:
-    """The placement the cluster is serving for application `name`, from its deployed config."""
-    app = cluster.get("applications", {}).get(name) or {}
-    config = app.get("deployed_app_config") or {}
-    for d in config.get("deployments", []):
+def ingress_placement(app_config: dict) -> dict[str, list[str]] | None:
+    """The placement in one application config's Ingress user_config."""
+    for d in app_config.get("deployments") or []:
         if d.get("name") == INGRESS:
             return (d.get("user_config") or {}).get("placement")
     return None
+
+
+def deployed_placement(cluster: dict, name: str) -> dict[str, list[str]] | None:
+    """The placement the cluster is serving for application `name`, from its deployed config."""
+    app = cluster.get("applications", {}).get(name) or {}
+    return ingress_placement(app.get("deployed_app_config") or {})
 
 
 def http_options(port: int) -> dict:
@@ -209,9 +213,9 @@ def placement_from_rayservice(rayservice: dict | None) -> dict[str, list[str]] |
     except yaml.YAMLError:
         return None
     for app in config.get("applications") or []:
-        for d in app.get("deployments") or []:
-            if d.get("name") == INGRESS:
-                return (d.get("user_config") or {}).get("placement")
+        placement = ingress_placement(app)
+        if placement is not None:
+            return placement
     return None
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import pytest
 import yaml

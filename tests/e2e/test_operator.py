@@ -4,7 +4,6 @@ completions -> hot-swap through the spec (moectl) -> change groups -> invalid sp
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-TIERS = ("hot", "warm", "cold")
+from moe_workers.store.store import TIERS
 
 
 class ShardMetrics:
