@@ -8,6 +8,7 @@ restarted operator converges to the same result and never deploys twice.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,8 @@ from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.backends.ray_rest import RayServeClient, RayServeError
 from moe_operator.metrics import RAY_APPLY_SECONDS
 from moe_operator.observe import fetch_app_status, summarise, swap_transitions
-from moe_operator.planner.initial import initial_placement
+from moe_operator.autoscaling import transition
+from moe_operator.planner.initial import current_placement, placement_problem
 from moe_operator.render.serve_app import app_name, merge_applications, render_application
 from moe_operator.api.models import GROUP
 from moe_workers.serve.config import INGRESS
@@ -38,7 +40,7 @@ class Result:
     retry_after_s: float | None = None
     ready: bool = False
     placement: dict[str, list[str]] = field(default_factory=dict)
-    swap_events: list[tuple[str, str, str]] = field(default_factory=list)  # hot-swaps that reached an outcome
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # hot-swaps and rebalances that reached an outcome
 
 
 def ingress_placement(app_config: dict) -> dict[str, list[str]] | None:
@@ -49,10 +51,67 @@ def ingress_placement(app_config: dict) -> dict[str, list[str]] | None:
     return None
 
 
+def shard_experts(app_config: dict) -> dict[str, list[str]] | None:
+    """What each shard group hosts in one application config (None when it has no shards)."""
+    out = {d["name"]: list((d.get("user_config") or {}).get("experts") or [])
+           for d in app_config.get("deployments") or [] if d.get("name") != INGRESS}
+    return out or None
+
+
 def deployed_placement(cluster: dict, name: str) -> dict[str, list[str]] | None:
     """The placement the cluster is serving for application `name`, from its deployed config."""
     app = cluster.get("applications", {}).get(name) or {}
     return ingress_placement(app.get("deployed_app_config") or {})
+
+
+def deployed_shards(cluster: dict, name: str) -> dict[str, list[str]] | None:
+    app = cluster.get("applications", {}).get(name) or {}
+    return shard_experts(app.get("deployed_app_config") or {})
+
+
+def _epoch(rfc3339: str | None) -> float | None:
+    if not rfc3339:
+        return None
+    from datetime import datetime
+    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
+def placement_step(facts, spec: MoEDeploymentSpec, status: dict, ingress_now: dict | None, shards_now: dict | None,
+                   reports, now: float) -> transition.Step:
+    """Where routing and hosting go this pass: the deployed placement kept (or re-planned when the
+    model or the group count changed), and a target in status.autoscaling applied make-before-break.
+    `reports()` gives the replicas' own reports, read only while a target waits to be switched to."""
+    base = current_placement(facts.num_layers, facts.num_experts, spec.experts.groups, ingress_now)
+    kept = ingress_now is not None and base == ingress_now
+    auto = status.get("autoscaling") or {}
+    target = auto.get("target")
+    if target is not None and placement_problem(target, facts.num_layers, facts.num_experts, spec.experts.groups):
+        target = None  # the spec changed under it (groups, model): the next decision plans afresh
+    shards = shards_now if kept else None
+    waiting = target is not None and not transition._same(target, base)
+    return transition.next_step(base, shards, target, reports() if waiting else None,
+                                spec.experts.replicas_per_group, _epoch(auto.get("switchedAt")), now)
+
+
+def record_step(status: dict, step: transition.Step, ingress_before: dict | None) -> list[tuple[str, str, str]]:
+    """status.autoscaling after a step was applied; the event when a rebalance completes."""
+    auto = dict(status.get("autoscaling") or {})
+    if not auto and step.phase == transition.STEADY:
+        return []
+    events = []
+    if step.phase == transition.SWITCHING and ingress_before is not None and not transition._same(step.ingress, ingress_before):
+        auto["switchedAt"] = cond.now_rfc3339()
+    if step.done:
+        if auto.get("target") is not None:
+            events.append(("Normal", "Rebalanced", f"new placement serving; {step.message}; imbalance before "
+                           f"{auto.get('imbalanceBefore') or 0:.2f}, expected after {auto.get('imbalanceAfter') or 0:.2f}"))
+        auto.pop("target", None)
+        auto.pop("switchedAt", None)
+        auto["phase"] = transition.STEADY
+    else:
+        auto["phase"] = step.phase
+    status["autoscaling"] = auto
+    return events
 
 
 def http_options(port: int) -> dict:
@@ -141,7 +200,7 @@ def _validated(raw_spec, spec, allowed_roots, result: _Outcome):
 
 def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int, status: dict,
               client: RayServeClient, allowed_roots: list[str], http_port: int, endpoint_host: str = "127.0.0.1",
-              wait_s: float = 600.0, spec: MoEDeploymentSpec | None = None) -> Result:
+              wait_s: float = 600.0, spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status) -> Result:
     result = _Outcome(status, generation)
     status = result.status
     spec, facts, failed = _validated(raw_spec, spec, allowed_roots, result)
@@ -152,9 +211,11 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
         cluster = client.get()
     except (RayServeError, OSError) as err:
         return result(False, cond.RAY_UNREACHABLE, f"Ray dashboard {client.dashboard_url}: {err}", "Warning", retry=10)
-    previous = deployed_placement(cluster, app)
-    placement = initial_placement(facts.num_layers, facts.num_experts, spec.experts.groups, previous)
-    ours = render_application(namespace, name, spec, placement, allowed_roots)
+    ingress_now, shards_now = deployed_placement(cluster, app), deployed_shards(cluster, app)
+    base_url = f"http://{endpoint_host}:{http_port}{spec.ingress.route_prefix.rstrip('/')}"
+    step = placement_step(facts, spec, status, ingress_now, shards_now,
+                          lambda: (fetch(base_url) or {}).get("replicas"), time.time())
+    ours = render_application(namespace, name, spec, step.ingress, allowed_roots, shard_experts=step.shards)
     try:
         with RAY_APPLY_SECONDS.time():
             cluster = apply_application(client, ours, http_port, wait_s)
@@ -162,23 +223,27 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
         return result(False, cond.INVALID_SPEC, str(err), "Warning")
     except (RayServeError, OSError) as err:
         return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
-    prefix = spec.ingress.route_prefix.rstrip("/")
-    status["endpoint"] = f"http://{endpoint_host}:{http_port}{prefix}/v1"
-    live, swap_events = observe_live(spec, status)
+    status["endpoint"] = base_url + "/v1"
+    events = record_step(status, step, ingress_now)
+    live, swap_events = observe_live(spec, status, fetch)
     status.update(live)
-    status["groups"] = observed_groups(cluster, app, placement, spec.experts.replicas_per_group)
+    status["groups"] = observed_groups(cluster, app, step.shards, spec.experts.replicas_per_group, status.get("groups"))
     status["replicas"] = min((g["readyReplicas"] for g in status["groups"]), default=0)
     status["selector"] = f"serving.moe.io/app={app}"
     short = [g for g in status["groups"] if g["readyReplicas"] < g["replicas"]]
     result.set(cond.DEGRADED, bool(short), "ReplicasNotReady" if short else "AllReplicasReady",
                ", ".join(f"{g['name']}: {g['readyReplicas']}/{g['replicas']} ready" for g in short)
                or f"every replica of {len(status['groups'])} groups is running")
-    res = result(True, cond.SERVING, f"serving at {status['endpoint']}", placement=placement)
-    res.swap_events = swap_events
+    res = result(True, cond.SERVING, f"serving at {status['endpoint']}", placement=step.ingress)
+    if not step.done:
+        result.set(cond.PROGRESSING, True, "Rebalancing", f"{step.phase}: {step.message}")
+        res.retry_after_s = step.retry_after_s
+    res.events = swap_events + events
     return res
 
 
-def observed_groups(cluster: dict, app: str, placement: dict[str, list[str]], desired: int) -> list[dict]:
+def observed_groups(cluster: dict, app: str, placement: dict[str, list[str]], desired: int,
+                    previous: list[dict] | None = None) -> list[dict]:
     """Per shard group as Ray reports it: target replicas, RUNNING replicas, experts placed.
     (A backend that reports no deployments, like render-only, is taken at its word: desired.)"""
     deployments = (cluster.get("applications", {}).get(app) or {}).get("deployments") or {}
@@ -187,7 +252,11 @@ def observed_groups(cluster: dict, app: str, placement: dict[str, list[str]], de
         d = deployments.get(g)
         replicas = d.get("target_num_replicas", desired) if d else desired
         ready = sum(1 for r in d.get("replicas", []) if r.get("state") == "RUNNING") if d else desired
-        groups.append({"name": g, "replicas": replicas, "readyReplicas": ready, "experts": len(experts)})
+        entry = {"name": g, "replicas": replicas, "readyReplicas": ready, "experts": len(experts)}
+        load = next((p.get("load") for p in previous or [] if p.get("name") == g), None)
+        if load is not None:  # the autoscaler's, kept until it measures again
+            entry["load"] = load
+        groups.append(entry)
     return groups
 
 
@@ -204,19 +273,20 @@ def observe_live(spec: MoEDeploymentSpec, status: dict, fetch=fetch_app_status) 
     return fields, swap_transitions(status.get("lastSwaps") or [], fields["lastSwaps"])
 
 
-def placement_from_rayservice(rayservice: dict | None) -> dict[str, list[str]] | None:
-    """The placement a RayService's serveConfigV2 carries (observed state for re-planning)."""
+def app_from_rayservice(rayservice: dict | None) -> dict:
+    """Our application's config in a RayService's serveConfigV2 ({} when there is none)."""
     if not rayservice:
-        return None
+        return {}
     try:
         config = yaml.safe_load((rayservice.get("spec") or {}).get("serveConfigV2") or "") or {}
     except yaml.YAMLError:
-        return None
-    for app in config.get("applications") or []:
-        placement = ingress_placement(app)
-        if placement is not None:
-            return placement
-    return None
+        return {}
+    return next((a for a in config.get("applications") or [] if ingress_placement(a) is not None), {})
+
+
+def placement_from_rayservice(rayservice: dict | None) -> dict[str, list[str]] | None:
+    """The placement a RayService's serveConfigV2 carries (observed state for re-planning)."""
+    return ingress_placement(app_from_rayservice(rayservice))
 
 
 def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None, generation: int, status: dict,
@@ -232,27 +302,34 @@ def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None
     spec, facts, failed = _validated(raw_spec, spec, allowed_roots, result)
     if failed:
         return failed
+    prefix = spec.ingress.route_prefix.rstrip("/")
+    base_url = f"http://{name}-serve-svc.{namespace}.svc:{http_port}{prefix}"
     try:
-        previous = placement_from_rayservice(kuberay.get(namespace, name))
-        placement = initial_placement(facts.num_layers, facts.num_experts, spec.experts.groups, previous)
-        app = render_application(namespace, name, spec, placement, allowed_roots)
+        deployed = app_from_rayservice(kuberay.get(namespace, name))
+        ingress_now = ingress_placement(deployed) if deployed else None
+        step = placement_step(facts, spec, status, ingress_now, shard_experts(deployed) if deployed else None,
+                              lambda: (fetch(base_url) or {}).get("replicas"), time.time())
+        app = render_application(namespace, name, spec, step.ingress, allowed_roots, shard_experts=step.shards)
         observed = kuberay.apply(render_rayservice(namespace, name, uid, spec, app, http_port))
     except KubeRayError as err:
         return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
-    prefix = spec.ingress.route_prefix.rstrip("/")
-    status["endpoint"] = f"http://{name}-serve-svc.{namespace}.svc:{http_port}{prefix}/v1"
+    status["endpoint"] = base_url + "/v1"
     status["rayService"] = name
     ready, why = rayservice_ready(observed)
     desired = spec.experts.replicas_per_group
     status["groups"] = [{"name": g, "replicas": desired, "readyReplicas": desired if ready else 0,
-                         "experts": len(experts)} for g, experts in sorted(placement.items())]
+                         "experts": len(experts)} for g, experts in sorted(step.shards.items())]
     status["replicas"] = desired if ready else 0
     status["selector"] = f"{GROUP}/moedeployment={name}"
     if not ready:
         return result(False, "RayServiceNotReady", f"RayService {namespace}/{name}: {why}", retry=15,
-                      placement=placement)
+                      placement=step.ingress)
+    events = record_step(status, step, ingress_now)
     live, swap_events = observe_live(spec, status, fetch)
     status.update(live)
-    res = result(True, cond.SERVING, f"serving at {status['endpoint']} (RayService {name})", placement=placement)
-    res.swap_events = swap_events
+    res = result(True, cond.SERVING, f"serving at {status['endpoint']} (RayService {name})", placement=step.ingress)
+    if not step.done:
+        result.set(cond.PROGRESSING, True, "Rebalancing", f"{step.phase}: {step.message}")
+        res.retry_after_s = step.retry_after_s
+    res.events = swap_events + events
     return res

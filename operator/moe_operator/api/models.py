@@ -7,7 +7,7 @@ descriptions become `kubectl explain` text, so write them for the person reading
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -318,6 +318,11 @@ class MetricsSource(ApiModel):
         default=None, pattern=r"^https?://\S+$",
         description="Prometheus base URL, required with source Prometheus.",
     )
+    scrape_urls: list[Annotated[str, Field(pattern=r"^https?://\S+$")]] = Field(
+        default_factory=list, max_length=1024,
+        description="Direct: the Ray nodes' metrics export URLs (http://NODE:PORT/metrics). Empty: the "
+        "application's own load report through its endpoint (GET <routePrefix>/moe/v1/status).",
+    )
     scrape_interval_seconds: int = Field(default=15, ge=1, le=3600, description="How often load is read.")
 
     @model_validator(mode="after")
@@ -407,6 +412,7 @@ class GroupStatus(ApiModel):
     replicas: int = Field(default=0, description="Desired replicas.")
     ready_replicas: int = Field(default=0, description="Replicas running.")
     experts: int = Field(default=0, description="Expert copies hosted.")
+    load: float | None = Field(default=None, description="Expert-tokens per second over the autoscaling window.")
 
 
 class TierSummary(ApiModel):
@@ -428,13 +434,30 @@ class SwapRecord(ApiModel):
 
 
 class AutoscalingStatus(ApiModel):
-    """The autoscaler's last decision."""
+    """The autoscaler's last decision, the placement it is applying, and its own memory (so a
+    restarted operator keeps the stabilization window and cooldown)."""
 
     last_decision: str = Field(default="", description="What was decided: None, Rebalance, ScaleUp, ScaleDown.")
     reason: str = Field(default="", description="Why.")
+    message: str = Field(default="", description="What the autoscaler sees now: why nothing is done, or what is.")
     imbalance_before: float | None = Field(default=None, description="max/mean group load before.")
     imbalance_after: float | None = Field(default=None, description="Expected max/mean group load after.")
     time: str | None = Field(default=None, description="When (RFC 3339).")
+    moved_copies: int | None = Field(default=None, description="Expert copies the plan loads where they were not.")
+    bytes_moved: int | None = Field(default=None, description="Bytes the plan loads.")
+    phase: str = Field(default="Steady", description="Steady, or where a placement change is: Loading (new copies "
+                       "beside the old), Switching (routing moved to the new copies), Draining (old copies dropped).")
+    target: dict[str, list[str]] | None = Field(
+        default=None, description="The placement being applied (shard group -> expert ids), until it is.")
+    recommended: dict[str, list[str]] | None = Field(
+        default=None, description="mode Recommend: the placement a rebalance would apply.")
+    switched_at: str | None = Field(default=None, description="When routing moved to the target (RFC 3339).")
+    above_since: str | None = Field(default=None, description="Imbalance above the threshold continuously since.")
+    last_applied: str | None = Field(default=None, description="When a decision was last applied (cooldown).")
+    last_set_replicas: int | None = Field(default=None, description="Replicas per group the autoscaler last wrote.")
+    last_request: str | None = Field(default=None, description="The last `moectl rebalance` request handled.")
+    coefficient_of_variation: float | None = Field(default=None, description="Of group load over the window.")
+    tokens_per_second: float | None = Field(default=None, description="Expert-tokens per second, all groups.")
 
 
 class MoEDeploymentStatus(ApiModel):

@@ -150,3 +150,30 @@ def coefficient_of_variation(loads: dict[str, float]) -> float:
     if mean <= 0:
         return 0.0
     return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / mean
+
+
+def totals_from_app_report(report: dict) -> Totals:
+    """The same totals from the app's own report (GET <prefix>/moe/v1/status): every shard
+    replica's tokens per expert since it started."""
+    out: Totals = {}
+    for r in report.get("replicas") or []:
+        for eid, n in (r.get("load") or {}).items():
+            key = (r.get("group", ""), eid)
+            out[key] = out.get(key, 0.0) + float(n)
+    return out
+
+
+@dataclass
+class AppReportSource:
+    """Direct, when no Ray metrics URL is known: the app's own report through its HTTP endpoint."""
+
+    base_url: str
+    timeout_s: float = 5.0
+
+    def expert_token_totals(self) -> Totals:
+        from moe_operator.observe import fetch_app_status
+
+        report = fetch_app_status(self.base_url, self.timeout_s)
+        if report is None:
+            raise MetricsUnavailable(f"{self.base_url}/moe/v1/status cannot be read")
+        return totals_from_app_report(report)

@@ -28,7 +28,11 @@ from moe_operator.backends.render_only import RenderOnlyClient
 from moe_operator.metrics import RECONCILES, RECONCILE_SECONDS, APPLIED_GENERATION, start_metrics_server
 from moe_operator.api import conditions as cond
 from moe_operator.api.validation import SpecError, parse_spec
-from moe_operator.reconcile import observe_live, reconcile, reconcile_kuberay, remove_application
+from moe_operator.api.semantics import validate_semantics
+from moe_operator.autoscaling.driver import Autoscaler, metrics_source
+from moe_operator.autoscaling.loop import REBALANCE_ANNOTATION
+from moe_operator.reconcile import (
+    deployed_placement, observe_live, placement_from_rayservice, reconcile, reconcile_kuberay, remove_application)
 from moe_operator.render.serve_app import app_name
 
 RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
@@ -99,29 +103,54 @@ def _client(spec: dict, namespace: str) -> RayServeClient | RenderOnlyClient:
     return RayServeClient(address, _token(spec, namespace))
 
 
+def merge_patch(before: dict, after: dict) -> dict:
+    """A JSON merge patch from `before` to `after`: changed keys, and None for keys removed (a
+    plain update would leave them, e.g. a finished rebalance's target)."""
+    out = {}
+    for k, v in after.items():
+        old = before.get(k)
+        if isinstance(v, dict) and isinstance(old, dict):
+            sub = merge_patch(old, v)
+            if sub:
+                out[k] = sub
+        elif v != old:
+            out[k] = v
+    for k in before:
+        if k not in after:
+            out[k] = None
+    return out
+
+
+def _roots() -> list[str]:
+    return [r for r in _setting("MOE_ALLOWED_ROOTS").split(":") if r]
+
+
+def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict):
+    if _kuberay_mode(spec_dict):
+        return reconcile_kuberay(namespace, name, meta["uid"], spec_dict, meta.get("generation", 0),
+                                 status, _kuberay(), _roots())
+    return reconcile(namespace, name, spec_dict, meta.get("generation", 0), status,
+                     _client(spec_dict, namespace), _roots(), int(_setting("MOE_SERVE_HTTP_PORT", "8000")),
+                     endpoint_host=_setting("MOE_ENDPOINT_HOST", "127.0.0.1"))
+
+
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
 def reconcile_handler(name: str, namespace: str, spec, meta, status, patch, body, logger, **_) -> None:
     started = time.perf_counter()
-    spec_dict = dict(spec)
-    roots = [r for r in _setting("MOE_ALLOWED_ROOTS").split(":") if r]
-    if _kuberay_mode(spec_dict):
-        res = reconcile_kuberay(namespace, name, meta["uid"], spec_dict, meta.get("generation", 0),
-                                dict(status or {}), _kuberay(), roots)
-    else:
-        res = reconcile(namespace, name, spec_dict, meta.get("generation", 0), dict(status or {}),
-                        _client(spec_dict, namespace), roots, int(_setting("MOE_SERVE_HTTP_PORT", "8000")),
-                        endpoint_host=_setting("MOE_ENDPOINT_HOST", "127.0.0.1"))
-    patch.status.update(res.status)
+    before = dict(status or {})
+    res = _reconcile(name, namespace, dict(spec), meta, dict(before))
+    patch.status.update(merge_patch(before, res.status))
     RECONCILE_SECONDS.observe(time.perf_counter() - started)
     RECONCILES.labels(result=res.event[1] if res.event else "None").inc()
-    for event_type, reason, message in ([res.event] if res.event else []) + res.swap_events:
+    for event_type, reason, message in ([res.event] if res.event else []) + res.events:
         kopf.event(body, type=event_type, reason=reason, message=message[:1000])
     if res.ready:
         APPLIED_GENERATION.labels(namespace=namespace, name=name).set(meta.get("generation", 0))
     elif res.retry_after_s is not None:
         raise kopf.TemporaryError(res.event[2], delay=res.retry_after_s)
+    # a rebalance in progress is driven on by the autoscale timer
 
 
 def _kuberay_mode(spec: dict) -> bool:
@@ -130,6 +159,7 @@ def _kuberay_mode(spec: dict) -> bool:
 
 @kopf.on.delete(*RESOURCE)
 def delete_handler(name: str, namespace: str, spec, meta, logger, **_) -> None:
+    AUTOSCALER.forget(f"{namespace}/{name}")
     spec_dict = dict(spec)
     if _kuberay_mode(spec_dict):
         # the owner reference lets the garbage collector do this too; deleting it here means the
@@ -168,3 +198,57 @@ def observe_handler(spec, status, meta, patch, body, **_) -> None:
             patch.status[key] = value
     for event_type, reason, message in events:
         kopf.event(body, type=event_type, reason=reason, message=message[:1000])
+
+
+AUTOSCALER = Autoscaler()
+
+
+@kopf.timer(*RESOURCE, interval=2.0, initial_delay=5.0)
+def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body, logger, **_) -> None:
+    """Drive a placement change in progress one make-before-break step; otherwise, when load is due
+    to be read (spec.autoscaling.metrics.scrapeIntervalSeconds) or `moectl rebalance` asked, read
+    it, decide, and write the decision (status, Event; spec.experts.replicasPerGroup on scaling)."""
+    status = dict(status or {})
+    if status.get("observedGeneration") != meta.get("generation"):
+        return  # the reconcile handler owns this generation until it has applied it
+    if not cond.is_true(status.get("conditions") or [], cond.READY):
+        return
+    spec_dict = dict(spec)
+    try:
+        parsed = parse_spec(spec_dict)
+    except SpecError:
+        return
+    if (status.get("autoscaling") or {}).get("target") is not None:
+        res = _reconcile(name, namespace, spec_dict, meta, dict(status))
+        patch.status.update(merge_patch(status, res.status))
+        for event_type, reason, message in res.events:
+            kopf.event(body, type=event_type, reason=reason, message=message[:1000])
+        return
+    request = (meta.get("annotations") or {}).get(REBALANCE_ANNOTATION)
+    if parsed.autoscaling.mode == "Off" and (request is None or
+                                             request == (status.get("autoscaling") or {}).get("lastRequest")):
+        return
+    facts, problems = validate_semantics(parsed, _roots())
+    if problems:
+        return
+    try:
+        if _kuberay_mode(spec_dict):
+            placement = placement_from_rayservice(_kuberay().get(namespace, name))
+        else:
+            placement = deployed_placement(_client(spec_dict, namespace).get(), app_name(namespace, name))
+    except (RayServeError, KubeRayError, OSError) as err:
+        logger.info("autoscaler: cannot read the deployed placement: %s", err)
+        return
+    if not placement:
+        return
+    source = metrics_source(parsed, app_name(namespace, name), status.get("endpoint"))
+    p = AUTOSCALER.step(f"{namespace}/{name}", parsed, status, placement, source,
+                        facts.expert_bytes(parsed.model.dtype), request)
+    if p is None:
+        return
+    after = {**status, **p.status, "autoscaling": p.autoscaling}
+    patch.status.update(merge_patch(status, after))
+    if p.replicas_per_group is not None:
+        patch.spec["experts"] = {"replicasPerGroup": p.replicas_per_group}
+    if p.event:
+        kopf.event(body, type=p.event[0], reason=p.event[1], message=p.event[2][:1000])

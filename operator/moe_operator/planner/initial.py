@@ -55,3 +55,37 @@ def moved_experts(before: Placement, after: Placement) -> int:
     """Expert copies that must be loaded somewhere they were not."""
     had = {(g, e) for g, es in before.items() for e in es}
     return sum(1 for g, es in after.items() for e in es if (g, e) not in had)
+
+
+def placement_problem(placement: Placement | None, num_layers: int, num_experts: int, num_groups: int) -> str | None:
+    """Why `placement` cannot serve this model over these groups, or None when it can: exactly
+    the groups ExpertShard-0..G-1, known expert ids, no expert twice in one group, every expert
+    hosted at least once."""
+    if not placement:
+        return "no placement"
+    names = {group_name(k) for k in range(num_groups)}
+    if set(placement) != names:
+        return f"groups {sorted(placement)} are not the spec's {num_groups}"
+    seen = set()
+    for g, experts in placement.items():
+        if len(set(experts)) != len(experts):
+            return f"{g} hosts an expert twice"
+        for eid in experts:
+            try:
+                layer, expert = (int(p) for p in eid.split("."))
+            except ValueError:
+                return f"{g}: {eid!r} is not an expert id"
+            if not (0 <= layer < num_layers and 0 <= expert < num_experts):
+                return f"{g}: expert {eid} is outside the model"
+            seen.add(eid)
+    missing = num_layers * num_experts - len(seen)
+    return f"{missing} experts have no copy" if missing else None
+
+
+def current_placement(num_layers: int, num_experts: int, num_groups: int, deployed: Placement | None) -> Placement:
+    """The deployed placement while it still fits the model and the group count (a rebalanced
+    placement, replicas included, survives later spec changes); otherwise an initial one that
+    keeps what it can."""
+    if placement_problem(deployed, num_layers, num_experts, num_groups) is None:
+        return {g: list(v) for g, v in deployed.items()}
+    return initial_placement(num_layers, num_experts, num_groups, deployed)

@@ -57,14 +57,19 @@ def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None
 
 
 def render_application(namespace: str, name: str, spec: MoEDeploymentSpec, placement: dict[str, list[str]],
-                       allowed_roots: list[str] | None = None) -> dict:
+                       allowed_roots: list[str] | None = None,
+                       shard_experts: dict[str, list[str]] | None = None) -> dict:
     """One entry of the Serve config's `applications` for this MoEDeployment. Tiers, overrides
-    and prefetch go into user_config (applied in place); allowed roots into the static args."""
+    and prefetch go into user_config (applied in place); allowed roots into the static args.
+    `shard_experts`: what the groups host when it differs from the routing placement (a
+    make-before-break rebalance in progress)."""
     prefetch = spec.experts.tiers.prefetch
     return serve_application(app_name(namespace, name), spec.ingress.route_prefix,
-                             app_args(name, spec, allowed_roots), placement, spec.experts.replicas_per_group,
+                             app_args(name, spec, allowed_roots), placement,
+                             spec.experts.replicas_per_group,
                              tiers=tier_config(spec), overrides=overrides_config(spec),
-                             prefetch_lookahead=prefetch.lookahead_layers if prefetch.enabled else 0)
+                             prefetch_lookahead=prefetch.lookahead_layers if prefetch.enabled else 0,
+                             shard_experts=shard_experts)
 
 
 def merge_applications(current: list[dict], ours: dict) -> list[dict]:

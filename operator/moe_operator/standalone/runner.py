@@ -18,7 +18,9 @@ import yaml
 
 from moe_operator.api import conditions as cond
 from moe_operator.api.models import MoEDeploymentSpec
+from moe_operator.api.semantics import validate_semantics
 from moe_operator.api.validation import SpecError, parse_spec
+from moe_operator.autoscaling.driver import Autoscaler, metrics_source
 from moe_operator.backends.ray_rest import RayServeClient
 from moe_operator.reconcile import observe_live, reconcile, remove_application
 from moe_operator.render.serve_app import app_name
@@ -30,6 +32,11 @@ def default_state_dir() -> Path:
 
 def status_path(state_dir: Path, namespace: str, name: str) -> Path:
     return state_dir / namespace / f"{name}.json"
+
+
+def rebalance_request_path(state_dir: Path, namespace: str, name: str) -> Path:
+    """`moectl rebalance NAME --local` writes its request here (the annotation's stand-in)."""
+    return state_dir / namespace / f"{name}.rebalance"
 
 
 @dataclass
@@ -85,9 +92,13 @@ class StandaloneRunner:
     log: Callable[[str], None] = print
     generation: int = 0
     status: dict = field(default_factory=dict)
+    metrics_urls: list[str] = field(default_factory=list)  # the local Ray's metrics export
     _mtime: float = 0.0
     _app: str | None = None
     _name: str = ""
+    _replicas: int | None = None  # set by the autoscaler (standalone has no spec to write it into)
+    _replicas_in_file: int | None = None
+    autoscaler: Autoscaler = field(default_factory=Autoscaler)
 
     def _write_status(self, m: Manifest) -> None:
         path = status_path(self.state_dir, m.namespace, m.name or "unnamed")
@@ -101,9 +112,23 @@ class StandaloneRunner:
         tmp.write_text(json.dumps(doc, indent=2))
         tmp.replace(path)
 
-    def reconcile(self) -> bool:
+    def _spec(self, m: Manifest) -> MoEDeploymentSpec | None:
+        """The file's spec, with the replica count the autoscaler set (until the file changes it)."""
+        if m.spec is None:
+            return None
+        in_file = m.spec.experts.replicas_per_group
+        if self._replicas_in_file is not None and in_file != self._replicas_in_file:
+            self._replicas = None  # someone set it by hand: theirs wins (as with kubectl scale)
+        self._replicas_in_file = in_file
+        if self._replicas is None:
+            return m.spec
+        return m.spec.model_copy(update={"experts": m.spec.experts.model_copy(
+            update={"replicas_per_group": self._replicas})})
+
+    def reconcile(self, new_generation: bool = True) -> bool:
         """One pass over the current file; True when the app serves."""
-        self.generation += 1
+        if new_generation:
+            self.generation += 1
         m = load_manifest(self.manifest_path)
         if m.raw_spec is None:  # the file itself is unusable: nothing to reconcile
             message = "; ".join(m.problems)
@@ -115,16 +140,54 @@ class StandaloneRunner:
             return False
         self._name = m.name
         res = reconcile(m.namespace, m.name, m.raw_spec, self.generation, self.status, self.client,
-                        self.allowed_roots, self.http_port, spec=m.spec)
+                        self.allowed_roots, self.http_port, spec=self._spec(m))
         self.status = res.status
         self._write_status(m)
-        for _, reason, message in res.swap_events:
+        for _, reason, message in res.events:
             self.log(f"{reason}: {message}")
         if res.ready:
             self._app = app_name(m.namespace, m.name)
         else:
             self.log(f"{res.event[1]}: {res.event[2]}")
         return res.ready
+
+    def autoscale(self, now: float | None = None) -> None:
+        """Drive a placement change in progress one step, else read load when due and decide."""
+        m = load_manifest(self.manifest_path)
+        spec = self._spec(m)
+        if spec is None or not cond.is_true(self.status.get("conditions") or [], cond.READY):
+            return
+        if (self.status.get("autoscaling") or {}).get("target") is not None:
+            self.reconcile(new_generation=False)
+            return
+        facts, problems = validate_semantics(spec, self.allowed_roots)
+        if problems:
+            return
+        request_file = rebalance_request_path(self.state_dir, m.namespace, m.name)
+        request = request_file.read_text().strip() if request_file.is_file() else None
+        source = metrics_source(spec, app_name(m.namespace, m.name), self.status.get("endpoint"), self.metrics_urls)
+        placement = {g: list(v) for g, v in self._placement().items()}
+        if not placement:
+            return
+        p = self.autoscaler.step(f"{m.namespace}/{m.name}", spec, self.status, placement, source,
+                                 facts.expert_bytes(spec.model.dtype), request, now)
+        if p is None:
+            return
+        self.status["autoscaling"] = p.autoscaling
+        self.status.update(p.status)
+        self._write_status(m)
+        if p.event:
+            self.log(f"{p.event[1]}: {p.event[2]}")
+        if p.replicas_per_group is not None:
+            self._replicas = p.replicas_per_group
+            self.reconcile(new_generation=True)
+        elif p.autoscaling.get("target") is not None:
+            self.reconcile(new_generation=False)
+
+    def _placement(self) -> dict[str, list[str]]:
+        from moe_operator.reconcile import deployed_placement
+
+        return deployed_placement(self.client.get(), self._app) or {} if self._app else {}
 
     def changed(self) -> bool:
         try:
@@ -156,6 +219,10 @@ class StandaloneRunner:
                 self.reconcile()
             elif time.monotonic() - last_observe >= observe_every_s:
                 self.observe()
+                try:
+                    self.autoscale()
+                except Exception as err:  # a failed pass is reported; the next one retries
+                    self.log(f"autoscaler: {err}")
                 last_observe = time.monotonic()
             time.sleep(poll_s)
 

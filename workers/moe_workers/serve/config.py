@@ -53,12 +53,17 @@ class AppArgs(BaseModel):
 
 def serve_application(name: str, route_prefix: str, args: AppArgs, placement: dict[str, list[str]],
                       replicas_per_group: dict[str, int] | int = 1, tiers: dict | None = None,
-                      overrides: dict[str, dict] | None = None, prefetch_lookahead: int = 0) -> dict:
+                      overrides: dict[str, dict] | None = None, prefetch_lookahead: int = 0,
+                      shard_experts: dict[str, list[str]] | None = None) -> dict:
     """One entry of a Serve config's `applications`. Placement, replicas, tier budgets, expert
     overrides (hot-swaps: expert -> {"path", "sha256"}) and prefetch are in-place options: Serve
-    applies them through reconfigure() / num_replicas without restarting replicas."""
+    applies them through reconfigure() / num_replicas without restarting replicas.
+
+    `placement` is what the ingress routes by; `shard_experts` (default: the placement) what each
+    group hosts, a superset while a new placement is applied make-before-break."""
     static = args.model_copy(update={"placement": None}).model_dump(exclude_none=True)
-    unknown = sorted(set(placement) - set(args.group_names()))
+    hosts = shard_experts if shard_experts is not None else placement
+    unknown = sorted((set(placement) | set(hosts)) - set(args.group_names()))
     if unknown:
         raise ValueError(f"placement names groups outside 0..{args.num_groups - 1}: {', '.join(unknown)}")
     ingress_config: dict = {"placement": {g: list(placement.get(g, [])) for g in args.group_names()}}
@@ -67,7 +72,7 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
     deployments = [{"name": INGRESS, "user_config": ingress_config}]
     for g in args.group_names():
         n = replicas_per_group if isinstance(replicas_per_group, int) else replicas_per_group.get(g, 1)
-        hosted = list(placement.get(g, []))
+        hosted = list(hosts.get(g, []))
         shard_config: dict = {"experts": hosted}
         if tiers:
             shard_config["tiers"] = dict(tiers)
