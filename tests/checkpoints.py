@@ -41,3 +41,17 @@ def add_tokenizer(path: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.save(str(Path(path) / "tokenizer.json"))
+
+
+def make_skewed_mixtral(path: Path, hot_experts=(0, 4), **kwargs):
+    """A Mixtral whose routers send nearly every token to `hot_experts` in every layer: one
+    embedding dimension is a large constant, and only the hot experts' router rows read it."""
+    model = make_mixtral(path, **kwargs)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 4.0
+        for layer in model.model.layers:
+            layer.mlp.gate.weight[:, 0] = 0.0
+            for e in hot_experts:
+                layer.mlp.gate.weight[e, 0] = 3.0
+    model.save_pretrained(path)
+    return model

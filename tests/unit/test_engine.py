@@ -99,6 +99,20 @@ def test_router_picks_least_loaded_copy():
         router.assign(0, {3: 1})
 
 
+def test_router_alternates_copies_of_serial_dispatches():
+    """Decode steps dispatch one after another: nothing is outstanding when the next decides, so
+    the copies must share by tokens sent, not always the first one."""
+    router = ExpertRouter({"ExpertShard-0": ["0.0"], "ExpertShard-1": ["0.0"], "ExpertShard-2": ["0.1"]})
+    sent = {"ExpertShard-0": 0, "ExpertShard-1": 0}
+    for _ in range(100):
+        plan = router.assign(0, {0: 3})
+        (group,) = plan
+        router.begin(group, 3)
+        router.end(group, 3)
+        sent[group] += 3
+    assert sent == {"ExpertShard-0": 150, "ExpertShard-1": 150}
+
+
 def test_split_chunks_balances_tokens_and_keeps_order():
     from moe_workers.model.dense import Chunk
     from moe_workers.serve.engine import split_chunks

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.autoscaling.loop import Pass, autoscale
 from moe_operator.autoscaling.signals import (
-    AppReportSource, LoadWindow, MetricsUnavailable, PrometheusSource, ScrapeSource)
+    AppReportSource, LoadWindow, MetricsUnavailable, PrometheusSource, ScrapeSource, co_selection_from_report)
 
 
 def metrics_source(spec: MoEDeploymentSpec, app: str, endpoint: str | None, local_metrics_urls: list[str] | None = None):
@@ -47,8 +47,10 @@ class Autoscaler:
             self.tracks.pop(key, None)
 
     def step(self, key: str, spec: MoEDeploymentSpec, status: dict, placement: dict[str, list[str]], source,
-             expert_bytes: int, request: str | None = None, now: float | None = None) -> Pass | None:
-        """None when a read is not due yet (and nothing was requested)."""
+             expert_bytes: int, request: str | None = None, now: float | None = None,
+             report=None) -> Pass | None:
+        """None when a read is not due yet (and nothing was requested). `report()`: the app's own
+        report, for the experts the router picks together (the planner keeps them in one group)."""
         now = time.time() if now is None else now
         a = spec.autoscaling
         requested = request is not None and request != (status.get("autoscaling") or {}).get("lastRequest")
@@ -70,5 +72,15 @@ class Autoscaler:
         track.window.add(now, totals)
         if len(track.window.snapshots) < 2:
             return Pass({**(status.get("autoscaling") or {}), "message": "measuring load: first read of the window"})
+        co = co_selection_from_report(report()) if report is not None else None
         return autoscale(spec, status, placement, dict(track.window.smoothed), now, expert_bytes,
-                         int(status.get("replicas") or 0), request)
+                         int(status.get("replicas") or 0), request, co)
+
+
+def report_reader(endpoint: str | None):
+    """A callable reading the app's report at status.endpoint (None when there is none yet)."""
+    if not endpoint:
+        return None
+    from moe_operator.observe import fetch_app_status
+
+    return lambda: fetch_app_status(endpoint.removesuffix("/v1"))

@@ -38,7 +38,8 @@ def _epoch(s: str | None) -> float | None:
 
 def autoscale(spec: MoEDeploymentSpec, status: dict, placement: dict[str, list[str]],
               rates: dict[tuple[str, str], float], now: float, expert_bytes: int,
-              replicas_running: int, request: str | None = None) -> Pass:
+              replicas_running: int, request: str | None = None,
+              co_selection: dict[tuple[str, str], float] | None = None) -> Pass:
     """`rates`: smoothed expert-tokens/s per (group, expert) over the window; `placement`: what the
     ingress routes by now; `request`: the rebalance annotation's value (moectl rebalance)."""
     a = spec.autoscaling
@@ -62,7 +63,7 @@ def autoscale(spec: MoEDeploymentSpec, status: dict, placement: dict[str, list[s
         return out
 
     proposal = plan(expert_load(rates), placement, expert_bytes, a.redundant_expert_slots,
-                    max_moves=a.max_moves_per_step)
+                    co_selection=co_selection, max_moves=a.max_moves_per_step)
     # the planner's balancedness is on its even-split load model; compare like with like
     expected = proposal.imbalance
     signals = policy.Signals(imb, max(loads.values(), default=0.0), replicas_running,

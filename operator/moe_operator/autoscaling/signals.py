@@ -163,6 +163,12 @@ def totals_from_app_report(report: dict) -> Totals:
     return out
 
 
+def co_selection_from_report(report: dict | None) -> dict[tuple[str, str], float]:
+    """(L.a, L.b) -> tokens that picked both, from the ingress's routing report."""
+    pairs = ((report or {}).get("routing") or {}).get("co_selected") or []
+    return {(a, b): float(n) for a, b, n in pairs}
+
+
 @dataclass
 class AppReportSource:
     """Direct, when no Ray metrics URL is known: the app's own report through its HTTP endpoint."""

@@ -29,7 +29,7 @@ from moe_operator.metrics import RECONCILES, RECONCILE_SECONDS, APPLIED_GENERATI
 from moe_operator.api import conditions as cond
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.api.semantics import validate_semantics
-from moe_operator.autoscaling.driver import Autoscaler, metrics_source
+from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
 from moe_operator.autoscaling.loop import REBALANCE_ANNOTATION
 from moe_operator.reconcile import (
     deployed_placement, observe_live, placement_from_rayservice, reconcile, reconcile_kuberay, remove_application)
@@ -243,7 +243,8 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
         return
     source = metrics_source(parsed, app_name(namespace, name), status.get("endpoint"))
     p = AUTOSCALER.step(f"{namespace}/{name}", parsed, status, placement, source,
-                        facts.expert_bytes(parsed.model.dtype), request)
+                        facts.expert_bytes(parsed.model.dtype), request,
+                        report=report_reader(status.get("endpoint")))
     if p is None:
         return
     after = {**status, **p.status, "autoscaling": p.autoscaling}

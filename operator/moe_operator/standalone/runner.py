@@ -20,7 +20,7 @@ from moe_operator.api import conditions as cond
 from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.api.semantics import validate_semantics
 from moe_operator.api.validation import SpecError, parse_spec
-from moe_operator.autoscaling.driver import Autoscaler, metrics_source
+from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
 from moe_operator.backends.ray_rest import RayServeClient
 from moe_operator.reconcile import observe_live, reconcile, remove_application
 from moe_operator.render.serve_app import app_name
@@ -170,7 +170,8 @@ class StandaloneRunner:
         if not placement:
             return
         p = self.autoscaler.step(f"{m.namespace}/{m.name}", spec, self.status, placement, source,
-                                 facts.expert_bytes(spec.model.dtype), request, now)
+                                 facts.expert_bytes(spec.model.dtype), request, now,
+                                 report=report_reader(self.status.get("endpoint")))
         if p is None:
             return
         self.status["autoscaling"] = p.autoscaling

@@ -29,9 +29,10 @@ from moe_workers.model.layers import combine, expert_mlp, group_by_expert
 from moe_workers.model.layers import route
 from moe_workers.serve.config import INGRESS, AppArgs
 from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
-from moe_workers.serve.metrics import ShardMetrics
+from moe_workers.serve.metrics import IngressMetrics, ShardMetrics
 from moe_workers.serve.protocol import RequestError, parse_completion
 from moe_workers.serve.routing import ExpertRouter
+from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.store.store import StoreFull, TierConfig, TieredExpertStore
 from moe_workers.store.versions import CHECKPOINT, SwapError, load_expert_file
 
@@ -256,9 +257,14 @@ class Ingress:
         self.board = board
         self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
         self.prefetch_lookahead = 0
+        self.routing_stats = RoutingStats(cfg.num_layers, cfg.num_experts, self.cache.num_slots)
+        self.routing_window: dict = {}
+        ctx = serve.get_replica_context()
+        self.metrics = IngressMetrics(ctx.replica_id.deployment_id.app_name, ctx.replica_id.unique_id)
         self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
                              self.args.max_queued_requests, self.args.micro_batches,
-                             self.args.micro_batch_min_tokens)
+                             self.args.micro_batch_min_tokens, routing_stats=self.routing_stats)
+        threading.Thread(target=self._export_routing, name="routing-metrics", daemon=True).start()
         tok_file = Path(self.args.model_path) / "tokenizer.json"
         self.tokenizer = None
         if tok_file.is_file():
@@ -279,6 +285,17 @@ class Ingress:
         self.router = router
         self.prefetch_lookahead = int(config.get("prefetch_lookahead", 0))
 
+    def _export_routing(self, every_s: float = 5.0) -> None:
+        while True:
+            time.sleep(every_s)
+            try:
+                window = self.routing_stats.take()
+                if any(t for t in window["tokens"]):
+                    self.routing_window = window  # status shows the last window that saw traffic
+                self.metrics.export(window)
+            except Exception:  # metrics never break serving; the next round retries
+                pass
+
     async def _dispatch(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         groups = group_by_expert(indices)
         router = self.router
@@ -293,6 +310,7 @@ class Ingress:
             payload = to_wire(x[torch.cat(rows)] if len(rows) > 1 else x[rows[0]])  # one array per call
             tokens = sum(counts)
             router.begin(group, tokens)
+            self.metrics.dispatched(group, tokens)
             calls.append((group, tokens, experts, counts,
                           self.shards[group].forward.remote(layer, payload, experts, counts, hints.get(group))))
         try:
@@ -398,7 +416,8 @@ class Ingress:
         ingress replica's engine. What the operator and moectl read."""
         replicas = await self.board.snapshot.remote() if self.board is not None else []
         return {"model": self.args.served_model_name, "placement": self.router.placement if self.router else {},
-                "prefetch_lookahead": self.prefetch_lookahead, "ingress": self.engine_stats(), "replicas": replicas}
+                "prefetch_lookahead": self.prefetch_lookahead, "ingress": self.engine_stats(), "replicas": replicas,
+                "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs()}}
 
     def engine_stats(self) -> dict:
         t = self.engine.timings

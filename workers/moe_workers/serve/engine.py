@@ -58,8 +58,10 @@ class StepTimings:
 
 class Engine:
     def __init__(self, dense: DenseModel, cache: KVCache, dispatch: Dispatcher, max_batch_size: int,
-                 max_queued: int, micro_batches: int = 1, micro_batch_min_tokens: int = 256):
+                 max_queued: int, micro_batches: int = 1, micro_batch_min_tokens: int = 256,
+                 routing_stats=None):
         self.dense = dense
+        self.routing_stats = routing_stats  # RoutingStats, or None
         self.cache = cache
         self.dispatch = dispatch
         self.max_batch_size = max_batch_size
@@ -176,6 +178,9 @@ class Engine:
         h = await run(dense.embed, batch)
         for layer in range(dense.cfg.num_layers):
             h, x, indices, weights = await run(_attend_and_route, dense, layer, h, batch, self.cache)
+            if self.routing_stats is not None:
+                self.routing_stats.observe(layer, indices, [c.slot for c in batch.chunks],
+                                           [c.start for c in batch.chunks], [len(c.tokens) for c in batch.chunks])
             t1 = time.perf_counter()
             moe = await self.dispatch(layer, x, indices, weights)
             timings.experts += time.perf_counter() - t1

@@ -88,3 +88,43 @@ class ShardMetrics:
         if delta > 0:
             counter.inc(delta, tags=self._tags(**tags))
         self._last[name] = total
+
+
+class IngressMetrics:
+    """The router's behaviour per ingress replica (see routing_stats): gauges over the last
+    export window, plus load per shard group as the ingress dispatched it."""
+
+    def __init__(self, app: str, replica: str):
+        self.app, self.replica = app, replica
+        try:
+            from ray.util.metrics import Counter, Gauge
+        except Exception:
+            self.enabled = False
+            return
+        self.enabled = True
+        tags = ("app", "replica")
+        self.entropy = Gauge("moe_routing_entropy", description="Entropy of expert selection / log(experts), per layer "
+                             "(1: uniform).", tag_keys=tags + ("layer",))
+        self.activation = Gauge("moe_activation_rate", description="Experts a step activates over all experts "
+                                "(share of expert parameters touched per step).", tag_keys=tags)
+        self.switching = Gauge("moe_expert_switch_rate", description="Share of consecutive tokens of a sequence whose "
+                               "top-1 expert changes, per layer.", tag_keys=tags + ("layer",))
+        self.group_tokens = Counter("moe_group_tokens", description="Expert-tokens the ingress sent to each shard group.",
+                                    tag_keys=tags + ("group",))
+
+    def export(self, window: dict) -> None:
+        if not self.enabled:
+            return
+        base = {"app": self.app, "replica": self.replica}
+        for layer, v in enumerate(window.get("entropy") or []):
+            if v is not None:
+                self.entropy.set(v, tags={**base, "layer": str(layer)})
+        for layer, v in enumerate(window.get("switching_rate") or []):
+            if v is not None:
+                self.switching.set(v, tags={**base, "layer": str(layer)})
+        if window.get("activation_rate") is not None:
+            self.activation.set(window["activation_rate"], tags=base)
+
+    def dispatched(self, group: str, tokens: int) -> None:
+        if self.enabled and tokens:
+            self.group_tokens.inc(tokens, tags={"app": self.app, "replica": self.replica, "group": group})

@@ -1,8 +1,10 @@
 """Which shard group serves which expert for one layer's tokens (pure; no Ray here).
 
 Each expert may be hosted by several groups (replicated hot experts). For every dispatch the
-router picks, per expert, the copy whose group has the fewest tokens outstanding, so load
-spreads over the copies; then the ingress sends one call per group that got any expert.
+router picks, per expert, the copy whose group has the fewest tokens outstanding and, among
+those, the fewest tokens sent so far (decode steps run one after another, so nothing is
+outstanding at decision time: without the second key every tie would go to the same copy);
+then the ingress sends one call per group that got any expert.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class ExpertRouter:
                 layer, expert = (int(p) for p in eid.split("."))
                 self.hosts[(layer, expert)].append(group)
         self.outstanding: dict[str, int] = {g: 0 for g in placement}
+        self.sent: dict[str, int] = {g: 0 for g in placement}
 
     def missing(self, num_layers: int, num_experts: int) -> list[str]:
         """Experts no group hosts: a placement must cover every expert."""
@@ -33,13 +36,14 @@ class ExpertRouter:
             hosts = self.hosts.get((layer, expert))
             if not hosts:
                 raise KeyError(f"no shard group hosts expert {layer}.{expert}")
-            group = min(hosts, key=lambda g: (planned[g], g))
+            group = min(hosts, key=lambda g: (planned[g], self.sent.get(g, 0), g))
             planned[group] += count
             out[group].append(expert)
         return dict(out)
 
     def begin(self, group: str, tokens: int) -> None:
         self.outstanding[group] = self.outstanding.get(group, 0) + tokens
+        self.sent[group] = self.sent.get(group, 0) + tokens
 
     def end(self, group: str, tokens: int) -> None:
         self.outstanding[group] -= tokens

@@ -1,0 +1,142 @@
+"""Autoscaling end to end on a real Ray (standalone mode, its embedded defaults: the local Ray's
+metrics export scraped directly): a checkpoint whose routers send nearly every token to two
+experts of one shard group; the imbalance is measured, a rebalance replicates and moves them
+make-before-break, the imbalance falls below the threshold, and no request fails meanwhile."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from checkpoints import make_skewed_mixtral
+from moe_operator.standalone.local_ray import free_port
+from waiting import wait_for
+
+pytestmark = pytest.mark.ray
+MOECTL = str(Path(sys.executable).with_name("moectl"))
+
+
+def _moectl(*args, env, check=True):
+    proc = subprocess.run([MOECTL, *args], env=env, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"moectl {' '.join(args)}: {proc.returncode} {proc.stderr}")
+    return proc
+
+
+def _status(env) -> dict:
+    return json.loads(_moectl("get", "skewed", "--local", "-o", "json", env=env).stdout)["status"]
+
+
+class Load:
+    """Clients sending completions until stopped; every outcome counted."""
+
+    def __init__(self, url: str, clients: int = 3):
+        self.url, self.ok, self.failed, self.errors = url, 0, 0, []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def _run(self, i: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            prompt = [(i * 31 + n * 7 + k) % 90 + 3 for k in range(6)]
+            try:
+                r = requests.post(self.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6}, timeout=60)
+                choice = r.json()["choices"][0] if r.status_code == 200 else {}
+                if choice.get("finish_reason") in ("length", "stop") and 0 < len(choice["token_ids"]) <= 6:
+                    self.ok += 1
+                else:
+                    self.failed += 1
+                    self.errors.append(f"{r.status_code} {r.text[:200]}")
+            except requests.RequestException as err:
+                self.failed += 1
+                self.errors.append(repr(err))
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+
+
+def test_skewed_router_is_rebalanced_without_failed_requests(tmp_path):
+    env = {**os.environ, "MOE_STATE_DIR": str(tmp_path / "state")}
+    make_skewed_mixtral(tmp_path / "models" / "skewed", num_local_experts=8, hot_experts=(0, 4))
+    threshold = 1.5
+    manifest = {
+        "apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "skewed"},
+        "spec": {"model": {"path": "models/skewed"}, "ingress": {"numCpus": 0.25, "kvCacheBudget": "16Mi"},
+                 "experts": {"groups": 4, "numCpus": 0.25,
+                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}},
+                 "autoscaling": {"mode": "Auto", "imbalanceThreshold": threshold, "windowSeconds": 10,
+                                 "stabilizationWindowSeconds": 4, "cooldownSeconds": 600,
+                                 "redundantExpertSlots": 4, "maxMovesPerStep": 16,
+                                 "metrics": {"scrapeIntervalSeconds": 2}}},
+    }
+    f = tmp_path / "skewed.yaml"
+    f.write_text(yaml.safe_dump(manifest))
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    log = open(log_path, "w+")
+    proc = subprocess.Popen([MOECTL, "up", "-f", str(f), "--port", str(port), "--num-cpus", "2"], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def serving():
+            assert proc.poll() is None, log_path.read_text()
+            return "is serving at" in log_path.read_text()
+
+        wait_for(serving, what="moectl up to serve")
+        url = f"http://127.0.0.1:{port}"
+        before = requests.get(url + "/moe/v1/status", timeout=30).json()["placement"]
+        assert any({"0.0", "0.4"} <= set(es) for es in before.values())  # both hot experts in one group
+        with Load(url) as load:
+            seen = wait_for(lambda: (_status(env).get("imbalance") or 0) > threshold and _status(env),
+                            timeout_s=120, what="the imbalance to be measured")
+            assert seen["imbalance"] > 2.5  # nearly everything on one of four groups
+            done = wait_for(lambda: (lambda s: (s.get("autoscaling") or {}).get("lastDecision") == "Rebalance"
+                                     and s["autoscaling"].get("phase") == "Steady" and s)(_status(env)),
+                            timeout_s=180, what="a rebalance to complete")
+            auto = done["autoscaling"]
+            assert auto["imbalanceBefore"] > threshold and auto["imbalanceAfter"] < threshold
+            assert auto["movedCopies"] > 0 and "target" not in auto
+            balanced = wait_for(lambda: (lambda s: s.get("imbalance") is not None and s["imbalance"] < threshold
+                                         and s)(_status(env)), timeout_s=120, what="measured imbalance below threshold")
+            # moectl rebalance: the operator decides now (any improvement the planner finds is applied)
+            dry = _moectl("rebalance", "skewed", "--local", "--dry-run", env=env)
+            assert "serving.moe.io/rebalance-requested" in dry.stdout
+            r = _moectl("rebalance", "skewed", "--local", "--wait", "--timeout", "120", env=env)
+            assert r.stdout.startswith(("rebalanced default/skewed: imbalance", "no rebalance:")), r.stdout
+        assert load.failed == 0, load.errors[:5]
+        assert load.ok > 20
+        after = requests.get(url + "/moe/v1/status", timeout=30).json()
+        routed = after["placement"]
+        for hot in ("0.0", "0.4", "1.0", "1.4"):
+            assert sum(hot in es for es in routed.values()) >= 2, routed  # each hot expert replicated
+        hosted = {}
+        for r in after["replicas"]:
+            hosted[r["group"]] = set(r["experts"])
+        assert all(hosted[g] == set(es) for g, es in routed.items())  # old copies dropped
+        assert "RebalanceStarted" in log_path.read_text() and "Rebalanced" in log_path.read_text()
+        # routing figures are reported: two experts take nearly everything
+        routing = after["routing"]
+        assert routing["entropy"][0] < 0.5 and routing["activation_rate"] <= 0.5
+        assert routing["co_selected"][0][:2] in (["0.0", "0.4"], ["1.0", "1.4"])
+        assert balanced["groups"][0]["load"] >= 0
+        assert _moectl("rebalance", "nope", "--local", env=env, check=False).returncode == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    assert rc == 0, log_path.read_text()
