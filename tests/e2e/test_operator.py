@@ -89,6 +89,21 @@ def _hot_swap_through_the_spec(k8s, model, endpoint, reference):
     assert [tokens(p) for p in prompts] == want_old
     st = k8s.kubectl_json("get", "moed", "tiny")["status"]
     assert st["overriddenExperts"] == 0 and st["lastSwaps"][0]["outcome"] == "RolledBack"
+    # moectl rebalance: an annotation the operator's autoscale timer answers (reads load from the
+    # app's own report, decides now whatever the mode, says why); dry run writes nothing
+    r = _moectl(k8s, "rebalance", "tiny", "--dry-run")
+    assert r.returncode == 0 and "serving.moe.io/rebalance-requested" in r.stdout, r.stderr
+    assert "serving.moe.io/rebalance-requested" not in (k8s.kubectl_json("get", "moed", "tiny")["metadata"]
+                                                         .get("annotations") or {})
+    r = _moectl(k8s, "rebalance", "tiny", "--wait", "--timeout", "120")
+    assert r.returncode == 0 and r.stdout.startswith(("rebalanced default/tiny", "no rebalance:")), (r.stdout, r.stderr)
+    obj = k8s.kubectl_json("get", "moed", "tiny")
+    request = obj["metadata"]["annotations"]["serving.moe.io/rebalance-requested"]
+    assert obj["status"]["autoscaling"]["lastRequest"] == request
+    assert obj["status"]["autoscaling"].get("phase", "Steady") == "Steady"
+    assert [tokens(p) for p in prompts] == want_old  # whatever the placement, the same tokens
+    r = _moectl(k8s, "rebalance", "nope")
+    assert r.returncode == 1 and r.stderr.strip() == "error: moedeployment default/nope not found"
     # an unknown object: exit 1, one line
     r = _moectl(k8s, "hot-swap", "nope", "--expert", "1.1", "--rollback")
     assert r.returncode == 1 and r.stderr.strip() == "error: moedeployment default/nope not found"

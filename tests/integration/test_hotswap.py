@@ -224,3 +224,35 @@ def test_expert_load_signals_from_the_ray_export(setup, ray_head):
     assert sum(rates.values()) > 0
     loads = group_load(rates, ["ExpertShard-0", "ExpertShard-1"])
     assert imbalance(loads) >= 1.0
+
+
+def test_expert_load_through_a_real_prometheus(setup, ray_head, tmp_path):
+    """The PromQL source against Debian's Prometheus scraping the local Ray: the same per-group,
+    per-expert totals as the direct scrape, and the router's figures (entropy, activation rate,
+    switching) queryable."""
+    from conftest import _cache_bin
+    from moe_operator.autoscaling.signals import PrometheusSource, ScrapeSource
+    from prometheus_proc import Prometheus
+
+    binary = _cache_bin() / "prometheus"
+    assert binary.is_file(), "prometheus missing: run scripts/testenv install"
+    prom = Prometheus(binary, tmp_path / "prom", [ray_head.metrics_url]).start()
+    try:
+        for p in prompts(6, 11):
+            assert complete(setup["url"], p).status_code == 200
+        direct = ScrapeSource([ray_head.metrics_url], app="swap")
+        source = PrometheusSource(prom.url, app="swap")
+
+        def agree():
+            want, got = direct.expert_token_totals(), source.expert_token_totals()
+            return want and got == want and got
+
+        totals = wait_for(agree, timeout_s=120, what="prometheus to hold the exported expert tokens")
+        assert {g for g, _ in totals} == {"ExpertShard-0", "ExpertShard-1"}
+        assert all(v > 0 for v in totals.values())
+        assert PrometheusSource(prom.url, app="no-such-app").expert_token_totals() == {}
+        for metric in ("ray_moe_routing_entropy", "ray_moe_activation_rate", "ray_moe_expert_switch_rate"):
+            series = wait_for(lambda: prom.query(f'{metric}{{app="swap"}}'), timeout_s=60, what=metric)
+            assert all(0.0 <= float(s["value"][1]) <= 1.0 for s in series), (metric, series)
+    finally:
+        prom.stop()
