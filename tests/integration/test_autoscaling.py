@@ -140,3 +140,56 @@ def test_skewed_router_is_rebalanced_without_failed_requests(tmp_path):
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=120)
     assert rc == 0, log_path.read_text()
+
+
+def test_replicas_scale_on_load_without_restarting_the_running_ones(tmp_path):
+    """targetTokensPerSecondPerReplica: the busiest group serves more than one replica's worth, so
+    every group goes to maxReplicasPerGroup; Serve adds replicas in place (the first replica of
+    each group keeps its process) and requests keep succeeding."""
+    from checkpoints import make_mixtral
+
+    env = {**os.environ, "MOE_STATE_DIR": str(tmp_path / "state")}
+    make_mixtral(tmp_path / "models" / "even", num_local_experts=4)
+    manifest = {
+        "apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "even"},
+        "spec": {"model": {"path": "models/even"}, "ingress": {"numCpus": 0.2, "kvCacheBudget": "16Mi"},
+                 "experts": {"groups": 2, "numCpus": 0.2,
+                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}},
+                 "autoscaling": {"mode": "Auto", "imbalanceThreshold": 50, "windowSeconds": 6,
+                                 "cooldownSeconds": 0, "targetTokensPerSecondPerReplica": 5,
+                                 "minReplicasPerGroup": 1, "maxReplicasPerGroup": 2,
+                                 "metrics": {"scrapeIntervalSeconds": 2}}},
+    }
+    f = tmp_path / "even.yaml"
+    f.write_text(yaml.safe_dump(manifest))
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    proc = subprocess.Popen([MOECTL, "up", "-f", str(f), "--port", str(port), "--num-cpus", "2"], env=env,
+                            stdout=open(log_path, "w+"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def serving():
+            assert proc.poll() is None, log_path.read_text()
+            return "is serving at" in log_path.read_text()
+
+        wait_for(serving, what="moectl up to serve")
+        url = f"http://127.0.0.1:{port}"
+
+        def replicas():
+            return {(r["group"], r["replica"]): r["pid"]
+                    for r in requests.get(url + "/moe/v1/status", timeout=30).json()["replicas"]}
+
+        first = wait_for(lambda: len(r := replicas()) == 2 and r, what="one replica per group reporting")
+        with Load(url, clients=2) as load:
+            st = wait_for(lambda: (lambda s: all(g.get("replicas") == 2 and g.get("readyReplicas") == 2
+                                                 for g in s.get("groups") or [{}]) and s)(_status(env)),
+                          timeout_s=180, what="two replicas per group")
+            now = wait_for(lambda: len(r := replicas()) == 4 and r, timeout_s=60, what="four replicas reporting")
+        assert load.failed == 0, load.errors[:5]
+        assert st["autoscaling"]["lastDecision"] == "ScaleUp" and st["autoscaling"]["lastSetReplicas"] == 2
+        for key, pid in first.items():
+            assert now.get(key) == pid  # the replicas that ran before still run, in the same process
+        assert "ScaleUp" in log_path.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    assert rc == 0, log_path.read_text()

@@ -251,6 +251,12 @@ def test_expert_load_through_a_real_prometheus(setup, ray_head, tmp_path):
         assert {g for g, _ in totals} == {"ExpertShard-0", "ExpertShard-1"}
         assert all(v > 0 for v in totals.values())
         assert PrometheusSource(prom.url, app="no-such-app").expert_token_totals() == {}
+        def per_replica():
+            rows = prom.query('sum by (group, replica) (ray_moe_replica_tokens_total{app="swap"})')
+            return sum(float(r["value"][1]) for r in rows) == sum(totals.values()) and rows
+
+        rows = wait_for(per_replica, timeout_s=60, what="tokens per replica adding up to the expert totals")
+        assert {r["metric"]["group"] for r in rows} == {"ExpertShard-0", "ExpertShard-1"}
         for metric in ("ray_moe_routing_entropy", "ray_moe_activation_rate", "ray_moe_expert_switch_rate"):
             series = wait_for(lambda: prom.query(f'{metric}{{app="swap"}}'), timeout_s=60, what=metric)
             assert all(0.0 <= float(s["value"][1]) <= 1.0 for s in series), (metric, series)

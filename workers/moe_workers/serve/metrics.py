@@ -22,6 +22,8 @@ class ShardMetrics:
         tags = ("app", "group", "replica")  # app: several MoEDeployments may share a Ray cluster
         self.expert_tokens = Counter("moe_expert_tokens", description="Tokens routed to each expert.",
                                      tag_keys=("layer", "expert", "group", "app"))
+        self.replica_tokens = Counter("moe_replica_tokens", description="Expert-tokens computed by each shard replica.",
+                                      tag_keys=tags)
         self.tier_bytes = Gauge("moe_tier_bytes", description="Bytes of expert weights resident per tier.",
                                 tag_keys=tags + ("tier",))
         self.tier_experts = Gauge("moe_tier_experts", description="Experts resident per tier.", tag_keys=tags + ("tier",))
@@ -49,6 +51,7 @@ class ShardMetrics:
             return
         for e, n in zip(experts, counts):
             self.expert_tokens.inc(n, tags={"layer": str(layer), "expert": str(e), "group": self.group, "app": self.app})
+        self.replica_tokens.inc(sum(counts), tags=self._tags())
 
     def on_move(self, src: str, dst: str, seconds: float, nbytes: int) -> None:
         if not self.enabled:
