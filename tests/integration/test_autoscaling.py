@@ -32,8 +32,8 @@ def _moectl(*args, env, check=True):
     return proc
 
 
-def _status(env) -> dict:
-    return json.loads(_moectl("get", "skewed", "--local", "-o", "json", env=env).stdout)["status"]
+def _status(env, name: str = "skewed") -> dict:
+    return json.loads(_moectl("get", name, "--local", "-o", "json", env=env).stdout)["status"]
 
 
 class Load:
@@ -181,7 +181,7 @@ def test_replicas_scale_on_load_without_restarting_the_running_ones(tmp_path):
         first = wait_for(lambda: len(r := replicas()) == 2 and r, what="one replica per group reporting")
         with Load(url, clients=2) as load:
             st = wait_for(lambda: (lambda s: all(g.get("replicas") == 2 and g.get("readyReplicas") == 2
-                                                 for g in s.get("groups") or [{}]) and s)(_status(env)),
+                                                 for g in s.get("groups") or [{}]) and s)(_status(env, "even")),
                           timeout_s=180, what="two replicas per group")
             now = wait_for(lambda: len(r := replicas()) == 4 and r, timeout_s=60, what="four replicas reporting")
         assert load.failed == 0, load.errors[:5]

@@ -260,5 +260,16 @@ def test_expert_load_through_a_real_prometheus(setup, ray_head, tmp_path):
         for metric in ("ray_moe_routing_entropy", "ray_moe_activation_rate", "ray_moe_expert_switch_rate"):
             series = wait_for(lambda: prom.query(f'{metric}{{app="swap"}}'), timeout_s=60, what=metric)
             assert all(0.0 <= float(s["value"][1]) <= 1.0 for s in series), (metric, series)
+        # the Grafana dashboard the chart ships: every query is valid PromQL, and those on the
+        # workers' load, tiers and routing find their series under the names Ray exports
+        import json
+        from pathlib import Path
+
+        dashboard = Path(__file__).resolve().parents[2] / "helm" / "moe-operator" / "dashboards" / "moe-operator.json"
+        exprs = [t["expr"] for p in json.loads(dashboard.read_text())["panels"] for t in p["targets"]]
+        for expr in exprs:
+            prom.query(expr)  # asserts the query is accepted
+            if any(m in expr for m in ("expert_tokens", "tier_bytes", "tier_hits", "routing_entropy", "activation_rate")):
+                wait_for(lambda: prom.query(expr), timeout_s=60, what=f"series for the dashboard's {expr}")
     finally:
         prom.stop()
