@@ -7,29 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import requests
 import yaml
 
-from checkpoints import make_skewed_mixtral
+from checkpoints import make_mixtral, make_skewed_mixtral
 from moe_operator.standalone.local_ray import free_port
+from moectl_proc import MoectlUp, moectl as _moectl
 from waiting import wait_for
 
 pytestmark = pytest.mark.ray
-MOECTL = str(Path(sys.executable).with_name("moectl"))
-
-
-def _moectl(*args, env, check=True):
-    proc = subprocess.run([MOECTL, *args], env=env, capture_output=True, text=True, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"moectl {' '.join(args)}: {proc.returncode} {proc.stderr}")
-    return proc
 
 
 def _status(env, name: str = "skewed") -> dict:
@@ -89,16 +78,9 @@ def test_skewed_router_is_rebalanced_without_failed_requests(tmp_path):
     f = tmp_path / "skewed.yaml"
     f.write_text(yaml.safe_dump(manifest))
     port = free_port()
-    log_path = tmp_path / "up.log"
-    log = open(log_path, "w+")
-    proc = subprocess.Popen([MOECTL, "up", "-f", str(f), "--port", str(port), "--num-cpus", "2"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    up = MoectlUp(f, port, env, tmp_path / "up.log", "--num-cpus", "2")
     try:
-        def serving():
-            assert proc.poll() is None, log_path.read_text()
-            return "is serving at" in log_path.read_text()
-
-        wait_for(serving, what="moectl up to serve")
+        up.wait_serving()
         url = f"http://127.0.0.1:{port}"
         before = requests.get(url + "/moe/v1/status", timeout=30).json()["placement"]
         assert any({"0.0", "0.4"} <= set(es) for es in before.values())  # both hot experts in one group
@@ -129,7 +111,7 @@ def test_skewed_router_is_rebalanced_without_failed_requests(tmp_path):
         for r in after["replicas"]:
             hosted[r["group"]] = set(r["experts"])
         assert all(hosted[g] == set(es) for g, es in routed.items())  # old copies dropped
-        assert "RebalanceStarted" in log_path.read_text() and "Rebalanced" in log_path.read_text()
+        assert "RebalanceStarted" in up.log() and "Rebalanced" in up.log()
         # routing figures are reported: two experts take nearly everything
         routing = after["routing"]
         assert routing["entropy"][0] < 0.5 and routing["activation_rate"] <= 0.5
@@ -137,17 +119,13 @@ def test_skewed_router_is_rebalanced_without_failed_requests(tmp_path):
         assert balanced["groups"][0]["load"] >= 0
         assert _moectl("rebalance", "nope", "--local", env=env, check=False).returncode == 1
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=120)
-    assert rc == 0, log_path.read_text()
+        up.stop()
 
 
 def test_replicas_scale_on_load_without_restarting_the_running_ones(tmp_path):
     """targetTokensPerSecondPerReplica: the busiest group serves more than one replica's worth, so
     every group goes to maxReplicasPerGroup; Serve adds replicas in place (the first replica of
     each group keeps its process) and requests keep succeeding."""
-    from checkpoints import make_mixtral
-
     env = {**os.environ, "MOE_STATE_DIR": str(tmp_path / "state")}
     make_mixtral(tmp_path / "models" / "even", num_local_experts=4)
     manifest = {
@@ -163,15 +141,9 @@ def test_replicas_scale_on_load_without_restarting_the_running_ones(tmp_path):
     f = tmp_path / "even.yaml"
     f.write_text(yaml.safe_dump(manifest))
     port = free_port()
-    log_path = tmp_path / "up.log"
-    proc = subprocess.Popen([MOECTL, "up", "-f", str(f), "--port", str(port), "--num-cpus", "2"], env=env,
-                            stdout=open(log_path, "w+"), stderr=subprocess.STDOUT, start_new_session=True)
+    up = MoectlUp(f, port, env, tmp_path / "up.log", "--num-cpus", "2")
     try:
-        def serving():
-            assert proc.poll() is None, log_path.read_text()
-            return "is serving at" in log_path.read_text()
-
-        wait_for(serving, what="moectl up to serve")
+        up.wait_serving()
         url = f"http://127.0.0.1:{port}"
 
         def replicas():
@@ -188,8 +160,6 @@ def test_replicas_scale_on_load_without_restarting_the_running_ones(tmp_path):
         assert st["autoscaling"]["lastDecision"] == "ScaleUp" and st["autoscaling"]["lastSetReplicas"] == 2
         for key, pid in first.items():
             assert now.get(key) == pid  # the replicas that ran before still run, in the same process
-        assert "ScaleUp" in log_path.read_text()
+        assert "ScaleUp" in up.log()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=120)
-    assert rc == 0, log_path.read_text()
+        up.stop()

@@ -8,8 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import requests
@@ -18,17 +16,11 @@ from safetensors.torch import save_file
 
 from moe_operator.standalone.local_ray import free_port
 from moe_workers.model.inprocess import InProcessModel
+from moectl_proc import MOECTL, moectl
 from waiting import wait_for
 
 pytestmark = pytest.mark.ray
-MOECTL = str(Path(sys.executable).with_name("moectl"))
-
-
-def _moectl(*args, env, check=True):
-    proc = subprocess.run([MOECTL, *args], env=env, capture_output=True, text=True, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"moectl {' '.join(args)}: {proc.returncode} {proc.stderr}")
-    return proc
+_moectl = moectl
 
 
 def _status(env):
