@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 
 import pytest
 import requests
 import yaml
 
 from checkpoints import make_mixtral, make_skewed_mixtral
+from load_clients import Load
 from moe_operator.standalone.local_ray import free_port
 from moectl_proc import MoectlUp, moectl as _moectl
 from waiting import wait_for
@@ -23,42 +23,6 @@ pytestmark = pytest.mark.ray
 
 def _status(env, name: str = "skewed") -> dict:
     return json.loads(_moectl("get", name, "--local", "-o", "json", env=env).stdout)["status"]
-
-
-class Load:
-    """Clients sending completions until stopped; every outcome counted."""
-
-    def __init__(self, url: str, clients: int = 3):
-        self.url, self.ok, self.failed, self.errors = url, 0, 0, []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
-
-    def _run(self, i: int) -> None:
-        n = 0
-        while not self.stop.is_set():
-            n += 1
-            prompt = [(i * 31 + n * 7 + k) % 90 + 3 for k in range(6)]
-            try:
-                r = requests.post(self.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6}, timeout=60)
-                choice = r.json()["choices"][0] if r.status_code == 200 else {}
-                if choice.get("finish_reason") in ("length", "stop") and 0 < len(choice["token_ids"]) <= 6:
-                    self.ok += 1
-                else:
-                    self.failed += 1
-                    self.errors.append(f"{r.status_code} {r.text[:200]}")
-            except requests.RequestException as err:
-                self.failed += 1
-                self.errors.append(repr(err))
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=120)
 
 
 def test_skewed_router_is_rebalanced_without_failed_requests(tmp_path):
