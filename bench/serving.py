@@ -134,7 +134,7 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
         client = RayServeClient(head.dashboard_url, head.token)
         app = serve_application("bench", "/", args, placement)
         if serve_env:
-            app["runtime_env"] = {"env_vars": serve_env}
+            app["runtime_env"]["env_vars"].update(serve_env)
         client.put({"http_options": {"host": "127.0.0.1", "port": head.serve_http_port}, "applications": [app]})
         client.wait_running(["bench"], timeout_s=900)
         url = f"http://127.0.0.1:{head.serve_http_port}"
