@@ -142,6 +142,8 @@ def build_crd() -> dict[str, Any]:
                         {"name": "Desired", "type": "integer", "jsonPath": ".spec.experts.replicasPerGroup", "priority": 1},
                         {"name": "Imbalance", "type": "number", "jsonPath": ".status.imbalance",
                          "description": "max/mean shard-group load"},
+                        {"name": "Autoscaling", "type": "string", "jsonPath": ".status.autoscaling.phase", "priority": 1,
+                         "description": "Steady, or the phase of a placement change"},
                         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],

@@ -215,7 +215,7 @@ def get(
         return
     table = Table(box=None, header_style="bold")
     columns = (["NAMESPACE"] if all_namespaces else []) + ["NAME", "READY", "REASON", "GROUPS", "REPLICAS", "ENDPOINT"]
-    for col in columns + (["MESSAGE"] if output == "wide" else []):
+    for col in columns + (["IMBALANCE", "AUTOSCALING", "MESSAGE"] if output == "wide" else []):
         table.add_column(col, overflow="fold")
     for d in docs:
         st = d.get("status") or {}
@@ -225,7 +225,11 @@ def get(
             str((d.get("spec") or {}).get("experts", {}).get("groups", "")), str(st.get("replicas", "")),
             st.get("endpoint", "") or ""]
         if output == "wide":
-            row.append(ready.get("message", ""))
+            auto = st.get("autoscaling") or {}
+            imb = st.get("imbalance")
+            row += ["" if imb is None else f"{imb:.2f}",
+                    f"{auto.get('phase', 'Steady')} (last: {auto['lastDecision']})" if auto.get("lastDecision")
+                    else auto.get("phase", ""), ready.get("message", "")]
         table.add_row(*row)
     out.print(table)
 
