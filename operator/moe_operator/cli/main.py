@@ -316,7 +316,12 @@ def hot_swap(
 
         api = _kube_objects(kubeconfig)
         args = (models.GROUP, models.VERSION, namespace, models.PLURAL, name)
-        for attempt in range(5):
+        import random
+
+        attempts = 20  # each conflict means another writer landed: n concurrent writers need up to n tries
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(random.uniform(0.02, 0.1) * min(attempt, 5))  # jitter, so retries do not collide again
             try:
                 doc = api.get_namespaced_custom_object(*args, _request_timeout=30)
             except kubernetes.client.ApiException as e:
@@ -338,7 +343,7 @@ def hot_swap(
                 body = json.loads(e.body or "{}") if (e.body or "").startswith("{") else {}
                 fail(f"kubernetes API: {e.status} {body.get('message') or e.reason}")
         else:
-            fail(f"moedeployment {namespace}/{name} kept changing; gave up after 5 attempts")
+            fail(f"moedeployment {namespace}/{name} kept changing; gave up after {attempts} attempts")
         generation = doc["metadata"]["generation"]
 
         def read() -> tuple[Optional[dict], dict]:
