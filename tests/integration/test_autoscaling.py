@@ -82,7 +82,7 @@ def test_skewed_router_is_rebalanced_without_failed_requests(tmp_path):
         assert routing["co_selected"][0][:2] in (["0.0", "0.4"], ["1.0", "1.4"])
         assert balanced["groups"][0]["load"] >= 0
         assert _moectl("rebalance", "nope", "--local", env=env, check=False).returncode == 1
-        wide = _moectl("get", "skewed", "--local", "-o", "wide", env={**env, "COLUMNS": "250"}).stdout
+        wide = _moectl("get", "skewed", "--local", "-o", "wide", env=env).stdout
         assert "IMBALANCE" in wide and "Steady (last: Rebalance)" in wide
     finally:
         up.stop()

@@ -21,7 +21,7 @@ from rich.table import Table
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, help="Serve Mixture-of-Experts models on Ray Serve.")
 err = Console(stderr=True)
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 4096)  # like kubectl: piped tables are never folded
 
 
 def fail(message: str, code: int = 1) -> None:
