@@ -99,6 +99,7 @@ class StandaloneRunner:
     _replicas: int | None = None  # set by the autoscaler (standalone has no spec to write it into)
     _replicas_in_file: int | None = None
     autoscaler: Autoscaler = field(default_factory=Autoscaler)
+    _retry_at: float | None = None  # a pass that failed for a passing reason (Ray busy) runs again then
 
     def _write_status(self, m: Manifest) -> None:
         path = status_path(self.state_dir, m.namespace, m.name or "unnamed")
@@ -145,10 +146,14 @@ class StandaloneRunner:
         self._write_status(m)
         for _, reason, message in res.events:
             self.log(f"{reason}: {message}")
+        self._retry_at = None
         if res.ready:
             self._app = app_name(m.namespace, m.name)
         else:
             self.log(f"{res.event[1]}: {res.event[2]}")
+            if res.retry_after_s is not None:  # as kopf does with TemporaryError
+                self._retry_at = time.monotonic() + res.retry_after_s
+                self.log(f"retrying in {res.retry_after_s:.0f} s")
         return res.ready
 
     def autoscale(self, now: float | None = None) -> None:
@@ -218,6 +223,9 @@ class StandaloneRunner:
             if self.changed():
                 self.log(f"{self.manifest_path} changed; reconciling")
                 self.reconcile()
+            elif self._retry_at is not None and time.monotonic() >= self._retry_at:
+                if self.reconcile(new_generation=False):
+                    self.log(f"{self._name} is serving at {self.status['endpoint']}")
             elif time.monotonic() - last_observe >= observe_every_s:
                 self.observe()
                 try:
