@@ -88,7 +88,7 @@ def placement_step(facts, spec: MoEDeploymentSpec, status: dict, ingress_now: di
     if target is not None and placement_problem(target, facts.num_layers, facts.num_experts, spec.experts.groups):
         target = None  # the spec changed under it (groups, model): the next decision plans afresh
     shards = shards_now if kept else None
-    waiting = target is not None and not transition._same(target, base)
+    waiting = target is not None and not transition.same_placement(target, base)
     return transition.next_step(base, shards, target, reports() if waiting else None,
                                 spec.experts.replicas_per_group, _epoch(auto.get("switchedAt")), now)
 
@@ -99,7 +99,7 @@ def record_step(status: dict, step: transition.Step, ingress_before: dict | None
     if not auto and step.phase == transition.STEADY:
         return []
     events = []
-    if step.phase == transition.SWITCHING and ingress_before is not None and not transition._same(step.ingress, ingress_before):
+    if step.phase == transition.SWITCHING and ingress_before is not None and not transition.same_placement(step.ingress, ingress_before):
         auto["switchedAt"] = cond.now_rfc3339()
     if step.done:
         if auto.get("target") is not None:

@@ -38,7 +38,7 @@ def union(a: Placement, b: Placement) -> Placement:
     return {g: sorted(set(a.get(g, [])) | set(b.get(g, [])), key=_key) for g in sorted(set(a) | set(b))}
 
 
-def _same(a: Placement, b: Placement) -> bool:
+def same_placement(a: Placement, b: Placement) -> bool:
     groups = set(a) | set(b)
     return all(set(a.get(g, [])) == set(b.get(g, [])) for g in groups)
 
@@ -68,7 +68,7 @@ def next_step(deployed_ingress: Placement, deployed_shards: Placement | None, ta
               reports: list[dict] | None, replicas_per_group: int, switched_at: float | None, now: float,
               grace_s: float = 5.0) -> Step:
     shards = deployed_shards if deployed_shards is not None else deployed_ingress
-    if target is None or _same(target, deployed_ingress):
+    if target is None or same_placement(target, deployed_ingress):
         if _covers(deployed_ingress, shards):
             return Step(deployed_ingress, deployed_ingress, STEADY, "placement applied", True)
         left = grace_s - (now - switched_at) if switched_at is not None else 0.0
