@@ -30,7 +30,10 @@ def parse_args():
     p.add_argument("--quick", action="store_true", help="small model and loads, for a smoke run")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="torch threads in-process and per served ingress")
+    p.add_argument("--ingress-threads", type=int, default=None,
+                   help="torch threads of the served ingress (default: --threads)")
     p.add_argument("--shard-threads", type=int, default=1)
+    p.add_argument("--only", choices=["prefill"], default=None, help="run only this part (for experiments)")
     p.add_argument("--micro-batches", type=int, default=2,
                    help="served: concurrent micro-batches for steps of >= 256 tokens (1 disables)")
     p.add_argument("--decode-tokens", type=int, default=None)
@@ -65,6 +68,43 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat: utilization = delta busy / delta total."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)
+
+
+def process_cpu_seconds() -> dict[str, tuple[float, float, int]]:
+    """(user, system) CPU seconds and minor page faults of every process on the machine, keyed 'pid name'."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        out[f"{stat.parent.name} {name}"] = (int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]))
+    return out
+
+
+def cpu_by_process(before: dict[str, tuple[float, float, int]], after: dict[str, tuple[float, float, int]],
+                   top: int = 12) -> list[tuple[str, float, float, int]]:
+    """The processes that used the most CPU in between: (name, user + system seconds, system
+    seconds, page faults)."""
+    spent = []
+    for k, (user, system, faults) in after.items():
+        user0, system0, faults0 = before.get(k, (0.0, 0.0, 0))
+        spent.append((k, user - user0 + system - system0, system - system0, faults - faults0))
+    return sorted((s for s in spent if s[1] > 0.05), key=lambda s: -s[1])[:top]
+
+
+def utilization(before: tuple[int, int], after: tuple[int, int]) -> float:
+    return (after[0] - before[0]) / max(1, after[1] - before[1])
+
+
 # -- in-process ------------------------------------------------------------------------------------
 
 
@@ -78,13 +118,14 @@ def run_inprocess(path: Path, work: dict, threads: int) -> dict:
     out = {}
     ps = prompts(work["prefill_n"], work["prefill_len"], model.cfg.vocab_size, 1)
     slots = [model.cache.allocate() for _ in ps]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_ticks()
     model.step([Chunk(s, 0, p) for s, p in zip(slots, ps)])
     out["prefill_s"] = time.perf_counter() - t0
+    out["prefill_cpu_utilization"] = utilization(c0, cpu_ticks())
     for s in slots:
         model.cache.release(s)
     out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
-    for b in work["decode_batches"]:
+    for b in work["decode_batches"] if not work.get("only_prefill") else []:
         ps = prompts(b, 8, model.cfg.vocab_size, 2)
         t0 = time.perf_counter()
         model.generate(ps, max_tokens=1)
@@ -148,15 +189,20 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
         out = {}
         ps = prompts(work["prefill_n"], work["prefill_len"], vocab, 1)
         e0, s0 = stats()
+        c0, p0 = cpu_ticks(), process_cpu_seconds()
         out["prefill_s"] = _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
+        out["prefill_cpu_utilization"] = utilization(c0, cpu_ticks())
+        out["prefill_cpu_by_process"] = cpu_by_process(p0, process_cpu_seconds())
         out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
         e1, s1 = stats()
         shard_compute = [b_["compute_s"] - a_["compute_s"] for a_, b_ in zip(s0, s1)]
+        out["prefill_shard_cpu_s"] = [b_["compute_cpu_s"] - a_["compute_cpu_s"] for a_, b_ in zip(s0, s1)]
+        out["prefill_ingress_cpu_s"] = {"process": e1["cpu_s"] - e0["cpu_s"], "dense_thread": e1["dense_cpu_s"] - e0["dense_cpu_s"]}
         out["prefill_breakdown"] = {"wall_s": out["prefill_s"], "dense_s": e1["dense_s"] - e0["dense_s"],
                                     "expert_wait_s": e1["experts_s"] - e0["experts_s"],
                                     "shard_compute_max_s": max(shard_compute),
                                     "shard_compute_sum_s": sum(shard_compute), "steps": e1["steps"] - e0["steps"]}
-        for b in work["decode_batches"]:
+        for b in work["decode_batches"] if not work.get("only_prefill") else []:
             ps = prompts(b, 8, vocab, 2)
             one = _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
             e0, s0 = stats()
@@ -176,6 +222,7 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
         e, s = stats()
         out["peak_rss_bytes"] = {"Ingress": e["peak_rss_bytes"], **{x["group"]: x["peak_rss_bytes"] for x in s}}
         out["ingress_dense_bytes"] = e["dense_bytes"]
+        out["pids"] = {"Ingress": e["pid"], "shards": {x["group"]: x["pid"] for x in s}}
         out["shard_expert_bytes"] = {x["group"]: x["bytes"] for x in s}
         client.delete_all()
         ray.shutdown()
@@ -200,24 +247,38 @@ def main() -> int:
     work = (dict(prefill_n=8, prefill_len=64, decode_batches=[1, 4, 8], decode_tokens=a.decode_tokens or 8)
             if a.quick else
             dict(prefill_n=32, prefill_len=256, decode_batches=[1, 16, 64], decode_tokens=a.decode_tokens or 24))
+    if a.only == "prefill":
+        work["only_prefill"] = True
+    ingress_threads = a.ingress_threads or a.threads
     path = ensure_checkpoint(a.cache_dir, shape)
-    print(f"model {shape}\nwork {work}\ntorch threads: in-process {a.threads}; served ingress {a.threads}, "
+    print(f"model {shape}\nwork {work}\ntorch threads: in-process {a.threads}; served ingress {ingress_threads}, "
           f"each of {a.groups} shard groups {a.shard_threads}; served micro-batches per step {a.micro_batches}; "
           f"machine cores {os.cpu_count()}", flush=True)
     local = run_inprocess(path, work, a.threads)
-    served = run_served(path, work, a.groups, a.threads, a.shard_threads, shape["vocab_size"], shape["num_layers"],
+    served = run_served(path, work, a.groups, ingress_threads, a.shard_threads, shape["vocab_size"], shape["num_layers"],
                         shape["num_experts"], a.micro_batches,
                         dict(kv.split("=", 1) for kv in a.serve_env))
-    rows = [("prefill", "prefill_tps")] + [(f"decode batch {b}", f"decode{b}_tps") for b in work["decode_batches"]]
+    decode_batches = [] if work.get("only_prefill") else work["decode_batches"]
+    rows = [("prefill", "prefill_tps")] + [(f"decode batch {b}", f"decode{b}_tps") for b in decode_batches]
     print(f"\n{'':18} {'in-process tok/s':>17} {'served tok/s':>13} {'ratio':>7}")
     figures = {}
     for label, key in rows:
         ratio = served[key] / local[key]
         print(f"{label:18} {local[key]:17.1f} {served[key]:13.1f} {ratio:7.2f}")
         figures[key.replace("_tps", "") + "-ratio"] = ratio
-    for title, bd in ((f"decode (batch {work['decode_batches'][-1]})", served[f"decode{work['decode_batches'][-1]}_breakdown"]),
-                      ("prefill", served["prefill_breakdown"])):
+    breakdowns = [(f"decode (batch {b})", served[f"decode{b}_breakdown"]) for b in decode_batches[-1:]]
+    for title, bd in breakdowns + [("prefill", served["prefill_breakdown"])]:
         print_breakdown(title, bd)
+    print(f"\nmachine CPU utilization during prefill: in-process {local['prefill_cpu_utilization']:.0%}, "
+          f"served {served['prefill_cpu_utilization']:.0%}; CPU seconds by process (served):")
+    print(f"  (shard CPU inside expert calls: {', '.join(f'{c:.2f}' for c in served['prefill_shard_cpu_s'])} s; "
+          f"ingress process {served['prefill_ingress_cpu_s']['process']:.2f} s, of which its dense thread "
+          f"{served['prefill_ingress_cpu_s']['dense_thread']:.2f} s)")
+    roles = {str(served["pids"]["Ingress"]): "Ingress", **{str(pid): g for g, pid in served["pids"]["shards"].items()}}
+    for name, seconds, system, faults in served["prefill_cpu_by_process"]:
+        pid = name.split()[0]
+        label = f"{pid} {roles[pid]}" if pid in roles else name
+        print(f"  {label:40} {seconds:7.2f} s (system {system:.2f} s, {faults} page faults)")
     print("\npeak resident memory:")
 
     print(f"  in-process                 {local['peak_rss_bytes'] / 2**20:9.1f} MiB")

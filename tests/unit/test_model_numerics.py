@@ -156,3 +156,24 @@ def test_dense_state_holds_no_expert_weights(tmp_path):
     assert not [n for n in dense if ".experts." in n]
     expert_names = [n for n in ckpt.names() if ".experts." in n]
     assert len(expert_names) == 3 * 8 * 3 and set(dense) | set(expert_names) == set(ckpt.names())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_mlp_into_a_slice_equals_the_out_of_place_form(dtype):
+    """The shard writes each expert's rows straight into its slice of the reply: same values as
+    transformers' act(w1 x) * w3 x -> w2 form, and nothing outside the slice is touched."""
+    import torch.nn.functional as F
+    from moe_workers.model.layers import expert_mlp
+
+    g = torch.Generator().manual_seed(0)
+    hidden, inter = 64, 160
+    w1, w3 = (torch.randn(inter, hidden, generator=g).to(dtype) for _ in range(2))
+    w2 = torch.randn(hidden, inter, generator=g).to(dtype)
+    x = torch.randn(12, hidden, generator=g).to(dtype)
+    reference = F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+    reply = torch.full((20, hidden), 7.0, dtype=dtype)
+    returned = expert_mlp(x, w1, w2, w3, out=reply[5:17])
+    assert torch.equal(reply[5:17], reference)
+    assert returned.data_ptr() == reply[5:17].data_ptr()
+    assert torch.all(reply[:5] == 7.0) and torch.all(reply[17:] == 7.0)
+    assert torch.equal(expert_mlp(x, w1, w2, w3), reference)

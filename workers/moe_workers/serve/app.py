@@ -118,6 +118,7 @@ class ExpertShard:
         self._swap_seq = 0
         self.load: TokenCounter = TokenCounter()
         self.compute_s = 0.0
+        self.compute_cpu_s = 0.0  # CPU time of the calls themselves (compute_s is wall, time-sliced)
         self.calls = 0
         self._config_lock = threading.Lock()
         self._stop = threading.Event()
@@ -171,7 +172,7 @@ class ExpertShard:
     def forward(self, layer: int, x, experts: list[int], counts: list[int],
                 prefetch: list[tuple[int, int]] | None = None):
         """Rows of x grouped by expert (`counts[i]` rows for `experts[i]`) -> their outputs."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         x = from_wire(x)
         keys = [(layer, e) for e in experts]
         out = torch.empty_like(x)
@@ -181,11 +182,12 @@ class ExpertShard:
             start = 0
             for key, n in zip(keys, counts):
                 w = weights[key]
-                out[start:start + n] = expert_mlp(x[start:start + n], w["w1"], w["w2"], w["w3"])
+                expert_mlp(x[start:start + n], w["w1"], w["w2"], w["w3"], out=out[start:start + n])
                 start += n
                 self.load[key] += n
         self.metrics.tokens(layer, experts, counts)
         self.compute_s += time.perf_counter() - t0
+        self.compute_cpu_s += time.thread_time() - c0
         self.calls += 1
         return to_wire(out)
 
@@ -222,6 +224,7 @@ class ExpertShard:
             "store": self.store.stats.as_dict(),
             "swaps": dict(self.swaps),
             "compute_s": self.compute_s,
+            "compute_cpu_s": self.compute_cpu_s,
             "calls": self.calls,
             "peak_rss_bytes": peak_rss_bytes(),
             "rss_bytes": current_rss_bytes(),
@@ -421,7 +424,9 @@ class Ingress:
 
     def engine_stats(self) -> dict:
         t = self.engine.timings
-        return {"steps": t.steps, "tokens": t.tokens, "dense_s": t.dense, "experts_s": t.experts,
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return {"steps": t.steps, "tokens": t.tokens, "dense_s": t.dense, "dense_cpu_s": t.dense_cpu,
+                "experts_s": t.experts, "cpu_s": usage.ru_utime + usage.ru_stime,
                 "running": len(self.engine.running), "waiting": len(self.engine.waiting),
                 "kv_slots": self.cache.num_slots, "kv_free": self.cache.free_slots, "pid": os.getpid(),
                 "peak_rss_bytes": peak_rss_bytes(), "dense_bytes": self.dense.nbytes(),

@@ -51,6 +51,7 @@ class StepTimings:
     the ingress, and waiting on expert calls."""
 
     dense: float = 0.0
+    dense_cpu: float = 0.0  # CPU of the calling thread only: with several torch threads, a share
     experts: float = 0.0
     steps: int = 0
     tokens: int = 0
@@ -166,10 +167,11 @@ class Engine:
         timings = self.timings
 
         def timed(fn, *args):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             with torch.inference_mode():
                 result = fn(*args)
             timings.dense += time.perf_counter() - t0
+            timings.dense_cpu += time.thread_time() - c0
             return result
 
         def run(fn, *args):
