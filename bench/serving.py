@@ -3,7 +3,7 @@
     python bench/serving.py            # hidden 1024, intermediate 3584, 8 experts, top-2, 4 layers
     python bench/serving.py --quick    # a small model, for a smoke run
 
-Prefill: 32 prompts x 256 tokens. Decode at batch 1, 16 and 64: tokens/s of the decode steps
+Prefill: 32 prompts x 256 tokens, one warm-up then the median of --prefill-repeats runs. Decode at batch 1, 16 and 64: tokens/s of the decode steps
 alone (a run with max_tokens=T minus a run with max_tokens=1). Both sides get the same CPU
 budget (torch threads reported). Ends with `figure: value` lines.
 """
@@ -37,6 +37,8 @@ def parse_args():
     p.add_argument("--micro-batches", type=int, default=2,
                    help="served: concurrent micro-batches for steps of >= 256 tokens (1 disables)")
     p.add_argument("--decode-tokens", type=int, default=None)
+    p.add_argument("--prefill-repeats", type=int, default=3,
+                   help="prefill runs per side; the median is reported (this machine varies by 10%% run to run)")
     p.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra env var for the served app's replicas (runtime_env), repeatable")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
@@ -105,6 +107,15 @@ def utilization(before: tuple[int, int], after: tuple[int, int]) -> float:
     return (after[0] - before[0]) / max(1, after[1] - before[1])
 
 
+def median_run(runs: list[dict], warmup: dict) -> dict:
+    """The run with the median prefill time (its own figures kept together), plus every run's
+    time and the untimed warm-up's (the first full prefill of a process touches its KV cache and
+    heap pages for the first time: a server pays that once, not per request)."""
+    ordered = sorted(runs, key=lambda r: r["prefill_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "prefill_runs_s": [r["prefill_s"] for r in runs],
+            "prefill_warmup_s": warmup["prefill_s"]}
+
+
 # -- in-process ------------------------------------------------------------------------------------
 
 
@@ -117,13 +128,15 @@ def run_inprocess(path: Path, work: dict, threads: int) -> dict:
     model.generate([[5, 6, 7]], max_tokens=2)  # warm-up
     out = {}
     ps = prompts(work["prefill_n"], work["prefill_len"], model.cfg.vocab_size, 1)
-    slots = [model.cache.allocate() for _ in ps]
-    t0, c0 = time.perf_counter(), cpu_ticks()
-    model.step([Chunk(s, 0, p) for s, p in zip(slots, ps)])
-    out["prefill_s"] = time.perf_counter() - t0
-    out["prefill_cpu_utilization"] = utilization(c0, cpu_ticks())
-    for s in slots:
-        model.cache.release(s)
+    runs = []
+    for i in range(1 + work["prefill_repeats"]):  # the first is a warm-up, on both sides
+        slots = [model.cache.allocate() for _ in ps]
+        t0, c0 = time.perf_counter(), cpu_ticks()
+        model.step([Chunk(s, 0, p) for s, p in zip(slots, ps)])
+        runs.append({"prefill_s": time.perf_counter() - t0, "prefill_cpu_utilization": utilization(c0, cpu_ticks())})
+        for s in slots:
+            model.cache.release(s)
+    out.update(median_run(runs[1:], warmup=runs[0]))
     out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
     for b in work["decode_batches"] if not work.get("only_prefill") else []:
         ps = prompts(b, 8, model.cfg.vocab_size, 2)
@@ -188,20 +201,25 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
         _post(url, {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})  # warm-up
         out = {}
         ps = prompts(work["prefill_n"], work["prefill_len"], vocab, 1)
-        e0, s0 = stats()
-        c0, p0 = cpu_ticks(), process_cpu_seconds()
-        out["prefill_s"] = _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
-        out["prefill_cpu_utilization"] = utilization(c0, cpu_ticks())
-        out["prefill_cpu_by_process"] = cpu_by_process(p0, process_cpu_seconds())
+        runs = []
+        for _ in range(1 + work["prefill_repeats"]):  # the first is a warm-up, on both sides
+            e0, s0 = stats()
+            c0, p0 = cpu_ticks(), process_cpu_seconds()
+            run = {"prefill_s": _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])}
+            run["prefill_cpu_utilization"] = utilization(c0, cpu_ticks())
+            run["prefill_cpu_by_process"] = cpu_by_process(p0, process_cpu_seconds())
+            e1, s1 = stats()
+            shard_compute = [b_["compute_s"] - a_["compute_s"] for a_, b_ in zip(s0, s1)]
+            run["prefill_shard_cpu_s"] = [b_["compute_cpu_s"] - a_["compute_cpu_s"] for a_, b_ in zip(s0, s1)]
+            run["prefill_ingress_cpu_s"] = {"process": e1["cpu_s"] - e0["cpu_s"],
+                                            "dense_thread": e1["dense_cpu_s"] - e0["dense_cpu_s"]}
+            run["prefill_breakdown"] = {"wall_s": run["prefill_s"], "dense_s": e1["dense_s"] - e0["dense_s"],
+                                        "expert_wait_s": e1["experts_s"] - e0["experts_s"],
+                                        "shard_compute_max_s": max(shard_compute),
+                                        "shard_compute_sum_s": sum(shard_compute), "steps": e1["steps"] - e0["steps"]}
+            runs.append(run)
+        out.update(median_run(runs[1:], warmup=runs[0]))
         out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
-        e1, s1 = stats()
-        shard_compute = [b_["compute_s"] - a_["compute_s"] for a_, b_ in zip(s0, s1)]
-        out["prefill_shard_cpu_s"] = [b_["compute_cpu_s"] - a_["compute_cpu_s"] for a_, b_ in zip(s0, s1)]
-        out["prefill_ingress_cpu_s"] = {"process": e1["cpu_s"] - e0["cpu_s"], "dense_thread": e1["dense_cpu_s"] - e0["dense_cpu_s"]}
-        out["prefill_breakdown"] = {"wall_s": out["prefill_s"], "dense_s": e1["dense_s"] - e0["dense_s"],
-                                    "expert_wait_s": e1["experts_s"] - e0["experts_s"],
-                                    "shard_compute_max_s": max(shard_compute),
-                                    "shard_compute_sum_s": sum(shard_compute), "steps": e1["steps"] - e0["steps"]}
         for b in work["decode_batches"] if not work.get("only_prefill") else []:
             ps = prompts(b, 8, vocab, 2)
             one = _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
@@ -247,6 +265,7 @@ def main() -> int:
     work = (dict(prefill_n=8, prefill_len=64, decode_batches=[1, 4, 8], decode_tokens=a.decode_tokens or 8)
             if a.quick else
             dict(prefill_n=32, prefill_len=256, decode_batches=[1, 16, 64], decode_tokens=a.decode_tokens or 24))
+    work["prefill_repeats"] = a.prefill_repeats
     if a.only == "prefill":
         work["only_prefill"] = True
     ingress_threads = a.ingress_threads or a.threads
@@ -266,6 +285,9 @@ def main() -> int:
         ratio = served[key] / local[key]
         print(f"{label:18} {local[key]:17.1f} {served[key]:13.1f} {ratio:7.2f}")
         figures[key.replace("_tps", "") + "-ratio"] = ratio
+    print(f"prefill runs (s, median reported): in-process {', '.join(f'{t:.2f}' for t in local['prefill_runs_s'])} "
+          f"(warm-up {local['prefill_warmup_s']:.2f}); served {', '.join(f'{t:.2f}' for t in served['prefill_runs_s'])} "
+          f"(warm-up {served['prefill_warmup_s']:.2f})")
     breakdowns = [(f"decode (batch {b})", served[f"decode{b}_breakdown"]) for b in decode_batches[-1:]]
     for title, bd in breakdowns + [("prefill", served["prefill_breakdown"])]:
         print_breakdown(title, bd)
