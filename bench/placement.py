@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -35,18 +34,9 @@ sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator"), str(REPO / "bench
 
 from moe_operator.planner.initial import initial_placement, moved_experts  # noqa: E402
 from moe_operator.planner.rebalance import balancedness, lower_bound_balancedness, plan  # noqa: E402
+from moe_operator.planner.synthetic import zipf_load  # noqa: E402
 
 EXPERT_BYTES = 3 * 1024 * 3584 * 4  # the bench/serving model's expert
-
-
-def zipf_load(layers: int, experts: int, s: float, seed: int) -> dict[str, float]:
-    rng = random.Random(seed)
-    out = {}
-    for l in range(layers):
-        ranks = rng.sample(range(experts), experts)
-        for r, e in enumerate(ranks):
-            out[f"{l}.{e}"] = 1000.0 / (r + 1) ** s
-    return out
 
 
 def greedy(load: dict[str, float], groups: list[str]) -> dict[str, list[str]]:

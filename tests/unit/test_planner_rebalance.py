@@ -1,24 +1,13 @@
 """Load-aware placement planner (pure)."""
 
-import random
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_operator.planner.initial import initial_placement
 from moe_operator.planner.rebalance import balancedness, lower_bound_balancedness, plan, replicate
+from moe_operator.planner.synthetic import zipf_load
 
 MB = 2**20
-
-
-def zipf_load(layers, experts, s, seed):
-    rng = random.Random(seed)
-    out = {}
-    for l in range(layers):
-        ranks = rng.sample(range(experts), experts)
-        for r, e in enumerate(ranks):
-            out[f"{l}.{e}"] = 1000.0 / (r + 1) ** s
-    return out
 
 
 def check_valid(p, current, load):
