@@ -124,8 +124,9 @@ def synthetic_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, 
     for t in range(tokens):
         if t == 0 or (shift_every and t % shift_every == 0):
             ranks = [rng.sample(range(num_experts), num_experts) for _ in range(num_layers)]
-            phases.append({"start": len(trace), "prob": {(l, ranks[l][r]): weights[r] / total
-                                                         for l in range(num_layers) for r in range(num_experts)}})
+            phases.append({"start": len(trace), "stay": stay, "top_k": top_k,
+                           "prob": {(l, ranks[l][r]): weights[r] / total
+                                    for l in range(num_layers) for r in range(num_experts)}})
         for layer in range(num_layers):
             chosen: list[int] = []
             if prev[layer] is not None and rng.random() < stay:
@@ -158,6 +159,38 @@ class OraclePopularity:
     def victim(self, candidates):
         prob = [p for p in self.phases if p["start"] < self.clock][-1]["prob"]
         return min(candidates, key=lambda k: (prob.get(k, 0.0), k))
+
+
+class OracleLocality(OraclePopularity):
+    """A stronger online bound: it also knows the trace's temporal locality (`stay`) and which
+    expert was each layer's top-1 at its last visit. It evicts the cached expert least likely
+    to be chosen at its layer's next visit: stay + (1 - stay) * q for the last top-1, q for the
+    others, q being the chance of a fresh top-k draw picking it (about k * popularity)."""
+
+    name = "oracle+locality"
+
+    def __init__(self, phases: list[dict]):
+        super().__init__(phases)
+        self.last_top1: dict[int, int] = {}
+        self.position: dict[int, int] = {}  # accesses of the layer's current visit so far
+
+    def access(self, key) -> None:
+        super().access(key)
+        layer, expert = key
+        phase = [p for p in self.phases if p["start"] < self.clock][-1]
+        pos = self.position.get(layer, 0)
+        if pos == 0:  # a visit's first access is its top-1
+            self.last_top1[layer] = expert
+        self.position[layer] = (pos + 1) % phase["top_k"]
+
+    def victim(self, candidates):
+        phase = [p for p in self.phases if p["start"] < self.clock][-1]
+
+        def chance(k):
+            q = min(1.0, phase["top_k"] * phase["prob"].get(k, 0.0))
+            return phase["stay"] + (1 - phase["stay"]) * q if self.last_top1.get(k[0]) == k[1] else q
+
+        return min(candidates, key=lambda k: (chance(k), k))
 
 
 def recorded_trace(path: Path, tokens: int) -> list[tuple[int, int]]:
@@ -199,6 +232,8 @@ def bench_policies(traces: dict[str, tuple[list, list | None]], num_experts_tota
             for label, policy in (("RecencyFrequency", RecencyFrequency()), ("LRU", LRU()), ("LFU", LFU())):
                 row[label] = policy_hits(trace, cap, policy) / len(trace)
             row["oracle"] = policy_hits(trace, cap, OraclePopularity(phases)) / len(trace) if phases else None
+            row["oracle_locality"] = (policy_hits(trace, cap, OracleLocality(phases)) / len(trace)
+                                      if phases else None)
             row["default_vs_optimal"] = row["RecencyFrequency"] / row["belady"] if opt else 1.0
             row["default_vs_oracle"] = row["RecencyFrequency"] / row["oracle"] if row["oracle"] else None
             row["lru_vs_optimal"] = row["LRU"] / row["belady"] if opt else 1.0
@@ -302,13 +337,16 @@ def main() -> int:
     results["recorded_stay_rate"] = stay_rate(recorded, shape["num_layers"], shape["top_k"])
     pol = results["policies"] = bench_policies(traces, L * E)
     pol.update(bench_policies({"recorded": (recorded, None)}, shape["num_layers"] * shape["num_experts"]))
-    print(f"  {'trace @ cache size':30} {'Belady':>7} {'oracle':>7} {'default':>8} {'LRU':>6} {'LFU':>6} "
-          f"{'default/Belady':>15} {'default/oracle':>15}")
+    print(f"  {'trace @ cache size':30} {'Belady':>7} {'oracle':>7} {'+locality':>9} {'default':>8} {'LRU':>6} "
+          f"{'LFU':>6} {'default/Belady':>15} {'default/oracle':>15} {'best online/Belady':>19}")
     for name, row in pol.items():
         oracle = f"{row['oracle']:7.3f}" if row["oracle"] is not None else f"{'-':>7}"
+        locality = f"{row['oracle_locality']:9.3f}" if row["oracle_locality"] is not None else f"{'-':>9}"
+        best = (f"{max(row['oracle'], row['oracle_locality']) / row['belady']:19.2f}"
+                if row["oracle"] is not None else f"{'-':>19}")
         vs_oracle = f"{row['default_vs_oracle']:15.2f}" if row["default_vs_oracle"] is not None else f"{'-':>15}"
-        print(f"  {name:30} {row['belady']:7.3f} {oracle} {row['RecencyFrequency']:8.3f} {row['LRU']:6.3f} "
-              f"{row['LFU']:6.3f} {row['default_vs_optimal']:15.2f} {vs_oracle}")
+        print(f"  {name:30} {row['belady']:7.3f} {oracle} {locality} {row['RecencyFrequency']:8.3f} {row['LRU']:6.3f} "
+              f"{row['LFU']:6.3f} {row['default_vs_optimal']:15.2f} {vs_oracle} {best}")
     print(f"  (recorded trace: consecutive tokens keep their top-1 expert {results['recorded_stay_rate']:.0%} of the time)")
 
     figures = {

@@ -13,6 +13,7 @@ import requests
 
 from checkpoints import make_skewed_mixtral
 from load_clients import Load
+from manifests import SKEW_AUTOSCALING, small_deployment
 from operator_proc import Operator
 from waiting import wait_for
 
@@ -24,17 +25,8 @@ def test_operator_rebalances_a_skewed_deployment(crd_installed, ray_head, tmp_pa
     roots = tmp_path / "models"
     make_skewed_mixtral(roots / "skewed", num_local_experts=8, hot_experts=(0, 4))
     threshold = 1.5
-    manifest = {
-        "apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "skewed"},
-        "spec": {"model": {"path": str(roots / "skewed")},
-                 "ingress": {"numCpus": 0.2, "kvCacheBudget": "16Mi", "routePrefix": "/skew"},
-                 "experts": {"groups": 4, "numCpus": 0.2,
-                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}},
-                 "autoscaling": {"mode": "Auto", "imbalanceThreshold": threshold, "windowSeconds": 10,
-                                 "stabilizationWindowSeconds": 4, "cooldownSeconds": 600,
-                                 "redundantExpertSlots": 4, "maxMovesPerStep": 16,
-                                 "metrics": {"scrapeIntervalSeconds": 2}}},
-    }
+    manifest = small_deployment("skewed", str(roots / "skewed"), groups=4, num_cpus=0.2, route_prefix="/skew",
+                                autoscaling={**SKEW_AUTOSCALING, "imbalanceThreshold": threshold})
     log = open(tmp_path / "operator.log", "w+")
     op = Operator(k8s, ray_head, str(roots), log)
     op.start()

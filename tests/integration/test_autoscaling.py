@@ -14,6 +14,7 @@ import yaml
 
 from checkpoints import make_mixtral, make_skewed_mixtral
 from load_clients import Load
+from manifests import SKEW_AUTOSCALING, small_deployment
 from moe_operator.standalone.local_ray import free_port
 from moectl_proc import MoectlUp, moectl as _moectl
 from waiting import wait_for
@@ -29,16 +30,8 @@ def test_skewed_router_is_rebalanced_without_failed_requests(tmp_path):
     env = {**os.environ, "MOE_STATE_DIR": str(tmp_path / "state")}
     make_skewed_mixtral(tmp_path / "models" / "skewed", num_local_experts=8, hot_experts=(0, 4))
     threshold = 1.5
-    manifest = {
-        "apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "skewed"},
-        "spec": {"model": {"path": "models/skewed"}, "ingress": {"numCpus": 0.25, "kvCacheBudget": "16Mi"},
-                 "experts": {"groups": 4, "numCpus": 0.25,
-                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}},
-                 "autoscaling": {"mode": "Auto", "imbalanceThreshold": threshold, "windowSeconds": 10,
-                                 "stabilizationWindowSeconds": 4, "cooldownSeconds": 600,
-                                 "redundantExpertSlots": 4, "maxMovesPerStep": 16,
-                                 "metrics": {"scrapeIntervalSeconds": 2}}},
-    }
+    manifest = small_deployment("skewed", "models/skewed", groups=4, num_cpus=0.25,
+                                autoscaling={**SKEW_AUTOSCALING, "imbalanceThreshold": threshold})
     f = tmp_path / "skewed.yaml"
     f.write_text(yaml.safe_dump(manifest))
     port = free_port()
@@ -95,16 +88,10 @@ def test_replicas_scale_on_load_without_restarting_the_running_ones(tmp_path):
     each group keeps its process) and requests keep succeeding."""
     env = {**os.environ, "MOE_STATE_DIR": str(tmp_path / "state")}
     make_mixtral(tmp_path / "models" / "even", num_local_experts=4)
-    manifest = {
-        "apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "even"},
-        "spec": {"model": {"path": "models/even"}, "ingress": {"numCpus": 0.2, "kvCacheBudget": "16Mi"},
-                 "experts": {"groups": 2, "numCpus": 0.2,
-                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}},
-                 "autoscaling": {"mode": "Auto", "imbalanceThreshold": 50, "windowSeconds": 6,
-                                 "cooldownSeconds": 0, "targetTokensPerSecondPerReplica": 5,
-                                 "minReplicasPerGroup": 1, "maxReplicasPerGroup": 2,
-                                 "metrics": {"scrapeIntervalSeconds": 2}}},
-    }
+    manifest = small_deployment("even", "models/even", groups=2, num_cpus=0.2, autoscaling={
+        "mode": "Auto", "imbalanceThreshold": 50, "windowSeconds": 6, "cooldownSeconds": 0,
+        "targetTokensPerSecondPerReplica": 5, "minReplicasPerGroup": 1, "maxReplicasPerGroup": 2,
+        "metrics": {"scrapeIntervalSeconds": 2}})
     f = tmp_path / "even.yaml"
     f.write_text(yaml.safe_dump(manifest))
     port = free_port()
