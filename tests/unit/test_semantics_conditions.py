@@ -114,3 +114,20 @@ def test_standalone_examples_load(tmp_path):
     for path in paths:
         m = load_manifest(__import__("pathlib").Path(path))
         assert m.problems == [] and m.spec.model.path.startswith("/")
+
+
+def test_within_roots_resolves_links_and_does_not_match_name_prefixes(tmp_path):
+    """The one path check the operator and the shards share."""
+    from moe_workers.paths import within_roots
+
+    root = tmp_path / "models"
+    (root / "m").mkdir(parents=True)
+    (tmp_path / "models2").mkdir()
+    (root / "out").symlink_to(tmp_path / "models2")
+    (tmp_path / "models2" / "in").symlink_to(root / "m")
+    assert within_roots(root / "m" / "w.safetensors", [str(root)]) == (root / "m" / "w.safetensors").resolve()
+    assert within_roots(root, [str(root)]) == root.resolve()
+    assert within_roots(tmp_path / "models2" / "w.safetensors", [str(root)]) is None  # a name prefix, not a child
+    assert within_roots(root / "out" / "w.safetensors", [str(root)]) is None  # a link leading out
+    assert within_roots(tmp_path / "models2" / "in", [str(root)]) == (root / "m").resolve()  # a link leading in
+    assert within_roots(root / "m", []) is None

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from moe_workers.paths import within_roots
 
 from .models import MoEDeploymentSpec
 from .types import ExpertId, quantity_bytes
@@ -35,8 +36,7 @@ class ModelFacts:
 
 
 def under_roots(path: str, roots: list[str]) -> bool:
-    real = os.path.realpath(path)
-    return any(real == os.path.realpath(r) or real.startswith(os.path.realpath(r).rstrip("/") + "/") for r in roots)
+    return within_roots(path, roots) is not None
 
 
 def read_model_facts(model_dir: str) -> ModelFacts:

@@ -8,7 +8,6 @@ or an override file. Replacement files are only ever safetensors, only from allo
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from moe_workers.model.checkpoint import EXPERT_KEY, EXPERT_WEIGHTS
 from moe_workers.model.config import MoEConfig
+from moe_workers.paths import within_roots
 
 CHECKPOINT = "checkpoint"  # version source of the checkpoint's own weights
 
@@ -51,11 +51,9 @@ def file_sha256(path: Path) -> str:
 
 def check_allowed(path: str | Path, allowed_roots: list[str]) -> Path:
     """The resolved path, if it lies under one of the allowed roots (symlinks resolved first)."""
-    resolved = Path(os.path.realpath(path))
-    for root in allowed_roots:
-        r = Path(os.path.realpath(root))
-        if resolved == r or r in resolved.parents:
-            return resolved
+    resolved = within_roots(path, allowed_roots)
+    if resolved is not None:
+        return resolved
     raise SwapError(f"{path}: outside the allowed weight roots ({', '.join(allowed_roots) or 'none configured'})")
 
 
