@@ -26,19 +26,23 @@ def _status(env, name: str = "skewed") -> dict:
     return json.loads(_moectl("get", name, "--local", "-o", "json", env=env).stdout)["status"]
 
 
+def _moectl_up(tmp_path, manifest: dict, env: dict) -> tuple[MoectlUp, str]:
+    """`moectl up` of this manifest on its own 2-CPU local Ray; (the process, its base URL)."""
+    f = tmp_path / f"{manifest['metadata']['name']}.yaml"
+    f.write_text(yaml.safe_dump(manifest))
+    port = free_port()
+    return MoectlUp(f, port, env, tmp_path / "up.log", "--num-cpus", "2"), f"http://127.0.0.1:{port}"
+
+
 def test_skewed_router_is_rebalanced_without_failed_requests(tmp_path):
     env = {**os.environ, "MOE_STATE_DIR": str(tmp_path / "state")}
     make_skewed_mixtral(tmp_path / "models" / "skewed", num_local_experts=8, hot_experts=(0, 4))
     threshold = 1.5
     manifest = small_deployment("skewed", "models/skewed", groups=4, num_cpus=0.25,
                                 autoscaling={**SKEW_AUTOSCALING, "imbalanceThreshold": threshold})
-    f = tmp_path / "skewed.yaml"
-    f.write_text(yaml.safe_dump(manifest))
-    port = free_port()
-    up = MoectlUp(f, port, env, tmp_path / "up.log", "--num-cpus", "2")
+    up, url = _moectl_up(tmp_path, manifest, env)
     try:
         up.wait_serving()
-        url = f"http://127.0.0.1:{port}"
         before = requests.get(url + "/moe/v1/status", timeout=30).json()["placement"]
         assert any({"0.0", "0.4"} <= set(es) for es in before.values())  # both hot experts in one group
         with Load(url) as load:
@@ -92,13 +96,9 @@ def test_replicas_scale_on_load_without_restarting_the_running_ones(tmp_path):
         "mode": "Auto", "imbalanceThreshold": 50, "windowSeconds": 6, "cooldownSeconds": 0,
         "targetTokensPerSecondPerReplica": 5, "minReplicasPerGroup": 1, "maxReplicasPerGroup": 2,
         "metrics": {"scrapeIntervalSeconds": 2}})
-    f = tmp_path / "even.yaml"
-    f.write_text(yaml.safe_dump(manifest))
-    port = free_port()
-    up = MoectlUp(f, port, env, tmp_path / "up.log", "--num-cpus", "2")
+    up, url = _moectl_up(tmp_path, manifest, env)
     try:
         up.wait_serving()
-        url = f"http://127.0.0.1:{port}"
 
         def replicas():
             return {(r["group"], r["replica"]): r["pid"]
