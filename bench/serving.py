@@ -3,8 +3,8 @@
     python bench/serving.py            # hidden 1024, intermediate 3584, 8 experts, top-2, 4 layers
     python bench/serving.py --quick    # a small model, for a smoke run
 
-Prefill: 32 prompts x 256 tokens, one warm-up then the median of --prefill-repeats runs. Decode at batch 1, 16 and 64: tokens/s of the decode steps
-alone (a run with max_tokens=T minus a run with max_tokens=1). Both sides get the same CPU
+Prefill: 32 prompts x 256 tokens, one untimed warm-up on each side, then the median of
+--prefill-repeats runs. Decode at batch 1, 16 and 64: tokens/s of the decode steps alone (a run with max_tokens=T minus a run with max_tokens=1). Both sides get the same CPU
 budget (torch threads reported). Ends with `figure: value` lines.
 """
 
@@ -124,12 +124,12 @@ def run_inprocess(path: Path, work: dict, threads: int) -> dict:
     from moe_workers.model.inprocess import InProcessModel
 
     torch.set_num_threads(threads)
-    model = InProcessModel(path, max_len=512, max_sequences=max(work["prefill_n"], max(work["decode_batches"])))
+    model = InProcessModel(path, max_len=512, max_sequences=max([work["prefill_n"], *work["decode_batches"]]))
     model.generate([[5, 6, 7]], max_tokens=2)  # warm-up
     out = {}
     ps = prompts(work["prefill_n"], work["prefill_len"], model.cfg.vocab_size, 1)
     runs = []
-    for i in range(1 + work["prefill_repeats"]):  # the first is a warm-up, on both sides
+    for _ in range(1 + work["prefill_repeats"]):  # the first is a warm-up, on both sides
         slots = [model.cache.allocate() for _ in ps]
         t0, c0 = time.perf_counter(), cpu_ticks()
         model.step([Chunk(s, 0, p) for s, p in zip(slots, ps)])
@@ -138,7 +138,7 @@ def run_inprocess(path: Path, work: dict, threads: int) -> dict:
             model.cache.release(s)
     out.update(median_run(runs[1:], warmup=runs[0]))
     out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
-    for b in work["decode_batches"] if not work.get("only_prefill") else []:
+    for b in work["decode_batches"]:
         ps = prompts(b, 8, model.cfg.vocab_size, 2)
         t0 = time.perf_counter()
         model.generate(ps, max_tokens=1)
@@ -180,7 +180,7 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
 
         placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in range(num_layers) for e in range(num_experts)
                                           if e % groups == g] for g in range(groups)}
-        batch = max(work["prefill_n"], max(work["decode_batches"]))
+        batch = max([work["prefill_n"], *work["decode_batches"]])
         args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=groups, max_batch_size=batch,
                        kv_cache_budget_bytes=2 * 2**30, max_queued_requests=256, max_model_len=512,
                        ingress_num_cpus=1, shard_num_cpus=1, torch_threads=shard_threads,
@@ -220,7 +220,7 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
             runs.append(run)
         out.update(median_run(runs[1:], warmup=runs[0]))
         out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
-        for b in work["decode_batches"] if not work.get("only_prefill") else []:
+        for b in work["decode_batches"]:
             ps = prompts(b, 8, vocab, 2)
             one = _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
             e0, s0 = stats()
@@ -267,7 +267,7 @@ def main() -> int:
             dict(prefill_n=32, prefill_len=256, decode_batches=[1, 16, 64], decode_tokens=a.decode_tokens or 24))
     work["prefill_repeats"] = a.prefill_repeats
     if a.only == "prefill":
-        work["only_prefill"] = True
+        work["decode_batches"] = []
     ingress_threads = a.ingress_threads or a.threads
     path = ensure_checkpoint(a.cache_dir, shape)
     print(f"model {shape}\nwork {work}\ntorch threads: in-process {a.threads}; served ingress {ingress_threads}, "
@@ -277,8 +277,7 @@ def main() -> int:
     served = run_served(path, work, a.groups, ingress_threads, a.shard_threads, shape["vocab_size"], shape["num_layers"],
                         shape["num_experts"], a.micro_batches,
                         dict(kv.split("=", 1) for kv in a.serve_env))
-    decode_batches = [] if work.get("only_prefill") else work["decode_batches"]
-    rows = [("prefill", "prefill_tps")] + [(f"decode batch {b}", f"decode{b}_tps") for b in decode_batches]
+    rows = [("prefill", "prefill_tps")] + [(f"decode batch {b}", f"decode{b}_tps") for b in work["decode_batches"]]
     print(f"\n{'':18} {'in-process tok/s':>17} {'served tok/s':>13} {'ratio':>7}")
     figures = {}
     for label, key in rows:
@@ -288,7 +287,7 @@ def main() -> int:
     print(f"prefill runs (s, median reported): in-process {', '.join(f'{t:.2f}' for t in local['prefill_runs_s'])} "
           f"(warm-up {local['prefill_warmup_s']:.2f}); served {', '.join(f'{t:.2f}' for t in served['prefill_runs_s'])} "
           f"(warm-up {served['prefill_warmup_s']:.2f})")
-    breakdowns = [(f"decode (batch {b})", served[f"decode{b}_breakdown"]) for b in decode_batches[-1:]]
+    breakdowns = [(f"decode (batch {b})", served[f"decode{b}_breakdown"]) for b in work["decode_batches"][-1:]]
     for title, bd in breakdowns + [("prefill", served["prefill_breakdown"])]:
         print_breakdown(title, bd)
     print(f"\nmachine CPU utilization during prefill: in-process {local['prefill_cpu_utilization']:.0%}, "
