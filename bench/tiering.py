@@ -156,8 +156,12 @@ class OraclePopularity:
     def forget(self, key) -> None:
         pass
 
+    def phase(self) -> dict:
+        """The phase the clock is in."""
+        return [p for p in self.phases if p["start"] < self.clock][-1]
+
     def victim(self, candidates):
-        prob = [p for p in self.phases if p["start"] < self.clock][-1]["prob"]
+        prob = self.phase()["prob"]
         return min(candidates, key=lambda k: (prob.get(k, 0.0), k))
 
 
@@ -177,14 +181,14 @@ class OracleLocality(OraclePopularity):
     def access(self, key) -> None:
         super().access(key)
         layer, expert = key
-        phase = [p for p in self.phases if p["start"] < self.clock][-1]
+        phase = self.phase()
         pos = self.position.get(layer, 0)
         if pos == 0:  # a visit's first access is its top-1
             self.last_top1[layer] = expert
         self.position[layer] = (pos + 1) % phase["top_k"]
 
     def victim(self, candidates):
-        phase = [p for p in self.phases if p["start"] < self.clock][-1]
+        phase = self.phase()
 
         def chance(k):
             q = min(1.0, phase["top_k"] * phase["prob"].get(k, 0.0))
