@@ -20,8 +20,7 @@ def _engine(path, slots=4, max_batch=8, max_queued=16):
     dense = DenseModel(ckpt.config, ckpt.dense_state())
     experts = LocalExperts(ckpt, ckpt.config.dtype)
 
-    async def dispatch(layer, x, indices, weights):
-        await asyncio.sleep(0)  # a real await point, as a shard call has
+    def dispatch(layer, x, indices, weights):  # runs in the step's thread, as the expert channel does
         return experts.moe(layer, x, indices, weights)
 
     cache = KVCache(ckpt.config, slots, ckpt.config.max_position_embeddings, ckpt.config.dtype)
@@ -145,7 +144,7 @@ def test_failed_step_fails_its_requests_and_frees_their_slots(tmp_path):
     async def main():
         engine = _engine(tmp_path, slots=2)
 
-        async def broken(layer, x, indices, weights):
+        def broken(layer, x, indices, weights):
             raise RuntimeError("shard group unreachable")
 
         engine.dispatch = broken
@@ -156,4 +155,5 @@ def test_failed_step_fails_its_requests_and_frees_their_slots(tmp_path):
     engine, reqs, outs = asyncio.run(main())
     assert outs == [[], [], []]
     assert all(r.finish_reason == "error: shard group unreachable" for r in reqs)
+    assert all(isinstance(r.error, RuntimeError) for r in reqs)  # the HTTP layer picks 500 or 503 by type
     assert engine.cache.free_slots == 2 and engine.running == [] and not engine.waiting

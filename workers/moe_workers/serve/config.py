@@ -13,17 +13,10 @@ from pydantic import BaseModel, Field
 IMPORT_PATH = "moe_workers.serve.app:build_app"
 INGRESS = "Ingress"
 
-# Activations between the ingress and the shards (a decode step's rows: 64 x hidden 1024 fp32 is
-# 256 KiB) travel inside the call, not through the object store: Ray's default sends anything
-# over 100 KiB through plasma (create, seal, fetch over IPC), which costs milliseconds per call
-# under CPU contention; inline they are one copy. Measured with bench/serving: dispatch overhead
-# of decode at batch 64 from 4.0-4.2 s to 2.8-3.6 s per 25 steps. Prefill's multi-MiB arrays stay
-# in plasma (zero-copy). Each Ray worker reads the setting from its environment.
-INLINE_OBJECT_BYTES = 1 << 20
 # MALLOC_ARENA_MAX: glibc gives each thread that allocates (request, prefetch, maintenance, Ray's
 # own) an arena and keeps freed memory in it, so a shard's resident memory crept past its tier
 # budgets while serving; two arenas keep it within 1.07x budgets + baseline (bench/tiering, was 1.14).
-RUNTIME_ENV = {"env_vars": {"RAY_max_direct_call_object_size": str(INLINE_OBJECT_BYTES), "MALLOC_ARENA_MAX": "2"}}
+RUNTIME_ENV = {"env_vars": {"MALLOC_ARENA_MAX": "2"}}
 
 
 def group_name(index: int) -> str:
@@ -50,6 +43,9 @@ class AppArgs(BaseModel):
     micro_batch_min_tokens: int = Field(default=256, ge=1, description="Steps with fewer tokens are not split "
                                         "(decode steps are dispatch-bound; extra calls would cost more than the overlap).")
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per shard replica.")
+    exchange_timeout_s: float = Field(default=30.0, gt=0, description="How long one layer's expert exchange may "
+                                      "wait for the shard groups (retries on other replicas included) before the "
+                                      "step's requests get a 503.")
     ingress_torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per ingress replica.")
     allowed_weight_roots: list[str] = Field(default_factory=list, description="Directories hot-swap weight "
                                             "files must lie under; none means every swap is refused.")

@@ -3,25 +3,31 @@
 The engine owns the KV cache and a bounded wait queue. Each step takes every running sequence
 (one decode token each) plus newly admitted prompts (prefill), runs them through the model
 together, samples, and streams tokens out. New requests join between steps. Nothing here knows
-about Ray: the dispatcher is any `async (layer, x, indices, weights) -> moe_out`, which is how
-the same engine runs in-process (tests) and in the Ingress deployment (shard calls).
+about Ray: the dispatcher is any `(layer, x, indices, weights) -> moe_out`, which is how the same
+engine runs in-process (tests) and in the Ingress deployment (the expert channel).
+
+A step's forward pass runs in one worker thread from embedding to logits, layers and expert
+exchanges included: the event loop only admits, samples and streams, so a layer costs no hop
+between the loop and a thread. Micro-batches run in threads of their own; their dense compute
+takes turns (one lock) while one waits on its exchange and another computes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Callable
 
 import torch
 
 from moe_workers.model.dense import Chunk, DenseModel, KVCache, StepBatch
 from moe_workers.model.sampling import sample
 
-Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], Awaitable[torch.Tensor]]
+Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # runs in a step thread
 
 
 class Overloaded(Exception):
@@ -39,6 +45,7 @@ class GenerationRequest:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then None
     generator: torch.Generator | None = None
     finish_reason: str | None = None
+    error: Exception | None = None  # what failed the step that ended this request
     # engine state
     slot: int | None = None
     produced: list[int] = field(default_factory=list)
@@ -78,8 +85,9 @@ class Engine:
         self.timings = StepTimings()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        # dense compute off the event loop, one step at a time, so HTTP stays responsive
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dense")
+        # forward passes off the event loop, so HTTP stays responsive; one thread per micro-batch
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="step")  # made on demand
+        self._dense = threading.Lock()  # micro-batches' dense compute takes turns
 
     def submit(self, req: GenerationRequest) -> GenerationRequest:
         # requests that can start at the next step do not count against the wait queue
@@ -104,6 +112,7 @@ class Engine:
                 await self.step()
             except Exception as err:  # a failed step fails its requests, not the server
                 for req in self.running:
+                    req.error = err
                     self._finish(req, f"error: {err}")
                 self.running = []
 
@@ -161,33 +170,35 @@ class Engine:
         self.timings.tokens += len(chunks)
 
     async def forward(self, batch: StepBatch) -> torch.Tensor:
-        loop = asyncio.get_running_loop()
-        dense = self.dense
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._forward, batch)
 
-        timings = self.timings
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        """Embedding to logits in this thread: dense parts under the dense lock, each layer's
+        expert exchange outside it (another micro-batch computes meanwhile)."""
+        dense, timings = self.dense, self.timings
 
         def timed(fn, *args):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            with torch.inference_mode():
-                result = fn(*args)
-            timings.dense += time.perf_counter() - t0
-            timings.dense_cpu += time.thread_time() - c0
-            return result
+            with self._dense:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                with torch.inference_mode():
+                    result = fn(*args)
+                timings.dense += time.perf_counter() - t0
+                timings.dense_cpu += time.thread_time() - c0
+                return result
 
-        def run(fn, *args):
-            return loop.run_in_executor(self._pool, timed, fn, *args)
-
-        h = await run(dense.embed, batch)
+        h = timed(dense.embed, batch)
         for layer in range(dense.cfg.num_layers):
-            h, x, indices, weights = await run(_attend_and_route, dense, layer, h, batch, self.cache)
+            h, x, indices, weights = timed(_attend_and_route, dense, layer, h, batch, self.cache)
             if self.routing_stats is not None:
-                self.routing_stats.observe(layer, indices, [c.slot for c in batch.chunks],
-                                           [c.start for c in batch.chunks], [len(c.tokens) for c in batch.chunks])
+                with self._dense:
+                    self.routing_stats.observe(layer, indices, [c.slot for c in batch.chunks],
+                                               [c.start for c in batch.chunks], [len(c.tokens) for c in batch.chunks])
             t1 = time.perf_counter()
-            moe = await self.dispatch(layer, x, indices, weights)
+            with torch.inference_mode():
+                moe = self.dispatch(layer, x, indices, weights)
+                h = h + moe
             timings.experts += time.perf_counter() - t1
-            h = h + moe
-        return await run(dense.logits, h, batch.last_rows)
+        return timed(dense.logits, h, batch.last_rows)
 
 
 def split_chunks(chunks: list[Chunk], parts: int) -> list[list[Chunk]]:

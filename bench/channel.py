@@ -1,0 +1,173 @@
+"""The bare expert channel against a raw socket round trip, same machine, same payloads.
+
+    python bench/channel.py            # batch 1 and 64 x hidden 1024 fp32, to 2 and 4 peers
+    python bench/channel.py --quick
+
+Peers are separate processes. Ours: `ExpertChannel.exchange` to `ExchangeServer`s whose compute
+copies the rows back (transport only: framing, routing to replicas, tensors in and out). The
+reference: the same bytes with an 8-byte length prefix, echoed by a minimal server over a plain
+TCP socket (the floor for a Python process on this machine). Both send to every peer first,
+then read every reply, as one exchange per layer does. Ends with `figure: value` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import struct
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "workers"))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--peers", default="2,4")
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "channel.json"))
+    return p.parse_args()
+
+
+def _raw_server(ready, port_out):
+    s = socket.create_server(("127.0.0.1", 0))
+    port_out.value = s.getsockname()[1]
+    ready.set()
+    c, _ = s.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(64 << 20)
+    mv = memoryview(buf)
+    while True:
+        h = c.recv(8, socket.MSG_WAITALL)
+        if len(h) < 8:
+            return
+        n, = struct.unpack("<Q", h)
+        got = 0
+        while got < n:
+            got += c.recv_into(mv[got:n], n - got)
+        c.sendmsg([h, mv[:n]])
+
+
+def _channel_server(ready, port_out):
+    import torch
+
+    torch.set_num_threads(1)
+    from moe_workers.transport import ExchangeServer
+
+    def compute(layer, x, experts, counts, prefetch, out):
+        out.copy_(x)
+
+    server = ExchangeServer(compute, lambda: ["bench"])
+    port_out.value = server.port
+    ready.set()
+    while True:
+        time.sleep(3600)
+
+
+def _start(target, n):
+    ctx = mp.get_context("spawn")
+    procs, ports = [], []
+    for _ in range(n):
+        ready, port = ctx.Event(), ctx.Value("i", 0)
+        p = ctx.Process(target=target, args=(ready, port), daemon=True)
+        p.start()
+        ready.wait(60)
+        procs.append(p)
+        ports.append(port.value)
+    return procs, ports
+
+
+def _time(fn, iters: int) -> float:
+    for _ in range(max(10, iters // 20)):
+        fn()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(iters // 5):
+            fn()
+        samples.append((time.perf_counter() - t0) / (iters // 5))
+    return statistics.median(samples)
+
+
+def raw_round_trip(peers: int, nbytes: int, iters: int) -> float:
+    procs, ports = _start(_raw_server, peers)
+    try:
+        conns = []
+        for port in ports:
+            c = socket.create_connection(("127.0.0.1", port))
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conns.append(c)
+        payload = bytes(nbytes)
+        head = struct.pack("<Q", nbytes)
+        buf = bytearray(nbytes + 8)
+        mv = memoryview(buf)
+
+        def once():
+            for c in conns:
+                c.sendmsg([head, payload])
+            for c in conns:
+                got = 0
+                while got < nbytes + 8:
+                    got += c.recv_into(mv[got:], nbytes + 8 - got)
+
+        return _time(once, iters)
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def channel_round_trip(peers: int, rows: int, hidden: int, iters: int) -> float:
+    import torch
+
+    from moe_workers.transport import ExpertChannel, Member, Part
+
+    procs, ports = _start(_channel_server, peers)
+    try:
+        ch = ExpertChannel()
+        ch.update([Member(f"g{i}", f"r{i}", f"127.0.0.1:{port}") for i, port in enumerate(ports)], "bench")
+        x = torch.randn(rows, hidden)
+        parts = {f"g{i}": Part([i], [rows], x) for i in range(peers)}
+        out = ch.exchange(0, parts)
+        assert all(torch.equal(v, x) for v in out.values())
+        t = _time(lambda: ch.exchange(0, parts), iters)
+        ch.close()
+        return t
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def main() -> int:
+    a = parse_args()
+    batches = [int(b) for b in a.batches.split(",")]
+    peer_counts = [int(p) for p in a.peers.split(",")]
+    iters = 200 if a.quick else a.iters
+    rows_out, figures = [], {}
+    print(f"{'batch':>5} {'peers':>5} {'payload':>9} {'raw socket ms':>14} {'channel ms':>11} {'ratio':>6}")
+    for b in batches:
+        for n in peer_counts:
+            nbytes = b * a.hidden * 4
+            raw = raw_round_trip(n, nbytes, iters)
+            ours = channel_round_trip(n, b, a.hidden, iters)
+            rows_out.append({"batch": b, "peers": n, "bytes": nbytes, "raw_ms": raw * 1e3, "channel_ms": ours * 1e3})
+            print(f"{b:5} {n:5} {nbytes / 1024:7.0f} K {raw * 1e3:14.3f} {ours * 1e3:11.3f} {ours / raw:6.2f}")
+            figures[f"channel-ms-batch{b}-{n}-peers"] = ours * 1e3
+            figures[f"channel-over-raw-batch{b}-{n}-peers"] = ours / raw
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"hidden": a.hidden, "rows": rows_out, "figures": figures}, indent=2))
+    print()
+    for k, v in figures.items():
+        print(f"{k}: {v:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

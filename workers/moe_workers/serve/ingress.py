@@ -1,0 +1,252 @@
+"""Ingress: the HTTP API, continuous batching and the dense part of the model.
+
+Per layer the ingress groups the step's tokens by expert, picks a copy of each expert by the
+placement in its user_config (ExpertRouter) and exchanges the rows with every shard group at
+once on the expert channel (`moe_workers.transport`); membership of the channel comes from the
+StatusBoard, so Serve's replica changes reach it without a restart.
+"""
+
+
+import json
+import os
+import resource
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from moe_workers.model.checkpoint import Checkpoint
+from moe_workers.model.dense import DenseModel, KVCache
+from moe_workers.model.layers import combine, group_by_expert, route
+from moe_workers.serve.config import AppArgs
+from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
+from moe_workers.serve.memory import peak_rss_bytes
+from moe_workers.serve.metrics import IngressMetrics
+from moe_workers.serve.protocol import RequestError, parse_completion
+from moe_workers.serve.routing import ExpertRouter
+from moe_workers.serve.routing_stats import RoutingStats
+from moe_workers.transport import ExpertChannel, ExpertsUnavailable, Member, Part
+
+fastapi_app = FastAPI(title="moe-operator", docs_url=None, redoc_url=None)
+
+
+@fastapi_app.exception_handler(RequestError)
+async def _request_error(_: Request, err: RequestError):
+    headers = {"Retry-After": "1"} if err.status == 503 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+@serve.deployment
+@serve.ingress(fastapi_app)
+class Ingress:
+    """HTTP API, continuous batching, dense compute; experts through the expert channel."""
+
+    def __init__(self, args: dict, shards: dict[str, DeploymentHandle], board: DeploymentHandle | None = None):
+        self.args = AppArgs.model_validate(args)
+        torch.set_num_threads(self.args.ingress_torch_threads)
+        ckpt = Checkpoint(self.args.model_path)
+        cfg = ckpt.config.with_dtype(self.args.dtype)
+        self.dense = DenseModel(cfg, ckpt.dense_state())
+        ckpt.close()
+        self.max_len = min(self.args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.cache = KVCache.for_budget(cfg, self.args.kv_cache_budget_bytes, self.max_len, cfg.dtype,
+                                        max_slots=max(self.args.max_batch_size, 1) * 2)
+        self.shards = shards  # bound so Serve deploys them; their traffic goes through the channel
+        self.board = board
+        self.channel = ExpertChannel(self._members if board is not None else None,
+                                     timeout_s=self.args.exchange_timeout_s)
+        self._group_tokens_exported: dict[str, int] = {}
+        self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
+        self.prefetch_lookahead = 0
+        self.routing_stats = RoutingStats(cfg.num_layers, cfg.num_experts, self.cache.num_slots)
+        self.routing_window: dict = {}
+        ctx = serve.get_replica_context()
+        self.metrics = IngressMetrics(ctx.replica_id.deployment_id.app_name, ctx.replica_id.unique_id)
+        self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
+                             self.args.max_queued_requests, self.args.micro_batches,
+                             self.args.micro_batch_min_tokens, routing_stats=self.routing_stats)
+        threading.Thread(target=self._export_routing, name="routing-metrics", daemon=True).start()
+        tok_file = Path(self.args.model_path) / "tokenizer.json"
+        self.tokenizer = None
+        if tok_file.is_file():
+            from tokenizers import Tokenizer
+            self.tokenizer = Tokenizer.from_file(str(tok_file))
+
+    def reconfigure(self, config: dict) -> None:
+        """user_config {"placement": {group: [L.E, ...]}} re-points routing without a restart."""
+        placement = config.get("placement") or {}
+        unknown = sorted(set(placement) - set(self.shards))
+        if unknown:
+            raise ValueError(f"placement names shard groups this app does not have: {', '.join(unknown)}")
+        router = ExpertRouter(placement)
+        missing = router.missing(self.dense.cfg.num_layers, self.dense.cfg.num_experts)
+        if missing:
+            raise ValueError(f"placement hosts no copy of experts {', '.join(missing[:10])}"
+                             + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+        self.router = router
+        self.prefetch_lookahead = int(config.get("prefetch_lookahead", 0))
+
+    def _members(self) -> tuple[list[Member], str]:
+        """The channel's membership, from the StatusBoard (called by the channel's poller thread)."""
+        got = self.board.members.remote().result(timeout_s=10)
+        return [Member.from_report(m) for m in got["members"]], got["token"]
+
+    def _export_routing(self, every_s: float = 5.0) -> None:
+        while True:
+            time.sleep(every_s)
+            try:
+                window = self.routing_stats.take()
+                if any(t for t in window["tokens"]):
+                    self.routing_window = window  # status shows the last window that saw traffic
+                self.metrics.export(window)
+                router = self.router
+                if router is not None:
+                    for group, sent in list(router.sent.items()):
+                        self.metrics.dispatched(group, sent - self._group_tokens_exported.get(group, 0))
+                        self._group_tokens_exported[group] = sent
+            except Exception:  # metrics never break serving; the next round retries
+                pass
+
+    def _dispatch(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One layer's expert exchange (runs in the engine's step thread): rows grouped by
+        expert, one part per shard group, all groups at once."""
+        groups = group_by_expert(indices)
+        router = self.router
+        if router is None:
+            raise RuntimeError("no expert placement configured (user_config.placement)")
+        assignment = router.assign(layer, {e: int(rows.numel()) for e, (rows, _) in groups.items()})
+        hints = self._predict_next(layer, x) if self.prefetch_lookahead else {}
+        parts: dict[str, Part] = {}
+        for group, experts in assignment.items():
+            rows = [groups[e][0] for e in experts]
+            counts = [int(r.numel()) for r in rows]
+            payload = x[torch.cat(rows)] if len(rows) > 1 else x[rows[0]]
+            parts[group] = Part(experts, counts, payload, hints.get(group, []))
+            router.begin(group, sum(counts))
+        try:
+            results = self.channel.exchange(layer, parts)
+        finally:
+            for group, part in parts.items():
+                router.end(group, sum(part.counts))
+        outputs: dict[int, torch.Tensor] = {}
+        for group, part in parts.items():
+            for e, out in zip(part.experts, torch.split(results[group], part.counts)):
+                outputs[e] = out
+        return combine(x.shape[0], x.shape[1], x.dtype, groups, outputs, weights)
+
+    def _predict_next(self, layer: int, x: torch.Tensor) -> dict[str, list[tuple[int, int]]]:
+        """Prefetch hints per group: the experts the next layers' routers would pick for this
+        layer's normed hidden states (cheap: one small matmul per layer ahead)."""
+        hints: dict[str, list[tuple[int, int]]] = {}
+        cfg = self.dense.cfg
+        for ahead in range(layer + 1, min(layer + 1 + self.prefetch_lookahead, cfg.num_layers)):
+            predicted, _ = route(x, self.dense.layers[ahead]["gate"], cfg.top_k)
+            for e in torch.unique(predicted).tolist():
+                for group in self.router.hosts.get((ahead, e), []):
+                    hints.setdefault(group, []).append((ahead, e))
+        return hints
+
+    # -- HTTP -----------------------------------------------------------------------------------
+
+    @fastapi_app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{
+            "id": self.args.served_model_name, "object": "model", "owned_by": "moe-operator",
+            "max_model_len": self.max_len, "vocab_size": self.dense.cfg.vocab_size}]}
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise RequestError(400, f"request body is not valid JSON: {err}")
+        req = parse_completion(body)
+        if req.model is not None and req.model != self.args.served_model_name:
+            raise RequestError(404, f"model {req.model!r} is not served here (serving {self.args.served_model_name!r})",
+                               param="model", err_type="model_not_found")
+        ids = self._prompt_ids(req.prompt)
+        if len(ids) + req.max_tokens > self.max_len:
+            raise RequestError(400, f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) "
+                               f"exceeds the context of {self.max_len} tokens", param="max_tokens")
+        gen = GenerationRequest(prompt=ids, max_tokens=req.max_tokens, temperature=req.temperature,
+                                top_p=req.top_p, seed=req.seed)
+        try:
+            self.engine.submit(gen)
+        except Overloaded as err:
+            raise RequestError(503, f"server overloaded: {err}; retry later", err_type="overloaded")
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        if req.stream:
+            return StreamingResponse(self._stream(gen, rid, created), media_type="text/event-stream")
+        tokens = []
+        while (tok := await gen.out.get()) is not None:
+            tokens.append(tok)
+        if gen.finish_reason and gen.finish_reason.startswith("error"):
+            if isinstance(gen.error, ExpertsUnavailable):
+                raise RequestError(503, f"experts unavailable: {gen.error}; retry later", err_type="unavailable")
+            raise RequestError(500, gen.finish_reason, err_type="server_error")
+        return {
+            "id": rid, "object": "text_completion", "created": created, "model": self.args.served_model_name,
+            "choices": [{"index": 0, "text": self._decode(tokens), "token_ids": tokens,
+                         "finish_reason": gen.finish_reason, "logprobs": None}],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
+                      "total_tokens": len(ids) + len(tokens)},
+        }
+
+    async def _stream(self, gen: GenerationRequest, rid: str, created: int):
+        tokens: list[int] = []
+        text_so_far = ""
+        while (tok := await gen.out.get()) is not None:
+            tokens.append(tok)
+            text = self._decode(tokens)
+            delta, text_so_far = text[len(text_so_far):], text
+            chunk = {"id": rid, "object": "text_completion", "created": created, "model": self.args.served_model_name,
+                     "choices": [{"index": 0, "text": delta, "token_ids": [tok], "finish_reason": None, "logprobs": None}]}
+            yield f"data: {json.dumps(chunk)}\n\n"
+        final = {"id": rid, "object": "text_completion", "created": created, "model": self.args.served_model_name,
+                 "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": gen.finish_reason, "logprobs": None}]}
+        yield f"data: {json.dumps(final)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        vocab = self.dense.cfg.vocab_size
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(400, "prompt: this checkpoint has no tokenizer.json; send the prompt as a "
+                                   "list of token ids", param="prompt")
+            return self.tokenizer.encode(prompt).ids
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+
+    @fastapi_app.get("/moe/v1/status")
+    async def moe_status(self):
+        """Every shard replica's experts (version digest, tier, tokens), tiers, swaps; this
+        ingress replica's engine. What the operator and moectl read."""
+        replicas = await self.board.snapshot.remote() if self.board is not None else []
+        return {"model": self.args.served_model_name, "placement": self.router.placement if self.router else {},
+                "prefetch_lookahead": self.prefetch_lookahead, "ingress": self.engine_stats(), "replicas": replicas,
+                "channel": {"members": self.channel.members(), **self.channel.stats,
+                            "last_membership_error": self.channel.last_membership_error},
+                "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs()}}
+
+    def engine_stats(self) -> dict:
+        t = self.engine.timings
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return {"steps": t.steps, "tokens": t.tokens, "dense_s": t.dense, "dense_cpu_s": t.dense_cpu,
+                "experts_s": t.experts, "cpu_s": usage.ru_utime + usage.ru_stime,
+                "running": len(self.engine.running), "waiting": len(self.engine.waiting),
+                "kv_slots": self.cache.num_slots, "kv_free": self.cache.free_slots, "pid": os.getpid(),
+                "peak_rss_bytes": peak_rss_bytes(), "dense_bytes": self.dense.nbytes(),
+                "kv_cache_bytes": self.cache.k.numel() * self.cache.k.element_size() * 2}
+
+

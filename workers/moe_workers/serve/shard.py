@@ -1,0 +1,231 @@
+"""ExpertShard: one Serve deployment per shard group; each replica hosts the group's experts.
+
+Serve manages the replicas (start, restart, scale, `reconfigure()` with the expert set, tier
+budgets and hot-swaps); the per-layer traffic arrives on the replica's expert channel
+(`moe_workers.transport`), whose endpoint the replica reports to the StatusBoard.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter as TokenCounter
+
+import torch
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from moe_workers.model.checkpoint import Checkpoint
+from moe_workers.model.layers import expert_mlp
+from moe_workers.serve.memory import current_rss_bytes, peak_rss_bytes
+from moe_workers.serve.metrics import ShardMetrics
+from moe_workers.store.store import StoreFull, TierConfig, TieredExpertStore
+from moe_workers.store.versions import CHECKPOINT, SwapError, load_expert_file
+from moe_workers.transport import ExchangeServer
+
+DRAIN_GRACE_S = 2.0  # a stopping replica finishes the requests it is computing for at most this long
+
+
+def _expert_key(eid: str) -> tuple[int, int]:
+    layer, expert = (int(p) for p in eid.split("."))
+    return layer, expert
+
+
+def _now_rfc3339() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _node_address() -> str:
+    """The address Ray uses for this node (127.0.0.1 on a local head): the channel listens there."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray (unit use)
+        return "127.0.0.1"
+
+
+@serve.deployment
+class ExpertShard:
+    """Hosts the experts named in its user_config in a TieredExpertStore; computes them for the
+    ingress. user_config: {"experts": [L.E, ...], "tiers": {...TierConfig}, "overrides":
+    {L.E: {"path": ..., "sha256": ...}}}; changes apply in place (reconfigure)."""
+
+    def __init__(self, model_path: str, dtype: str, torch_threads: int, allowed_weight_roots: list[str] | None = None,
+                 board: DeploymentHandle | None = None):
+        torch.set_num_threads(torch_threads)
+        self.ckpt = Checkpoint(model_path)
+        self.cfg = self.ckpt.config.with_dtype(dtype)
+        self.allowed_roots = list(allowed_weight_roots or [])
+        ctx = serve.get_replica_context()
+        self.group = ctx.deployment
+        self.replica = ctx.replica_id.unique_id
+        self.app = ctx.replica_id.deployment_id.app_name
+        self.metrics = ShardMetrics(self.group, self.replica, self.app)
+        self.store = TieredExpertStore(self.ckpt, self.cfg.dtype, TierConfig(), on_move=self.metrics.on_move)
+        self.overrides: dict[str, dict] = {}  # applied: expert -> {"path", "sha256"}
+        self.swaps: dict[str, dict] = {}  # last swap per expert, as status reports it
+        self._swap_seq = 0
+        self.load: TokenCounter = TokenCounter()
+        self._exported_load: TokenCounter = TokenCounter()
+        self._load_lock = threading.Lock()
+        self.compute_s = 0.0
+        self.compute_cpu_s = 0.0  # CPU time of the calls themselves (compute_s is wall, time-sliced)
+        self.calls = 0
+        self._config_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.board = board
+        self._tokens: list[str] = []  # channel tokens accepted (from the board)
+        self._report_now = threading.Event()
+        self.baseline_rss_bytes = current_rss_bytes()  # torch + Ray + this code, before any expert
+        self.channel = ExchangeServer(self._compute, lambda: self._tokens, host=_node_address())
+        threading.Thread(target=self._maintain, name="store-maintenance", daemon=True).start()
+
+    def reconfigure(self, config: dict) -> None:
+        """Expert set and budgets first (new experts loaded before routing reaches them), then
+        swaps and rollbacks. A refused swap is recorded, never raised: the old version serves."""
+        with self._config_lock:
+            keys = [_expert_key(eid) for eid in config.get("experts", [])]
+            self.store.configure(keys, TierConfig.from_dict(config.get("tiers")))
+            hosted = {f"{l}.{e}" for l, e in keys}
+            wanted = {eid: o for eid, o in (config.get("overrides") or {}).items() if eid in hosted}
+            for eid in sorted(set(self.overrides) - set(wanted)):
+                if eid in hosted:
+                    self._swap(eid, None)
+                self.overrides.pop(eid, None)
+            for eid, o in sorted(wanted.items()):
+                if self.overrides.get(eid) != o:
+                    self._swap(eid, o)
+        self._report_now.set()
+
+    def check_health(self) -> None:
+        """Serve restarts a replica whose channel stopped accepting connections."""
+        if not self.channel.alive():
+            raise RuntimeError("the expert channel's listener stopped")
+
+    def __del__(self):
+        """Serve is stopping this replica (scale-down, redeploy): leave the board, answer new
+        channel requests DRAINING (the ingress sends them to another replica) and let the ones
+        being computed finish."""
+        try:
+            self.channel.drain()
+            self._stop.set()
+            if self.board is not None:
+                self.board.leave.remote(self.replica)
+            deadline = time.monotonic() + DRAIN_GRACE_S
+            while self.channel.busy and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.channel.close()
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            pass
+
+    def _swap(self, eid: str, override: dict | None) -> None:
+        key = _expert_key(eid)
+        record = {"expert": eid, "started_at": _now_rfc3339(), "path": (override or {}).get("path", "checkpoint")}
+        t0 = time.perf_counter()
+        try:
+            if override is None:
+                version = self.store.swap(key, lambda: self.ckpt.expert(*key), CHECKPOINT)
+                record["outcome"] = "RolledBack"
+            else:
+                version = self.store.swap(key, lambda: load_expert_file(
+                    override["path"], *key, self.ckpt.config, self.allowed_roots, override.get("sha256")),
+                    override["path"])
+                record["outcome"] = "Serving"
+                self.overrides[eid] = override
+            record["digest"] = version.digest
+        except (SwapError, StoreFull, OSError) as err:
+            record.update(outcome="Failed", reason=str(err), digest=self.store.experts()[eid]["digest"])
+            if override is not None:
+                self.overrides[eid] = override  # applied = attempted: the same spec is not retried in a loop
+        record["duration_s"] = round(time.perf_counter() - t0, 4)
+        self._swap_seq += 1
+        record["seq"] = self._swap_seq  # lets a watcher tell a new attempt from an old record
+        self.swaps[eid] = record
+        self.metrics.swap(record)
+
+    def _compute(self, layer: int, x: torch.Tensor, experts: list[int], counts: list[int],
+                 prefetch: list[tuple[int, int]], out: torch.Tensor) -> None:
+        """Rows of x grouped by expert (`counts[i]` rows for `experts[i]`) -> their outputs in
+        `out` (a channel request; runs on the connection's thread)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        keys = [(layer, e) for e in experts]
+        with self.store.use(keys) as weights, torch.inference_mode():
+            if prefetch:
+                self.store.prefetch(prefetch)  # loads overlap this call's compute
+            start = 0
+            for key, n in zip(keys, counts):
+                w = weights[key]
+                expert_mlp(x[start:start + n], w["w1"], w["w2"], w["w3"], out=out[start:start + n])
+                start += n
+        with self._load_lock:
+            for key, n in zip(keys, counts):
+                self.load[key] += n
+            self.compute_s += time.perf_counter() - t0
+            self.compute_cpu_s += time.thread_time() - c0
+            self.calls += 1
+
+    def _export_load(self) -> None:
+        """Token counters to Ray's metrics, by their increase since the last export (off the
+        request path: a metric call per expert per layer would cost more than the compute)."""
+        with self._load_lock:
+            now = dict(self.load)
+        by_layer: dict[int, tuple[list[int], list[int]]] = {}
+        for (layer, e), n in sorted(now.items()):
+            delta = n - self._exported_load.get((layer, e), 0)
+            if delta > 0:
+                experts, counts = by_layer.setdefault(layer, ([], []))
+                experts.append(e)
+                counts.append(delta)
+        for layer, (experts, counts) in by_layer.items():
+            self.metrics.tokens(layer, experts, counts)
+        self._exported_load = TokenCounter(now)
+
+    def _maintain(self) -> None:
+        last_report = 0.0
+        while not self._stop.is_set():
+            asked = self._report_now.wait(1.0)
+            self._report_now.clear()  # cleared first: a failing round must not turn this into a busy loop
+            try:
+                self.store.demote_idle()
+                self._export_load()
+                self.metrics.export(self.store)
+                if self.board is not None and (asked or time.monotonic() - last_report >= 2.0):
+                    token = self.board.report.remote(self.status()).result(timeout_s=10)
+                    if token not in self._tokens:
+                        self._tokens = [token, *self._tokens[:1]]  # the previous one stays valid for a while
+                    last_report = time.monotonic()
+            except Exception:  # keep maintaining; the next round retries
+                pass
+
+    def status(self) -> dict:
+        versions = self.store.experts()
+        with self._load_lock:
+            load = dict(self.load)
+        for eid, v in versions.items():
+            v["tokens"] = load.get(_expert_key(eid), 0)
+        residency = self.store.residency()
+        return {
+            "group": self.group,
+            "replica": self.replica,
+            "pid": os.getpid(),
+            "endpoint": self.channel.endpoint,
+            "experts": sorted(versions, key=lambda eid: _expert_key(eid)),
+            "versions": versions,
+            "load": {f"{l}.{e}": n for (l, e), n in sorted(load.items())},
+            "bytes": residency["hot"]["bytes"] + residency["warm"]["bytes"],
+            "tiers": residency,
+            "budgets": self.store.budgets(),
+            "cold_error": self.store.cold_error,
+            "store": self.store.stats.as_dict(),
+            "swaps": dict(self.swaps),
+            "compute_s": self.compute_s,
+            "compute_cpu_s": self.compute_cpu_s,
+            "calls": self.calls,
+            "channel": {"requests": self.channel.requests, "errors": self.channel.errors,
+                        "connections": self.channel.connections(), "last_error": self.channel.last_error},
+            "peak_rss_bytes": peak_rss_bytes(),
+            "rss_bytes": current_rss_bytes(),
+            "baseline_rss_bytes": self.baseline_rss_bytes,
+        }

@@ -1,0 +1,319 @@
+"""The ingress' end of the expert channel: one exchange per layer with every shard group at once.
+
+`ExpertChannel.exchange(layer, parts)` sends each group's rows to one replica of that group
+(all sends first, then all receives: the groups compute concurrently) and returns each group's
+outputs. It keeps connections open (one per exchange in flight per replica) and knows the
+replicas from a membership source, polled in the background: each shard replica reports its
+endpoint and hosted experts to the app's StatusBoard, so replicas that Serve adds, restarts or
+removes join and leave the channel without a restart of the ingress.
+
+Failures never hang a step. A replica that refuses the connection, drops it, answers DRAINING
+or does not answer within `timeout_s` is set aside for `down_s` and its part is sent to another
+replica of the group, or, when the group has none, again once membership brings one (a restarted
+replica), until the exchange's deadline: then `ExpertsUnavailable` (the ingress answers 503).
+A replica that answers with a compute error is not retried on the same replica; when every
+replica of the group failed so, `ExchangeFailed` carries the replica's message.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import wire
+from .server import _recv_at_least, recv_bytes, recv_exact, send_all, tune
+
+
+class ExpertsUnavailable(RuntimeError):
+    """No replica of a shard group answered within the exchange's deadline (HTTP 503)."""
+
+
+class ExchangeFailed(RuntimeError):
+    """Every replica of a shard group tried answered this exchange with an error."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One shard replica on the channel, as it reports itself."""
+
+    group: str
+    replica: str
+    endpoint: str  # host:port
+    experts: frozenset[tuple[int, int]] = frozenset()
+
+    @staticmethod
+    def from_report(report: dict) -> "Member":
+        experts = frozenset(tuple(int(p) for p in eid.split(".")) for eid in report.get("experts", []))
+        return Member(report["group"], report["replica"], report["endpoint"], experts)  # type: ignore[arg-type]
+
+
+@dataclass
+class Part:
+    """One group's share of a layer: rows grouped by expert (`counts[i]` rows for `experts[i]`)."""
+
+    experts: list[int]
+    counts: list[int]
+    x: torch.Tensor
+    prefetch: list[tuple[int, int]] = field(default_factory=list)
+
+
+MembershipSource = Callable[[], tuple[list[Member], str]]
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class _Conn:
+    """A connection to a replica, with the buffer its small replies are read into."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.view = memoryview(bytearray(1 << 16))
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class _Peer:
+    """Open connections to one replica, and how it has been doing."""
+
+    def __init__(self, member: Member):
+        self.member = member
+        self.idle: list[_Conn] = []
+        self.in_flight = 0
+        self.sent = 0
+        self.down_until = 0.0
+        self.retired = False
+
+    def close_idle(self) -> None:
+        for c in self.idle:
+            c.close()
+        self.idle.clear()
+
+
+class ExpertChannel:
+    def __init__(self, source: MembershipSource | None = None, timeout_s: float = 60.0, connect_timeout_s: float = 2.0,
+                 refresh_s: float = 1.0, down_s: float = 2.0):
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.down_s = down_s
+        self.token = ""
+        self._source = source
+        self._peers: dict[str, _Peer] = {}  # replica id -> peer
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._changed = threading.Condition(self._lock)
+        self._nudge = threading.Event()
+        self._stop = threading.Event()
+        self.stats = {"exchanges": 0, "retries": 0, "unavailable": 0, "failed": 0, "membership_errors": 0}
+        self.last_membership_error = ""
+        if source is not None:
+            self._refresh_s = refresh_s
+            threading.Thread(target=self._poll, name="expert-channel-membership", daemon=True).start()
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def update(self, members: list[Member], token: str) -> None:
+        """Replace the membership: new replicas join; gone ones leave once their calls end."""
+        with self._lock:
+            self.token = token
+            wanted = {m.replica: m for m in members}
+            for rid, peer in list(self._peers.items()):
+                m = wanted.get(rid)
+                if m is None or m.endpoint != peer.member.endpoint:
+                    peer.retired = True
+                    peer.close_idle()
+                    del self._peers[rid]
+                elif m != peer.member:
+                    peer.member = m  # hosted experts changed (reconfigure)
+            for rid, m in wanted.items():
+                if rid not in self._peers:
+                    self._peers[rid] = _Peer(m)
+            self._changed.notify_all()
+
+    def members(self) -> dict[str, list[dict]]:
+        """group -> its replicas on the channel (for status)."""
+        now = time.monotonic()
+        with self._lock:
+            out: dict[str, list[dict]] = {}
+            for p in sorted(self._peers.values(), key=lambda p: (p.member.group, p.member.replica)):
+                out.setdefault(p.member.group, []).append({
+                    "replica": p.member.replica, "endpoint": p.member.endpoint, "in_flight": p.in_flight,
+                    "sent": p.sent, "connections": len(p.idle) + p.in_flight, "down": p.down_until > now})
+            return out
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                members, token = self._source()  # type: ignore[misc]
+                self.update(members, token)
+            except Exception as err:  # noqa: BLE001 - the board may restart; keep the last membership
+                self.stats["membership_errors"] += 1
+                self.last_membership_error = f"{type(err).__name__}: {err}"
+            self._nudge.wait(self._refresh_s)
+            self._nudge.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._nudge.set()
+        with self._lock:
+            for p in self._peers.values():
+                p.retired = True
+                p.close_idle()
+            self._peers.clear()
+
+    # -- the exchange -------------------------------------------------------------------------
+
+    def exchange(self, layer: int, parts: dict[str, Part]) -> dict[str, torch.Tensor]:
+        """Each group's outputs for its part (rows in the order sent)."""
+        deadline = time.monotonic() + self.timeout_s
+        pending = dict(parts)
+        results: dict[str, torch.Tensor] = {}
+        failed: dict[str, set[str]] = {g: set() for g in parts}  # replicas that answered with an error
+        errors: dict[str, str] = {}
+        self.stats["exchanges"] += 1
+        first = True
+        while pending:
+            if not first:
+                self.stats["retries"] += 1
+            first = False
+            sent = []
+            for group, part in pending.items():
+                got = self._checkout(layer, group, part, failed[group])
+                if got is None:
+                    continue
+                peer, conn = got
+                seq = next(self._seq)
+                try:
+                    send_all(conn.sock, [wire.encode_request(seq, layer, part.x.shape[0], part.x.shape[1], part.x.dtype,
+                                                        part.experts, part.counts, part.prefetch),
+                                    wire.as_bytes(part.x)])
+                except OSError:
+                    self._checkin(peer, conn, ok=False)
+                    continue
+                sent.append((group, peer, conn, seq))
+            for group, peer, conn, seq in sent:
+                outcome = self._receive(conn, seq, deadline)
+                if isinstance(outcome, torch.Tensor):
+                    self._checkin(peer, conn, ok=True)
+                    results[group] = outcome
+                    pending.pop(group)
+                elif outcome is None:  # connection trouble, timeout or draining: set the replica aside
+                    self._checkin(peer, conn, ok=False)
+                else:  # the replica computed and failed: try another one of the group
+                    self._checkin(peer, conn, ok=True)
+                    failed[group].add(peer.member.replica)
+                    errors[group] = f"{group} replica {peer.member.replica}: {outcome}"
+            if not pending:
+                break
+            hopeless = [g for g in pending if g in errors and not self._candidates(g, failed[g], only_live=False)]
+            if hopeless:
+                self.stats["failed"] += 1
+                raise ExchangeFailed("; ".join(errors[g] for g in hopeless))
+            if time.monotonic() >= deadline:
+                self.stats["unavailable"] += 1
+                raise ExpertsUnavailable(f"layer {layer}: no replica of {', '.join(sorted(pending))} answered within "
+                                         f"{self.timeout_s:g} s")
+            if not sent:
+                self._wait_for_members(min(deadline, time.monotonic() + 0.1))
+        return results
+
+    def _candidates(self, group: str, exclude: set[str], only_live: bool = True) -> list[_Peer]:
+        now = time.monotonic()
+        return [p for p in self._peers.values() if p.member.group == group and p.member.replica not in exclude
+                and (not only_live or p.down_until <= now)]
+
+    def _checkout(self, layer: int, group: str, part: Part,
+                  exclude: set[str]) -> tuple[_Peer, _Conn] | None:
+        """A connection to the least busy live replica of the group (among those that report
+        hosting the part's experts, when any does), or None when the group has no live replica."""
+        keys = {(layer, e) for e in part.experts}
+        while True:
+            with self._lock:
+                peers = self._candidates(group, exclude)
+                if not peers:
+                    return None
+                peers = [p for p in peers if keys <= p.member.experts] or peers
+                peer = min(peers, key=lambda p: (p.in_flight, p.sent, p.member.replica))
+                peer.in_flight += 1
+                peer.sent += 1
+                conn = peer.idle.pop() if peer.idle else None
+                token = self.token
+            if conn is not None:
+                return peer, conn
+            try:
+                return peer, self._connect(peer.member, token)
+            except (OSError, wire.ProtocolError):
+                with self._lock:
+                    peer.in_flight -= 1
+                    peer.down_until = time.monotonic() + self.down_s
+                self._nudge.set()
+
+    def _connect(self, member: Member, token: str) -> _Conn:
+        sock = socket.create_connection(_split_endpoint(member.endpoint), timeout=self.connect_timeout_s)
+        try:
+            tune(sock)
+            sock.sendall(wire.encode_hello(token))
+            status, n = wire.decode_ack_header(recv_bytes(sock, wire.ACK_HEADER.size))
+            message = recv_bytes(sock, n).decode(errors="replace")
+            if status != wire.OK:
+                raise wire.ProtocolError(f"{member.endpoint} refused the channel: {message}")
+            return _Conn(sock)
+        except BaseException:
+            sock.close()
+            raise
+
+    def _checkin(self, peer: _Peer, conn: _Conn, ok: bool) -> None:
+        with self._lock:
+            peer.in_flight -= 1
+            if ok and not peer.retired:
+                peer.idle.append(conn)
+                return
+            if not ok:
+                peer.down_until = time.monotonic() + self.down_s
+        conn.close()
+        if not ok:
+            self._nudge.set()  # membership may know better (a replacement replica)
+
+    def _receive(self, conn: "_Conn", seq: int, deadline: float) -> torch.Tensor | str | None:
+        """The outputs; or the replica's error message (str); or None for connection trouble,
+        a timeout (the exchange's deadline) or a draining replica. A small reply is one recv into
+        the connection's buffer; a large one goes straight into the output tensor."""
+        sock, view, head = conn.sock, conn.view, wire.REPLY_HEADER.size
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            got = _recv_at_least(sock, view, 0, head)
+            reply, n = wire.decode_reply_header(view)
+            if reply.seq != seq:
+                raise wire.ProtocolError(f"reply {reply.seq} to request {seq}")
+            if reply.status != wire.OK:
+                got = _recv_at_least(sock, view, got, head + n)
+                message = bytes(view[head:head + n]).decode(errors="replace")
+                return (message or "error") if reply.status == wire.ERROR else None
+            out, raw = wire.empty_rows(reply.rows, reply.hidden, reply.dtype)
+            total = head + len(raw)
+            if total <= len(view):
+                _recv_at_least(sock, view, got, total)
+                raw[:] = view[head:total]
+            else:
+                raw[:got - head] = view[head:got]
+                recv_exact(sock, raw[got - head:])
+            return out
+        except (OSError, ConnectionError, wire.ProtocolError):
+            return None
+
+    def _wait_for_members(self, until: float) -> None:
+        self._nudge.set()
+        with self._lock:
+            self._changed.wait(max(0.0, until - time.monotonic()))

@@ -1,0 +1,201 @@
+"""The shard replica's end of the expert channel: a TCP server computing requests as they come.
+
+Each connection gets its own thread, which reads a request into a buffer it reuses, calls the
+replica's `compute(layer, x, experts, counts, prefetch, out)` and writes the reply; the ingress
+opens one connection per exchange it runs at once (micro-batches), so concurrent exchanges
+compute concurrently, as Serve's thread pool did. The server binds Ray's address for this node
+(127.0.0.1 for a local head): nothing listens where Ray itself does not.
+
+A compute error is a reply with the error's text (the ingress tries another replica, then fails
+the step). Once `drain()` is called (the replica is being stopped), requests are answered
+DRAINING without computing, and the ingress sends them elsewhere.
+"""
+
+from __future__ import annotations
+
+import hmac
+import socket
+import threading
+from collections.abc import Callable
+
+import torch
+
+from . import wire
+
+Compute = Callable[[int, torch.Tensor, list[int], list[int], list[tuple[int, int]], torch.Tensor], None]
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket; ConnectionError if the peer closes first."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+
+
+def recv_bytes(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def send_all(sock: socket.socket, parts: list) -> None:
+    """sendmsg until every byte of `parts` is out (a large send may go out in pieces)."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
+def tune(sock: socket.socket) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class ExchangeServer:
+    def __init__(self, compute: Compute, tokens: Callable[[], list[str]], host: str = "127.0.0.1", port: int = 0,
+                 hello_timeout_s: float = 10.0):
+        """`tokens()`: the channel tokens accepted now (the current one, and the previous one for
+        a while after it changes)."""
+        self.compute = compute
+        self.tokens = tokens
+        self.hello_timeout_s = hello_timeout_s
+        self.draining = False
+        self.requests = 0
+        self.errors = 0
+        self.busy = 0  # requests being computed now
+        self.last_error = ""
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                              backlog=64)
+        self.host = host
+        self.port = self._listener.getsockname()[1]
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="expert-channel-accept", daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closed.is_set()
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+                c.close()
+            except OSError:
+                pass
+
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._closed.is_set():
+                    return
+                continue
+            tune(conn)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="expert-channel-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            if self._hello(conn):
+                self._loop(conn)
+        except (OSError, ConnectionError, wire.ProtocolError):
+            pass  # a broken or foreign peer: drop the connection, keep serving the others
+        except Exception as err:  # noqa: BLE001 - a bug must not take the other connections down
+            self.last_error = f"{type(err).__name__}: {err}"
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _hello(self, conn: socket.socket) -> bool:
+        conn.settimeout(self.hello_timeout_s)  # a silent connection does not keep a thread forever
+        n = wire.decode_hello_header(recv_bytes(conn, wire.HELLO_HEADER.size))
+        token = recv_bytes(conn, n)
+        accepted = [t.encode() for t in self.tokens() if t]
+        if not any(hmac.compare_digest(token, t) for t in accepted):
+            conn.sendall(wire.encode_ack(wire.DENIED, "wrong channel token"))
+            return False
+        conn.sendall(wire.encode_ack(wire.OK))
+        conn.settimeout(None)
+        return True
+
+    def _loop(self, conn: socket.socket) -> None:
+        """Requests one at a time (the ingress never pipelines on a connection). Each read takes
+        what has arrived into one reused buffer: a small request is one recv, not four."""
+        head = wire.REQUEST_HEADER.size
+        buf = torch.empty(1 << 16, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        outbuf = torch.empty(0, dtype=torch.uint8)
+        while True:
+            got = _recv_at_least(conn, view, 0, head)
+            seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size = wire.decode_request_header(view[:head])
+            nbytes = rows * hidden * dtype.itemsize
+            total = head + size + nbytes
+            if len(view) < total:  # grow, keeping what already arrived
+                bigger = torch.empty(total, dtype=torch.uint8)
+                bigger[:got] = buf[:got]
+                buf, view = bigger, memoryview(bigger.numpy())
+            _recv_at_least(conn, view, got, total)
+            req = wire.decode_request(view[:head], view[head:head + size])
+            if self.draining:
+                conn.sendall(wire.encode_reply(seq, wire.DRAINING, message="replica is stopping"))
+                continue
+            if outbuf.numel() < nbytes:
+                outbuf = torch.empty(nbytes, dtype=torch.uint8)
+            x = buf[head + size:total].view(dtype).view(rows, hidden)
+            out = outbuf[:nbytes].view(dtype).view(rows, hidden)
+            with self._lock:
+                self.busy += 1
+            try:
+                self.compute(layer, x, req.experts, req.counts, req.prefetch, out)
+            except Exception as err:  # noqa: BLE001 - the ingress decides; this replica keeps serving
+                self.errors += 1
+                conn.sendall(wire.encode_reply(seq, wire.ERROR, message=f"{type(err).__name__}: {err}"))
+                continue
+            finally:
+                with self._lock:
+                    self.busy -= 1
+            self.requests += 1
+            send_all(conn, [wire.encode_reply(seq, wire.OK, rows, hidden, dtype), wire.as_bytes(out)])
+
+
+def _recv_at_least(sock: socket.socket, view: memoryview, got: int, n: int) -> int:
+    """Read into view[got:] until at least n bytes are there; the count there now."""
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return got

@@ -1,0 +1,208 @@
+"""Frames of the expert exchange between the ingress and the shard replicas (pure: bytes only).
+
+One request carries one layer's rows for one shard replica, grouped by expert; its reply carries
+the outputs in the same order. A connection starts with a hello that proves the caller knows the
+app's channel token. Fixed little-endian headers, then variable parts, then raw tensor bytes:
+nothing is pickled, so a peer can send nothing but numbers and a short UTF-8 message.
+
+    hello      MAGIC  kind=HELLO   token_len                  token
+    hello ack  MAGIC  status       msg_len                    message (empty when OK)
+    request    MAGIC  kind=EXPERTS dtype seq layer rows hidden n_experts n_prefetch
+               int32[n_experts] experts, int32[n_experts] counts, int32[2*n_prefetch] (layer, expert),
+               rows*hidden values
+    reply      MAGIC  status dtype seq rows hidden msg_len    message | rows*hidden values
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = b"MoE1"
+HELLO, EXPERTS = 1, 2  # request kinds
+OK, ERROR, DRAINING, DENIED = 0, 1, 2, 3  # reply statuses
+STATUS_NAMES = {OK: "ok", ERROR: "error", DRAINING: "draining", DENIED: "denied"}
+
+DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+
+HELLO_HEADER = struct.Struct("<4sBI")  # magic, kind, token length
+ACK_HEADER = struct.Struct("<4sBI")  # magic, status, message length
+REQUEST_HEADER = struct.Struct("<4sBBQIIIII")  # magic, kind, dtype, seq, layer, rows, hidden, n_experts, n_prefetch
+REPLY_HEADER = struct.Struct("<4sBBQIII")  # magic, status, dtype, seq, rows, hidden, message length
+
+MAX_TOKEN = 256
+MAX_MESSAGE = 4096
+MAX_EXPERTS = 1 << 16
+MAX_ROWS = 1 << 24
+MAX_HIDDEN = 1 << 17
+MAX_PAYLOAD = 4 << 30  # one layer's rows for one replica; far above any real step
+
+
+class ProtocolError(ValueError):
+    """A frame that is not ours or breaks a limit: the connection is closed."""
+
+
+@dataclass(frozen=True)
+class Request:
+    seq: int
+    layer: int
+    rows: int
+    hidden: int
+    dtype: torch.dtype
+    experts: list[int]
+    counts: list[int]
+    prefetch: list[tuple[int, int]]
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.rows * self.hidden * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Reply:
+    seq: int
+    status: int
+    rows: int
+    hidden: int
+    dtype: torch.dtype
+    message: str = ""
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.rows * self.hidden * _itemsize(self.dtype) if self.status == OK else 0
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def _check_magic(magic: bytes) -> None:
+    if magic != MAGIC:
+        raise ProtocolError(f"not an expert-exchange frame (magic {magic!r})")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise ProtocolError(f"dtype {dtype} cannot travel on the expert channel "
+                            f"(supported: {', '.join(str(d) for d in DTYPES.values())})") from None
+
+
+def _dtype(code: int) -> torch.dtype:
+    try:
+        return DTYPES[code]
+    except KeyError:
+        raise ProtocolError(f"unknown dtype code {code}") from None
+
+
+def encode_hello(token: str) -> bytes:
+    raw = token.encode()
+    if len(raw) > MAX_TOKEN:
+        raise ProtocolError(f"channel token longer than {MAX_TOKEN} bytes")
+    return HELLO_HEADER.pack(MAGIC, HELLO, len(raw)) + raw
+
+
+def decode_hello_header(buf: bytes) -> int:
+    """Token length of a hello header."""
+    magic, kind, n = HELLO_HEADER.unpack(buf)
+    _check_magic(bytes(magic))
+    if kind != HELLO:
+        raise ProtocolError(f"expected a hello, got frame kind {kind}")
+    if n > MAX_TOKEN:
+        raise ProtocolError(f"hello token of {n} bytes exceeds {MAX_TOKEN}")
+    return n
+
+
+def encode_ack(status: int, message: str = "") -> bytes:
+    raw = message.encode()[:MAX_MESSAGE]
+    return ACK_HEADER.pack(MAGIC, status, len(raw)) + raw
+
+
+def decode_ack_header(buf: bytes) -> tuple[int, int]:
+    magic, status, n = ACK_HEADER.unpack(buf)
+    _check_magic(bytes(magic))
+    if n > MAX_MESSAGE:
+        raise ProtocolError(f"message of {n} bytes exceeds {MAX_MESSAGE}")
+    return status, n
+
+
+def encode_request(seq: int, layer: int, rows: int, hidden: int, dtype: torch.dtype, experts: list[int],
+                   counts: list[int], prefetch: list[tuple[int, int]] | None = None) -> bytes:
+    """Header and variable part of a request (the tensor bytes follow separately)."""
+    prefetch = prefetch or []
+    if len(experts) != len(counts):
+        raise ProtocolError("experts and counts differ in length")
+    if sum(counts) != rows:
+        raise ProtocolError(f"counts sum to {sum(counts)}, not to the {rows} rows sent")
+    head = REQUEST_HEADER.pack(MAGIC, EXPERTS, dtype_code(dtype), seq, layer, rows, hidden, len(experts), len(prefetch))
+    flat = [*experts, *counts, *(v for pair in prefetch for v in pair)]
+    body = struct.pack(f"<{len(flat)}i", *flat)
+    return head + body + bytes(_variable_size(len(experts), len(prefetch)) - len(body))
+
+
+def decode_request_header(buf) -> tuple[int, int, int, int, int, torch.dtype, int, int]:
+    """(seq, layer, rows, hidden, dtype, n_experts, n_prefetch, byte length of the variable part)."""
+    magic, kind, code, seq, layer, rows, hidden, n_experts, n_prefetch = REQUEST_HEADER.unpack_from(buf)
+    _check_magic(bytes(magic))
+    if kind != EXPERTS:
+        raise ProtocolError(f"expected an experts request, got frame kind {kind}")
+    dtype = _dtype(code)
+    if n_experts > MAX_EXPERTS or n_prefetch > MAX_EXPERTS:
+        raise ProtocolError(f"{n_experts} experts / {n_prefetch} prefetch hints exceed {MAX_EXPERTS}")
+    if rows > MAX_ROWS or hidden > MAX_HIDDEN or rows * hidden * _itemsize(dtype) > MAX_PAYLOAD:
+        raise ProtocolError(f"{rows} x {hidden} rows exceed the frame limits")
+    return seq, layer, rows, hidden, dtype, n_experts, n_prefetch, _variable_size(n_experts, n_prefetch)
+
+
+ALIGN = 16  # the tensor bytes start at a multiple of this, so the receiver can view them in place
+
+
+def _variable_size(n_experts: int, n_prefetch: int) -> int:
+    """Bytes of a request's variable part, padded so that header + it is a multiple of ALIGN."""
+    end = REQUEST_HEADER.size + 4 * (2 * n_experts + 2 * n_prefetch)
+    return -(-end // ALIGN) * ALIGN - REQUEST_HEADER.size
+
+
+def decode_request(header, variable) -> Request:
+    seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size = decode_request_header(header)
+    if len(variable) != size:
+        raise ProtocolError(f"request body of {len(variable)} bytes, expected {size}")
+    flat = struct.unpack_from(f"<{2 * n_experts + 2 * n_prefetch}i", variable)
+    experts, counts = list(flat[:n_experts]), list(flat[n_experts:2 * n_experts])
+    pairs = flat[2 * n_experts:]
+    prefetch = [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)]
+    if any(c < 0 for c in counts) or sum(counts) != rows:
+        raise ProtocolError(f"counts {counts} do not add up to the {rows} rows sent")
+    return Request(seq, layer, rows, hidden, dtype, experts, counts, prefetch)
+
+
+def encode_reply(seq: int, status: int, rows: int = 0, hidden: int = 0, dtype: torch.dtype = torch.float32,
+                 message: str = "") -> bytes:
+    raw = message.encode()[:MAX_MESSAGE]
+    return REPLY_HEADER.pack(MAGIC, status, dtype_code(dtype), seq, rows, hidden, len(raw)) + raw
+
+
+def decode_reply_header(buf) -> tuple[Reply, int]:
+    """The reply (message not yet read) and the length of its message."""
+    magic, status, code, seq, rows, hidden, n = REPLY_HEADER.unpack_from(buf)
+    _check_magic(bytes(magic))
+    if status not in STATUS_NAMES:
+        raise ProtocolError(f"unknown reply status {status}")
+    if n > MAX_MESSAGE or rows > MAX_ROWS or hidden > MAX_HIDDEN:
+        raise ProtocolError("reply exceeds the frame limits")
+    return Reply(seq, status, rows, hidden, _dtype(code)), n
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def empty_rows(rows: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, memoryview]:
+    """A fresh (rows, hidden) tensor and a writable view of its bytes to receive into."""
+    raw = torch.empty(rows * hidden * _itemsize(dtype), dtype=torch.uint8)
+    return raw.view(dtype).view(rows, hidden), memoryview(raw.numpy())
