@@ -14,6 +14,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -33,7 +34,11 @@ def parse_args():
     p.add_argument("--ingress-threads", type=int, default=None,
                    help="torch threads of the served ingress (default: --threads)")
     p.add_argument("--shard-threads", type=int, default=1)
-    p.add_argument("--only", choices=["prefill"], default=None, help="run only this part (for experiments)")
+    p.add_argument("--only", choices=["prefill", "deep"], default=None,
+                   help="run only this part: prefill of the default shape, or the --layers sweep")
+    p.add_argument("--layers", default="4,16,32",
+                   help="batch-1 decode sweep over model depth (hidden 256, intermediate 512, 8 experts, top-2, "
+                        "2 groups, 32 new tokens); empty to skip")
     p.add_argument("--micro-batches", type=int, default=2,
                    help="served: concurrent micro-batches for steps of >= 256 tokens (1 disables)")
     p.add_argument("--decode-tokens", type=int, default=None)
@@ -41,6 +46,7 @@ def parse_args():
                    help="prefill runs per side; the median is reported (this machine varies by 10%% run to run)")
     p.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra env var for the served app's replicas (runtime_env), repeatable")
+    p.add_argument("--deep-point", type=int, default=0, help=argparse.SUPPRESS)  # one depth, in a subprocess
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
     return p.parse_args()
@@ -129,23 +135,28 @@ def run_inprocess(path: Path, work: dict, threads: int) -> dict:
     out = {}
     ps = prompts(work["prefill_n"], work["prefill_len"], model.cfg.vocab_size, 1)
     runs = []
-    for _ in range(1 + work["prefill_repeats"]):  # the first is a warm-up, on both sides
+    for _ in range(1 + work["prefill_repeats"] if work["prefill_n"] else 0):  # the first is a warm-up, on both sides
         slots = [model.cache.allocate() for _ in ps]
         t0, c0 = time.perf_counter(), cpu_ticks()
         model.step([Chunk(s, 0, p) for s, p in zip(slots, ps)])
         runs.append({"prefill_s": time.perf_counter() - t0, "prefill_cpu_utilization": utilization(c0, cpu_ticks())})
         for s in slots:
             model.cache.release(s)
-    out.update(median_run(runs[1:], warmup=runs[0]))
-    out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
+    if runs:
+        out.update(median_run(runs[1:], warmup=runs[0]))
+        out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
     for b in work["decode_batches"]:
         ps = prompts(b, 8, model.cfg.vocab_size, 2)
-        t0 = time.perf_counter()
-        model.generate(ps, max_tokens=1)
-        t1 = time.perf_counter()
-        model.generate(ps, max_tokens=work["decode_tokens"])
-        t2 = time.perf_counter()
-        out[f"decode{b}_tps"] = b * (work["decode_tokens"] - 1) / ((t2 - t1) - (t1 - t0))
+        tps = []
+        for _ in range(work.get("decode_repeats", 1)):
+            t0 = time.perf_counter()
+            model.generate(ps, max_tokens=1)
+            t1 = time.perf_counter()
+            model.generate(ps, max_tokens=work["decode_tokens"])
+            t2 = time.perf_counter()
+            tps.append(b * (work["decode_tokens"] - 1) / ((t2 - t1) - (t1 - t0)))
+        out[f"decode{b}_tps"] = statistics.median(tps)
+        out[f"decode{b}_runs_tps"] = tps
     import resource
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
@@ -202,7 +213,7 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
         out = {}
         ps = prompts(work["prefill_n"], work["prefill_len"], vocab, 1)
         runs = []
-        for _ in range(1 + work["prefill_repeats"]):  # the first is a warm-up, on both sides
+        for _ in range(1 + work["prefill_repeats"] if work["prefill_n"] else 0):  # the first is a warm-up
             e0, s0 = stats()
             c0, p0 = cpu_ticks(), process_cpu_seconds()
             run = {"prefill_s": _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])}
@@ -218,16 +229,21 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
                                         "shard_compute_max_s": max(shard_compute),
                                         "shard_compute_sum_s": sum(shard_compute), "steps": e1["steps"] - e0["steps"]}
             runs.append(run)
-        out.update(median_run(runs[1:], warmup=runs[0]))
-        out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
+        if runs:
+            out.update(median_run(runs[1:], warmup=runs[0]))
+            out["prefill_tps"] = work["prefill_n"] * work["prefill_len"] / out["prefill_s"]
         for b in work["decode_batches"]:
             ps = prompts(b, 8, vocab, 2)
-            one = _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
-            e0, s0 = stats()
-            full = _concurrent(url, [{"prompt": p, "max_tokens": work["decode_tokens"], "temperature": 0,
-                                      "seed": 0} for p in ps])
-            e1, s1 = stats()
-            out[f"decode{b}_tps"] = b * (work["decode_tokens"] - 1) / (full - one)
+            tps = []
+            for _ in range(work.get("decode_repeats", 1)):
+                one = _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
+                e0, s0 = stats()
+                full = _concurrent(url, [{"prompt": p, "max_tokens": work["decode_tokens"], "temperature": 0,
+                                          "seed": 0} for p in ps])
+                e1, s1 = stats()
+                tps.append(b * (work["decode_tokens"] - 1) / (full - one))
+            out[f"decode{b}_tps"] = statistics.median(tps)
+            out[f"decode{b}_runs_tps"] = tps
             shard_compute = [b_["compute_s"] - a_["compute_s"] for a_, b_ in zip(s0, s1)]
             out[f"decode{b}_breakdown"] = {
                 "wall_s": full,
@@ -257,10 +273,66 @@ def print_breakdown(title: str, bd: dict) -> None:
     print(f"    dispatch overhead (wait - slowest compute) {bd['expert_wait_s'] - bd['shard_compute_max_s']:7.2f} s")
 
 
+def deep_point(a, n: int) -> dict:
+    """Batch-1 decode of one model depth, served against in-process."""
+    shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=n, num_heads=8,
+                 num_kv_heads=2, num_experts=8, top_k=2, max_position_embeddings=512)
+    work = dict(prefill_n=0, prefill_len=0, prefill_repeats=0, decode_batches=[1], decode_tokens=33, decode_repeats=3)
+    path = ensure_checkpoint(a.cache_dir, shape)
+    print(f"\ndepth sweep: {n} layers ({shape})", flush=True)
+    local = run_inprocess(path, work, a.threads)
+    served = run_served(path, work, 2, a.ingress_threads or a.threads, a.shard_threads, shape["vocab_size"], n,
+                        shape["num_experts"], a.micro_batches, dict(kv.split("=", 1) for kv in a.serve_env))
+    ms_local, ms_served = 1000 / local["decode1_tps"], 1000 / served["decode1_tps"]
+    return {"layers": n, "in_process_ms_per_token": ms_local, "served_ms_per_token": ms_served,
+            "ratio": ms_local / ms_served, "dispatch_ms_per_layer": (ms_served - ms_local) / n,
+            "in_process_runs_tps": local["decode1_runs_tps"], "served_runs_tps": served["decode1_runs_tps"],
+            "served_breakdown": served["decode1_breakdown"]}
+
+
+def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
+    """Each depth in a fresh process (a Ray driver cannot reconnect to a second head in one
+    process); what dispatch costs per layer."""
+    import subprocess
+
+    rows, figures = [], {}
+    for n in layer_counts:
+        out = Path(tempfile.mkdtemp(prefix="moe-bench-deep-")) / "point.json"
+        cmd = [sys.executable, __file__, "--deep-point", str(n), "--out", str(out), "--threads", str(a.threads),
+               "--shard-threads", str(a.shard_threads), "--cache-dir", a.cache_dir,
+               *(["--ingress-threads", str(a.ingress_threads)] if a.ingress_threads else []),
+               *(f"--serve-env={kv}" for kv in a.serve_env)]
+        subprocess.run(cmd, check=True)
+        row = json.loads(out.read_text())
+        rows.append(row)
+        figures[f"decode1-ratio-{n}-layers"] = row["ratio"]
+        figures[f"dispatch-ms-per-layer-{n}-layers"] = row["dispatch_ms_per_layer"]
+    if rows:
+        print(f"\n{'layers':>6} {'in-process ms/token':>20} {'served ms/token':>16} {'served/in-process':>18} "
+              f"{'dispatch ms/layer':>18}")
+        for r in rows:
+            print(f"{r['layers']:6} {r['in_process_ms_per_token']:20.2f} {r['served_ms_per_token']:16.2f} "
+                  f"{r['ratio']:18.2f} {r['dispatch_ms_per_layer']:18.3f}")
+        figures["dispatch-ms-per-layer"] = max(r["dispatch_ms_per_layer"] for r in rows)
+    return rows, figures
+
+
 def main() -> int:
     a = parse_args()
     sys.path.insert(0, str(REPO / "workers"))
     sys.path.insert(0, str(REPO / "operator"))
+    layer_counts = [int(n) for n in a.layers.split(",") if n.strip()]
+    if a.deep_point:
+        Path(a.out).write_text(json.dumps(deep_point(a, a.deep_point)))
+        return 0
+    if a.only == "deep":
+        rows, figures = deep_sweep(a, layer_counts)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"deep": rows, "figures": figures}, indent=2))
+        print()
+        for name, value in figures.items():
+            print(f"{name}: {value:.3f}")
+        return 0
     shape = model_shape(a.quick)
     work = (dict(prefill_n=8, prefill_len=64, decode_batches=[1, 4, 8], decode_tokens=a.decode_tokens or 8)
             if a.quick else
@@ -307,12 +379,14 @@ def main() -> int:
         extra = (f" (dense part {served['ingress_dense_bytes'] / 2**20:.1f} MiB)" if name == "Ingress"
                  else f" (experts {served['shard_expert_bytes'][name] / 2**20:.1f} MiB)")
         print(f"  served {name:19} {rss / 2**20:9.1f} MiB{extra}")
+    deep_rows, deep_figures = deep_sweep(a, layer_counts) if a.only is None else ([], {})
+    figures.update(deep_figures)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"shape": shape, "work": work, "in_process": local, "served": served,
-                                       "figures": figures}, indent=2))
+                                       "deep": deep_rows, "figures": figures}, indent=2))
     print()
     for name, value in figures.items():
-        print(f"{name}: {value:.2f}")
+        print(f"{name}: {value:.3f}")
     return 0
 
 

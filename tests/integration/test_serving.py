@@ -14,6 +14,7 @@ from checkpoints import make_mixtral
 from moe_workers.model.inprocess import InProcessModel
 from moe_workers.serve.config import serve_application
 from serve_rest import delete_all, deploy
+from waiting import wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -228,3 +229,26 @@ def test_expert_load_exported_in_prometheus_format(served, ray_head):
     assert lines, "ray_moe_expert_tokens not exported"
     total = sum(float(l.rsplit(" ", 1)[1]) for l in lines)
     assert total > 0 and all('layer="' in l and 'expert="' in l for l in lines)
+
+
+def test_every_shard_replica_is_on_the_expert_channel_at_rays_node_address(served):
+    """The per-layer traffic goes over the expert channel: each shard replica listens on the
+    address Ray registered for its node (no other interface) and the ingress knows every one."""
+    import ray
+
+    url = served[0]
+    assert _complete(url, prompt=[3, 4, 5], max_tokens=3).status_code == 200
+    status = requests.get(url + "/moe/v1/status", timeout=30).json()
+    node_addresses = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    members = status["channel"]["members"]
+    assert sorted(members) == [f"ExpertShard-{g}" for g in range(4)]
+    for group, replicas in members.items():
+        assert len(replicas) == 1
+        host = replicas[0]["endpoint"].rsplit(":", 1)[0]
+        assert host in node_addresses, (host, node_addresses)
+    assert status["channel"]["exchanges"] >= 3 * NUM_LAYERS and status["channel"]["unavailable"] == 0
+
+    def computed_on_channel():  # replicas report every 2 s
+        return sum(r["channel"]["requests"] for r in requests.get(url + "/moe/v1/status", timeout=30).json()["replicas"])
+
+    wait_for(lambda: computed_on_channel() >= 3, timeout_s=10, what="channel requests in the replicas' reports")

@@ -1,0 +1,102 @@
+"""A shard replica killed in the middle of sustained decode, on a real local Ray.
+
+Group 0 has two replicas, group 1 one. SIGKILL one replica of each while clients decode: every
+request ends answered (200, the reference's tokens) or refused with 503 within the exchange
+timeout, none hangs; Serve restarts the replicas, they rejoin the channel, and requests after
+that are all answered.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+
+import pytest
+import requests
+
+from checkpoints import make_mixtral
+from moe_workers.model.inprocess import InProcessModel
+from moe_workers.serve.config import AppArgs, serve_application
+from serve_rest import delete_all, deploy
+from waiting import wait_for
+
+pytestmark = pytest.mark.ray
+
+LAYERS, EXPERTS, TIMEOUT_S = 4, 4, 5.0
+
+
+def _status(url):
+    return requests.get(url + "/moe/v1/status", timeout=30).json()
+
+
+def test_killed_shard_replicas_fail_requests_at_most_with_503_and_rejoin(ray_head, tmp_path):
+    ray = ray_head.connect_driver(namespace="channel-faults")
+    path = tmp_path / "ckpt"
+    make_mixtral(path, num_local_experts=EXPERTS, num_hidden_layers=LAYERS, max_position_embeddings=256)
+    reference = InProcessModel(path)
+    placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in range(LAYERS) for e in range(EXPERTS) if e % 2 == g]
+                 for g in range(2)}
+    args = AppArgs(model_path=str(path), served_model_name="m", num_groups=2, max_batch_size=8,
+                   kv_cache_budget_bytes=8 * 2**20, max_queued_requests=32, exchange_timeout_s=TIMEOUT_S)
+    deploy(ray_head, [serve_application("faults", "/", args, placement,
+                                         replicas_per_group={"ExpertShard-0": 2, "ExpertShard-1": 1})])
+    url = f"http://127.0.0.1:{ray_head.serve_http_port}"
+    try:
+        wait_for(lambda: sum(len(r) for r in _status(url)["channel"]["members"].values()) == 3, timeout_s=60,
+                 what="three shard replicas on the channel")
+        prompts = [[(i * 7 + k) % 90 + 3 for k in range(5)] for i in range(24)]
+        expected = {tuple(p): reference.generate([p], max_tokens=24)[0] for p in prompts}
+        outcomes: list[tuple[int, float, list[int] | None]] = []
+        stop = threading.Event()
+
+        def client(i):
+            n = 0
+            while not stop.is_set():
+                p = prompts[(i * 5 + n) % len(prompts)]
+                n += 1
+                t0 = time.monotonic()
+                r = requests.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0},
+                                  timeout=TIMEOUT_S * 6)  # a hang would raise here and fail the test
+                body = r.json()
+                tokens = body["choices"][0]["token_ids"] if r.status_code == 200 else None
+                if r.status_code == 503:
+                    assert "unavailable" in body["error"]["message"] and r.headers.get("Retry-After")
+                outcomes.append((r.status_code, time.monotonic() - t0, tokens, tuple(p)))
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            clients = [pool.submit(client, i) for i in range(3)]
+            time.sleep(3)
+            status = _status(url)
+            victims = [status_r["pid"] for status_r in status["replicas"] if status_r["group"] == "ExpertShard-0"][:1]
+            victims += [status_r["pid"] for status_r in status["replicas"] if status_r["group"] == "ExpertShard-1"]
+            killed_at = len(outcomes)
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+            # Serve brings the replicas back; they rejoin the channel with new endpoints
+            wait_for(lambda: {r["pid"] for r in _status(url)["replicas"]}.isdisjoint(victims)
+                     and sum(len(r) for r in _status(url)["channel"]["members"].values()) == 3,
+                     timeout_s=120, what="replacement replicas on the channel", interval_s=1)
+            recovered_at = len(outcomes)
+            time.sleep(4)
+            stop.set()
+            for c in clients:
+                c.result(timeout=TIMEOUT_S * 8)  # re-raises a client's assertion or timeout
+
+        codes = [code for code, *_ in outcomes]
+        assert set(codes) <= {200, 503}, codes
+        for code, seconds, tokens, prompt in outcomes:
+            if code == 200:
+                assert tokens == expected[prompt]
+        # every request ends within a step's worth of exchange timeouts, none hangs
+        assert max(seconds for _, seconds, *_ in outcomes) < TIMEOUT_S * 4
+        after = [code for code, *_ in outcomes[recovered_at:]]
+        assert after and all(code == 200 for code in after), after
+        assert killed_at > 0
+        failed = codes.count(503)
+        print(f"requests: {len(codes)}, answered {codes.count(200)}, 503 {failed}")
+    finally:
+        delete_all(ray_head)
+        ray.shutdown()
