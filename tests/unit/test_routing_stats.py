@@ -39,3 +39,18 @@ def test_co_selection_pairs_are_unordered_and_ranked():
     s.observe(1, torch.tensor([[2, 0], [0, 2], [0, 2], [1, 3]]), [0], [0], [4])
     pairs = s.co_selected_pairs()
     assert pairs[0] == ("1.0", "1.2", 3) and pairs[1] == ("1.1", "1.3", 1) and len(pairs) == 2
+
+
+def test_a_whole_step_at_once_counts_what_layer_by_layer_counts():
+    g = torch.Generator().manual_seed(3)
+    per_layer = RoutingStats(num_layers=3, num_experts=8, max_slots=4)
+    per_step = RoutingStats(num_layers=3, num_experts=8, max_slots=4)
+    chunks = [([0, 1, 2], [0, 0, 0], [5, 2, 3]), ([0, 1, 2], [5, 2, 3], [1, 1, 1]), ([3, 1], [0, 3], [2, 1])]
+    for slots, starts, lengths in chunks:
+        n = sum(lengths)
+        picks = torch.stack([torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(n)]) for _ in range(3)])
+        for layer in range(3):
+            per_layer.observe(layer, picks[layer], slots, starts, lengths)
+        per_step.observe_step([0, 1, 2], picks, slots, starts, lengths)
+    assert per_step.co_selected_pairs() == per_layer.co_selected_pairs()
+    assert per_step.take() == per_layer.take()

@@ -86,7 +86,11 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         # forward passes off the event loop, so HTTP stays responsive; one thread per micro-batch
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="step")  # made on demand
+        # (made on demand; torch's intra-op thread count is per thread under OpenMP: each step
+        # thread takes the one of the thread that built the engine, not every core)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="step",
+                                                           initializer=torch.set_num_threads,
+                                                           initargs=(torch.get_num_threads(),))
         self._dense = threading.Lock()  # micro-batches' dense compute takes turns
 
     def submit(self, req: GenerationRequest) -> GenerationRequest:
@@ -187,18 +191,20 @@ class Engine:
                 return result
 
         h = timed(dense.embed, batch)
+        picks = []
         for layer in range(dense.cfg.num_layers):
             h, x, indices, weights = timed(_attend_and_route, dense, layer, h, batch, self.cache)
-            if self.routing_stats is not None:
-                with self._dense:
-                    self.routing_stats.observe(layer, indices, [c.slot for c in batch.chunks],
-                                               [c.start for c in batch.chunks], [len(c.tokens) for c in batch.chunks])
+            picks.append(indices)
             t1 = time.perf_counter()
             with torch.inference_mode():
                 moe = self.dispatch(layer, x, indices, weights)
                 h = h + moe
             timings.experts += time.perf_counter() - t1
-        return timed(dense.logits, h, batch.last_rows)
+        logits = timed(dense.logits, h, batch.last_rows)
+        if self.routing_stats is not None:  # once per step, all layers at once
+            self.routing_stats.observe_step(list(range(len(picks))), torch.stack(picks), [c.slot for c in batch.chunks],
+                                            [c.start for c in batch.chunks], [len(c.tokens) for c in batch.chunks])
+        return logits
 
 
 def split_chunks(chunks: list[Chunk], parts: int) -> list[list[Chunk]]:

@@ -38,43 +38,52 @@ class RoutingStats:
     def observe(self, layer: int, indices: torch.Tensor, slots: list[int], starts: list[int], lengths: list[int]) -> None:
         """`indices` (tokens, top_k) of one layer for a step whose chunks are (slot, start, length)
         in row order."""
-        top1 = indices[:, 0]
-        n, k = indices.shape
-        counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
+        self.observe_step([layer], indices[None], slots, starts, lengths)
+
+    def observe_step(self, layers: list[int], indices: torch.Tensor, slots: list[int], starts: list[int],
+                     lengths: list[int]) -> None:
+        """`indices` (len(layers), tokens, top_k): a step's router picks for these layers, counted
+        at once (a fixed number of tensor ops per step, not per layer: the engine calls this once
+        after a step's forward pass)."""
+        nl, n, k = indices.shape
+        e = self.num_experts
+        layer_t = torch.tensor(layers, dtype=torch.long)
+        flat = indices.reshape(nl, n * k)
+        counts = torch.zeros(nl, e, dtype=torch.long).scatter_add_(1, flat, torch.ones_like(flat))
+        top1 = indices[:, :, 0]
         # switching: consecutive rows of one chunk, and a chunk's first row against the slot's last token
-        same_chunk = torch.ones(n, dtype=torch.bool)
-        first_rows = []
-        row = 0
+        first_rows, row = [], 0
         for length in lengths:
-            same_chunk[row] = False
             first_rows.append(row)
             row += length
-        switched = (top1[1:] != top1[:-1]) & same_chunk[1:]
-        transitions = int(same_chunk[1:].sum())
-        switches = int(switched.sum())
+        same_chunk = torch.ones(n, dtype=torch.bool)
+        same_chunk[first_rows] = False
+        switches = ((top1[:, 1:] != top1[:, :-1]) & same_chunk[1:]).sum(1)
+        transitions = torch.full((nl,), int(same_chunk[1:].sum()), dtype=torch.long)
         slot_t = torch.tensor(slots, dtype=torch.long)
         first_t = torch.tensor(first_rows, dtype=torch.long)
         last_t = torch.tensor([r + ln - 1 for r, ln in zip(first_rows, lengths)], dtype=torch.long)
         continuing = torch.tensor([s > 0 for s in starts], dtype=torch.bool)
+        pairs = None
+        if k > 1:
+            a, b = torch.triu_indices(k, k, offset=1)
+            lo = torch.minimum(indices[:, :, a], indices[:, :, b])
+            hi = torch.maximum(indices[:, :, a], indices[:, :, b])
+            pairs = torch.bincount((layer_t[:, None, None] * e * e + lo * e + hi).reshape(-1),
+                                   minlength=self.num_layers * e * e).view(self.num_layers, e, e)
         with self.lock:
-            prev = self.prev_top1[slot_t, layer]
+            prev = self.prev_top1[slot_t][:, layer_t].T  # (layers, chunks)
             known = continuing & (prev >= 0)
-            transitions += int(known.sum())
-            switches += int((known & (prev != top1[first_t])).sum())
-            self.prev_top1[slot_t, layer] = top1[last_t]
-            self.selected[layer] += counts
-            self.activated_sum += int((counts > 0).sum()) / self.num_experts
-            self.activated_steps += 1
-            self.switches[layer] += switches
-            self.transitions[layer] += transitions
-            if k > 1:
-                for a in range(k):
-                    for b in range(a + 1, k):
-                        lo = torch.minimum(indices[:, a], indices[:, b])
-                        hi = torch.maximum(indices[:, a], indices[:, b])
-                        pair = lo * self.num_experts + hi
-                        self.co_selection[layer] += torch.bincount(
-                            pair, minlength=self.num_experts ** 2).view(self.num_experts, self.num_experts)
+            transitions += known.sum(1)
+            switches += (known & (prev != top1[:, first_t])).sum(1)
+            self.prev_top1[slot_t[:, None], layer_t[None, :]] = top1[:, last_t].T
+            self.selected.index_add_(0, layer_t, counts)
+            self.activated_sum += int((counts > 0).sum()) / e
+            self.activated_steps += nl
+            self.switches.index_add_(0, layer_t, switches)
+            self.transitions.index_add_(0, layer_t, transitions)
+            if pairs is not None:
+                self.co_selection += pairs
 
     def take(self) -> dict:
         """The window's figures (None where nothing was routed), and a new window."""

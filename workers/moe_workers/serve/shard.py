@@ -79,7 +79,8 @@ class ExpertShard:
         self._tokens: list[str] = []  # channel tokens accepted (from the board)
         self._report_now = threading.Event()
         self.baseline_rss_bytes = current_rss_bytes()  # torch + Ray + this code, before any expert
-        self.channel = ExchangeServer(self._compute, lambda: self._tokens, host=_node_address())
+        self.channel = ExchangeServer(self._compute, lambda: self._tokens, host=_node_address(),
+                                      torch_threads=torch_threads)
         threading.Thread(target=self._maintain, name="store-maintenance", daemon=True).start()
 
     def reconfigure(self, config: dict) -> None:
@@ -224,6 +225,7 @@ class ExpertShard:
             "compute_cpu_s": self.compute_cpu_s,
             "calls": self.calls,
             "channel": {"requests": self.channel.requests, "errors": self.channel.errors,
+                        "handle_s": self.channel.handle_s,
                         "connections": self.channel.connections(), "last_error": self.channel.last_error},
             "peak_rss_bytes": peak_rss_bytes(),
             "rss_bytes": current_rss_bytes(),

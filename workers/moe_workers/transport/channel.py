@@ -116,7 +116,8 @@ class ExpertChannel:
         self._changed = threading.Condition(self._lock)
         self._nudge = threading.Event()
         self._stop = threading.Event()
-        self.stats = {"exchanges": 0, "retries": 0, "unavailable": 0, "failed": 0, "membership_errors": 0}
+        self.stats = {"exchanges": 0, "retries": 0, "unavailable": 0, "failed": 0, "membership_errors": 0,
+                      "exchange_s": 0.0}
         self.last_membership_error = ""
         if source is not None:
             self._refresh_s = refresh_s
@@ -177,7 +178,13 @@ class ExpertChannel:
 
     def exchange(self, layer: int, parts: dict[str, Part]) -> dict[str, torch.Tensor]:
         """Each group's outputs for its part (rows in the order sent)."""
-        deadline = time.monotonic() + self.timeout_s
+        t0 = time.perf_counter()
+        try:
+            return self._exchange(layer, parts, time.monotonic() + self.timeout_s)
+        finally:
+            self.stats["exchange_s"] += time.perf_counter() - t0
+
+    def _exchange(self, layer: int, parts: dict[str, Part], deadline: float) -> dict[str, torch.Tensor]:
         pending = dict(parts)
         results: dict[str, torch.Tensor] = {}
         failed: dict[str, set[str]] = {g: set() for g in parts}  # replicas that answered with an error

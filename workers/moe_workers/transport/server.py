@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -60,16 +61,19 @@ def tune(sock: socket.socket) -> None:
 
 class ExchangeServer:
     def __init__(self, compute: Compute, tokens: Callable[[], list[str]], host: str = "127.0.0.1", port: int = 0,
-                 hello_timeout_s: float = 10.0):
+                 hello_timeout_s: float = 10.0, torch_threads: int | None = None):
         """`tokens()`: the channel tokens accepted now (the current one, and the previous one for
-        a while after it changes)."""
+        a while after it changes). `torch_threads`: intra-op threads of the connection threads
+        (torch's setting is per thread under OpenMP: a new thread would otherwise use every core)."""
         self.compute = compute
+        self.torch_threads = torch_threads
         self.tokens = tokens
         self.hello_timeout_s = hello_timeout_s
         self.draining = False
         self.requests = 0
         self.errors = 0
         self.busy = 0  # requests being computed now
+        self.handle_s = 0.0  # wall time from a request fully received to its reply sent, summed
         self.last_error = ""
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
@@ -124,6 +128,8 @@ class ExchangeServer:
             threading.Thread(target=self._serve, args=(conn,), name="expert-channel-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
         try:
             if self._hello(conn):
                 self._loop(conn)
@@ -168,6 +174,7 @@ class ExchangeServer:
                 bigger[:got] = buf[:got]
                 buf, view = bigger, memoryview(bigger.numpy())
             _recv_at_least(conn, view, got, total)
+            t0 = time.perf_counter()
             req = wire.decode_request(view[:head], view[head:head + size])
             if self.draining:
                 conn.sendall(wire.encode_reply(seq, wire.DRAINING, message="replica is stopping"))
@@ -189,6 +196,7 @@ class ExchangeServer:
                     self.busy -= 1
             self.requests += 1
             send_all(conn, [wire.encode_reply(seq, wire.OK, rows, hidden, dtype), wire.as_bytes(out)])
+            self.handle_s += time.perf_counter() - t0
 
 
 def _recv_at_least(sock: socket.socket, view: memoryview, got: int, n: int) -> int:
