@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from checkpoints import make_mixtral
 from moe_workers.model.checkpoint import Checkpoint
@@ -157,3 +158,21 @@ def test_failed_step_fails_its_requests_and_frees_their_slots(tmp_path):
     assert all(r.finish_reason == "error: shard group unreachable" for r in reqs)
     assert all(isinstance(r.error, RuntimeError) for r in reqs)  # the HTTP layer picks 500 or 503 by type
     assert engine.cache.free_slots == 2 and engine.running == [] and not engine.waiting
+
+
+def test_compute_rows_writes_each_experts_rows_in_place(tmp_path):
+    """What a shard replica computes for one channel request: rows grouped by expert, outputs in
+    the same order, written into the reply buffer."""
+    from moe_workers.model.experts import compute_rows
+    from moe_workers.model.layers import expert_mlp
+
+    make_mixtral(tmp_path, num_local_experts=4, num_hidden_layers=2)
+    ckpt = Checkpoint(tmp_path)
+    experts = LocalExperts(ckpt, ckpt.config.dtype)
+    keys, counts = [(1, 0), (1, 3)], [2, 3]
+    x = torch.randn(5, ckpt.config.hidden_size)
+    out = torch.full_like(x, float("nan"))
+    compute_rows(experts.weights, keys, counts, x, out)
+    w0, w3 = experts.weights[(1, 0)], experts.weights[(1, 3)]
+    assert torch.equal(out[:2], expert_mlp(x[:2], w0["w1"], w0["w2"], w0["w3"]))
+    assert torch.equal(out[2:], expert_mlp(x[2:], w3["w1"], w3["w2"], w3["w3"]))

@@ -72,7 +72,7 @@ def test_bad_frames_are_protocol_errors():
         wire.encode_request(1, 0, 3, 4, torch.float32, [0], [2])
     with pytest.raises(wire.ProtocolError, match="cannot travel"):
         wire.encode_request(1, 0, 2, 4, torch.int64, [0], [2])
-    huge = wire.REQUEST_HEADER.pack(wire.MAGIC, wire.EXPERTS, 1, 1, 0, wire.MAX_ROWS + 1, 4, 1, 0)
+    huge = wire.REQUEST_HEADER.pack(wire.MAGIC, wire.EXPERTS, 1, 0, 1, 0, wire.MAX_ROWS + 1, 4, 1, 0)
     with pytest.raises(wire.ProtocolError, match="frame limits"):
         wire.decode_request_header(huge)
 
@@ -225,3 +225,42 @@ def test_membership_updates_replace_moved_replicas(servers):
     ch.exchange(0, {"g0": Part([0], [1], torch.ones(1, 4))})
     assert (a.requests, b.requests) == (1, 1)
     assert [r["endpoint"] for r in ch.members()["g0"]] == [b.endpoint]
+
+
+def test_device_link_carries_the_rows_beside_the_frames(servers):
+    """The GPU path's code on CPU: each connection gets a two-rank process group (gloo here,
+    NCCL for CUDA rows); frames flagged LINKED carry no tensor bytes on the socket."""
+    a, b = servers(), servers()
+    ch = _channel([Member("g0", "r0", a.endpoint), Member("g1", "r1", b.endpoint)], device_link="gloo")
+    x0, x1 = torch.randn(3, 16), torch.randn(70000, 16)  # the second one far beyond any socket buffer
+    for _ in range(3):
+        out = ch.exchange(2, {"g0": Part([1], [3], x0), "g1": Part([0, 4], [10, 69990], x1)})
+        assert torch.equal(out["g0"], _expected(2, x0, [1], [3]))
+        assert torch.equal(out["g1"], _expected(2, x1, [0, 4], [10, 69990]))
+    assert a.requests == 3 and b.requests == 3
+    assert all(c.link is not None for p in ch._peers.values() for c in p.idle)
+
+
+def test_a_linked_frame_without_a_link_is_refused(servers):
+    s = servers()
+    host, port = s.endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as c:
+        c.sendall(wire.encode_hello(TOKEN))
+        status, n = wire.decode_ack_header(c.recv(wire.ACK_HEADER.size))
+        assert status == wire.OK
+        c.sendall(wire.encode_request(1, 0, 1, 4, torch.float32, [0], [1], flags=wire.LINKED))
+        c.settimeout(2)
+        try:
+            assert c.recv(16) == b""
+        except ConnectionResetError:
+            pass
+    assert s.requests == 0
+
+
+def test_an_unknown_link_backend_is_refused_at_hello(servers):
+    s = servers()
+    host, port = s.endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as c:
+        c.sendall(wire.encode_hello(TOKEN, {"backend": "carrier-pigeon", "host": "127.0.0.1", "port": 1}))
+        status, n = wire.decode_ack_header(c.recv(wire.ACK_HEADER.size))
+        assert status == wire.ERROR and b"unknown link backend" in c.recv(n)

@@ -28,3 +28,20 @@ class LocalExperts:
         groups = group_by_expert(indices)
         outputs = self.forward(layer, {e: x[rows] for e, (rows, _) in groups.items()})
         return combine(x.shape[0], x.shape[1], x.dtype, groups, outputs, weights)
+
+
+def compute_rows(weights: dict, keys: list[tuple[int, int]], counts: list[int], x: torch.Tensor,
+                 out: torch.Tensor) -> None:
+    """`counts[i]` rows of x for expert keys[i], written into out. The rows go to the weights'
+    device and back when they differ (rows from the socket into a GPU hot tier); rows that came
+    on a device link are already there."""
+    device = weights[keys[0]]["w1"].device if keys else x.device
+    xd = x if x.device == device else x.to(device, non_blocking=True)
+    od = out if out.device == device else torch.empty_like(xd)
+    start = 0
+    for key, n in zip(keys, counts):
+        w = weights[key]
+        expert_mlp(xd[start:start + n], w["w1"], w["w2"], w["w3"], out=od[start:start + n])
+        start += n
+    if od is not out:
+        out.copy_(od)

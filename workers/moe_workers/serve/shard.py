@@ -17,7 +17,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from moe_workers.model.checkpoint import Checkpoint
-from moe_workers.model.layers import expert_mlp
+from moe_workers.model.experts import compute_rows
 from moe_workers.serve.memory import current_rss_bytes, peak_rss_bytes
 from moe_workers.serve.metrics import ShardMetrics
 from moe_workers.store.store import StoreFull, TierConfig, TieredExpertStore
@@ -155,11 +155,7 @@ class ExpertShard:
         with self.store.use(keys) as weights, torch.inference_mode():
             if prefetch:
                 self.store.prefetch(prefetch)  # loads overlap this call's compute
-            start = 0
-            for key, n in zip(keys, counts):
-                w = weights[key]
-                expert_mlp(x[start:start + n], w["w1"], w["w2"], w["w3"], out=out[start:start + n])
-                start += n
+            compute_rows(weights, keys, counts, x, out)
         with self._load_lock:
             for key, n in zip(keys, counts):
                 self.load[key] += n

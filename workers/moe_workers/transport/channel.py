@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import wire
+from .link import LinkError, LinkOffer, PairLink
 from .server import _recv_at_least, recv_bytes, recv_exact, send_all, tune
 
 
@@ -72,10 +73,12 @@ def _split_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 class _Conn:
-    """A connection to a replica, with the buffer its small replies are read into."""
+    """A connection to a replica, with the buffer its small replies are read into, and its
+    device link when the channel has one."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, link: PairLink | None = None):
         self.sock = sock
+        self.link = link
         self.view = memoryview(bytearray(1 << 16))
 
     def close(self) -> None:
@@ -83,6 +86,7 @@ class _Conn:
             self.sock.close()
         except OSError:
             pass
+        self.link = None  # the process group goes with its last reference
 
 
 class _Peer:
@@ -104,8 +108,13 @@ class _Peer:
 
 class ExpertChannel:
     def __init__(self, source: MembershipSource | None = None, timeout_s: float = 60.0, connect_timeout_s: float = 2.0,
-                 refresh_s: float = 1.0, down_s: float = 2.0):
+                 refresh_s: float = 1.0, down_s: float = 2.0, device_link: str | None = None,
+                 link_host: str = "127.0.0.1"):
+        """`device_link`: None (tensor bytes on the socket), or a backend ("nccl" for CUDA rows,
+        "gloo") for a device link per connection, its store on `link_host` (this side's address)."""
         self.timeout_s = timeout_s
+        self.device_link = device_link
+        self.link_host = link_host
         self.connect_timeout_s = connect_timeout_s
         self.down_s = down_s
         self.token = ""
@@ -203,10 +212,15 @@ class ExpertChannel:
                 peer, conn = got
                 seq = next(self._seq)
                 try:
-                    send_all(conn.sock, [wire.encode_request(seq, layer, part.x.shape[0], part.x.shape[1], part.x.dtype,
-                                                        part.experts, part.counts, part.prefetch),
-                                    wire.as_bytes(part.x)])
-                except OSError:
+                    if conn.link is not None:
+                        conn.sock.sendall(wire.encode_request(seq, layer, part.x.shape[0], part.x.shape[1], part.x.dtype,
+                                                              part.experts, part.counts, part.prefetch, wire.LINKED))
+                        conn.link.send(part.x.to(conn.link.device))
+                    else:
+                        send_all(conn.sock, [wire.encode_request(seq, layer, part.x.shape[0], part.x.shape[1],
+                                                                 part.x.dtype, part.experts, part.counts, part.prefetch),
+                                             wire.as_bytes(part.x)])
+                except (OSError, RuntimeError):
                     self._checkin(peer, conn, ok=False)
                     continue
                 sent.append((group, peer, conn, seq))
@@ -261,7 +275,7 @@ class ExpertChannel:
                 return peer, conn
             try:
                 return peer, self._connect(peer.member, token)
-            except (OSError, wire.ProtocolError):
+            except (OSError, wire.ProtocolError, LinkError):
                 with self._lock:
                     peer.in_flight -= 1
                     peer.down_until = time.monotonic() + self.down_s
@@ -271,12 +285,18 @@ class ExpertChannel:
         sock = socket.create_connection(_split_endpoint(member.endpoint), timeout=self.connect_timeout_s)
         try:
             tune(sock)
-            sock.sendall(wire.encode_hello(token))
+            link = None
+            if self.device_link:
+                store, port = PairLink.host_store(self.link_host, self.timeout_s)
+                sock.sendall(wire.encode_hello(token, LinkOffer(self.device_link, self.link_host, port).as_dict()))
+                link = PairLink(self.device_link, 0, store, self.timeout_s)  # meets the replica's rank 1
+            else:
+                sock.sendall(wire.encode_hello(token))
             status, n = wire.decode_ack_header(recv_bytes(sock, wire.ACK_HEADER.size))
             message = recv_bytes(sock, n).decode(errors="replace")
             if status != wire.OK:
                 raise wire.ProtocolError(f"{member.endpoint} refused the channel: {message}")
-            return _Conn(sock)
+            return _Conn(sock, link)
         except BaseException:
             sock.close()
             raise
@@ -308,6 +328,12 @@ class ExpertChannel:
                 got = _recv_at_least(sock, view, got, head + n)
                 message = bytes(view[head:head + n]).decode(errors="replace")
                 return (message or "error") if reply.status == wire.ERROR else None
+            if reply.flags & wire.LINKED:
+                if conn.link is None:
+                    raise wire.ProtocolError("a linked reply on a connection without a device link")
+                out = torch.empty(reply.rows, reply.hidden, dtype=reply.dtype, device=conn.link.device)
+                conn.link.recv_into(out)
+                return out
             out, raw = wire.empty_rows(reply.rows, reply.hidden, reply.dtype)
             total = head + len(raw)
             if total <= len(view):
@@ -317,7 +343,7 @@ class ExpertChannel:
                 raw[:got - head] = view[head:got]
                 recv_exact(sock, raw[got - head:])
             return out
-        except (OSError, ConnectionError, wire.ProtocolError):
+        except (OSError, ConnectionError, wire.ProtocolError, RuntimeError):  # RuntimeError: the link broke
             return None
 
     def _wait_for_members(self, until: float) -> None:

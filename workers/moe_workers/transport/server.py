@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from . import wire
+from .link import LinkError, LinkOffer, PairLink
 
 Compute = Callable[[int, torch.Tensor, list[int], list[int], list[tuple[int, int]], torch.Tensor], None]
 
@@ -131,8 +132,9 @@ class ExchangeServer:
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         try:
-            if self._hello(conn):
-                self._loop(conn)
+            ok, link = self._hello(conn)
+            if ok:
+                self._loop(conn, link)
         except (OSError, ConnectionError, wire.ProtocolError):
             pass  # a broken or foreign peer: drop the connection, keep serving the others
         except Exception as err:  # noqa: BLE001 - a bug must not take the other connections down
@@ -145,19 +147,30 @@ class ExchangeServer:
             except OSError:
                 pass
 
-    def _hello(self, conn: socket.socket) -> bool:
+    def _hello(self, conn: socket.socket) -> tuple[bool, PairLink | None]:
+        """Check the token; join the device link the ingress offers, if any."""
         conn.settimeout(self.hello_timeout_s)  # a silent connection does not keep a thread forever
-        n = wire.decode_hello_header(recv_bytes(conn, wire.HELLO_HEADER.size))
+        n, m = wire.decode_hello_header(recv_bytes(conn, wire.HELLO_HEADER.size))
         token = recv_bytes(conn, n)
+        offer = wire.decode_link_offer(recv_bytes(conn, m))
         accepted = [t.encode() for t in self.tokens() if t]
         if not any(hmac.compare_digest(token, t) for t in accepted):
             conn.sendall(wire.encode_ack(wire.DENIED, "wrong channel token"))
-            return False
+            return False, None
+        link = None
+        if offer is not None:
+            try:
+                parsed = LinkOffer.from_dict(offer)
+                link = PairLink(parsed.backend, 1, PairLink.join_store(parsed, self.hello_timeout_s),
+                                self.hello_timeout_s)
+            except (LinkError, RuntimeError, KeyError, ValueError) as err:
+                conn.sendall(wire.encode_ack(wire.ERROR, f"device link refused: {err}"))
+                return False, None
         conn.sendall(wire.encode_ack(wire.OK))
         conn.settimeout(None)
-        return True
+        return True, link
 
-    def _loop(self, conn: socket.socket) -> None:
+    def _loop(self, conn: socket.socket, link: PairLink | None = None) -> None:
         """Requests one at a time (the ingress never pipelines on a connection). Each read takes
         what has arrived into one reused buffer: a small request is one recv, not four."""
         head = wire.REQUEST_HEADER.size
@@ -166,8 +179,11 @@ class ExchangeServer:
         outbuf = torch.empty(0, dtype=torch.uint8)
         while True:
             got = _recv_at_least(conn, view, 0, head)
-            seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size = wire.decode_request_header(view[:head])
-            nbytes = rows * hidden * dtype.itemsize
+            seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size, flags = wire.decode_request_header(view[:head])
+            linked = bool(flags & wire.LINKED)
+            if linked and link is None:
+                raise wire.ProtocolError("a linked frame on a connection without a device link")
+            nbytes = 0 if linked else rows * hidden * dtype.itemsize
             total = head + size + nbytes
             if len(view) < total:  # grow, keeping what already arrived
                 bigger = torch.empty(total, dtype=torch.uint8)
@@ -176,13 +192,18 @@ class ExchangeServer:
             _recv_at_least(conn, view, got, total)
             t0 = time.perf_counter()
             req = wire.decode_request(view[:head], view[head:head + size])
+            if linked:  # the rows come on the link, in frame order; take them even when draining
+                x = torch.empty(rows, hidden, dtype=dtype, device=link.device)
+                link.recv_into(x)
+                out = torch.empty_like(x)
             if self.draining:
                 conn.sendall(wire.encode_reply(seq, wire.DRAINING, message="replica is stopping"))
                 continue
-            if outbuf.numel() < nbytes:
-                outbuf = torch.empty(nbytes, dtype=torch.uint8)
-            x = buf[head + size:total].view(dtype).view(rows, hidden)
-            out = outbuf[:nbytes].view(dtype).view(rows, hidden)
+            if not linked:
+                if outbuf.numel() < nbytes:
+                    outbuf = torch.empty(nbytes, dtype=torch.uint8)
+                x = buf[head + size:total].view(dtype).view(rows, hidden)
+                out = outbuf[:nbytes].view(dtype).view(rows, hidden)
             with self._lock:
                 self.busy += 1
             try:
@@ -195,7 +216,11 @@ class ExchangeServer:
                 with self._lock:
                     self.busy -= 1
             self.requests += 1
-            send_all(conn, [wire.encode_reply(seq, wire.OK, rows, hidden, dtype), wire.as_bytes(out)])
+            if linked:
+                conn.sendall(wire.encode_reply(seq, wire.OK, rows, hidden, dtype, flags=wire.LINKED))
+                link.send(out)
+            else:
+                send_all(conn, [wire.encode_reply(seq, wire.OK, rows, hidden, dtype), wire.as_bytes(out)])
             self.handle_s += time.perf_counter() - t0
 
 

@@ -5,16 +5,17 @@ the outputs in the same order. A connection starts with a hello that proves the 
 app's channel token. Fixed little-endian headers, then variable parts, then raw tensor bytes:
 nothing is pickled, so a peer can send nothing but numbers and a short UTF-8 message.
 
-    hello      MAGIC  kind=HELLO   token_len                  token
+    hello      MAGIC  kind=HELLO   token_len link_len         token, link offer (JSON, may be empty)
     hello ack  MAGIC  status       msg_len                    message (empty when OK)
-    request    MAGIC  kind=EXPERTS dtype seq layer rows hidden n_experts n_prefetch
+    request    MAGIC  kind=EXPERTS dtype flags seq layer rows hidden n_experts n_prefetch
                int32[n_experts] experts, int32[n_experts] counts, int32[2*n_prefetch] (layer, expert),
-               rows*hidden values
-    reply      MAGIC  status dtype seq rows hidden msg_len    message | rows*hidden values
+               padding to 16 bytes, rows*hidden values (none when flags has LINKED: they go on the link)
+    reply      MAGIC  status dtype flags seq rows hidden msg_len    message | rows*hidden values
 """
 
 from __future__ import annotations
 
+import json
 import struct
 from dataclasses import dataclass
 
@@ -23,17 +24,20 @@ import torch
 MAGIC = b"MoE1"
 HELLO, EXPERTS = 1, 2  # request kinds
 OK, ERROR, DRAINING, DENIED = 0, 1, 2, 3  # reply statuses
+LINKED = 1  # flag: the tensor of this frame travels on the connection's device link
 STATUS_NAMES = {OK: "ok", ERROR: "error", DRAINING: "draining", DENIED: "denied"}
 
 DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
-HELLO_HEADER = struct.Struct("<4sBI")  # magic, kind, token length
+HELLO_HEADER = struct.Struct("<4sBII")  # magic, kind, token length, link offer length
 ACK_HEADER = struct.Struct("<4sBI")  # magic, status, message length
-REQUEST_HEADER = struct.Struct("<4sBBQIIIII")  # magic, kind, dtype, seq, layer, rows, hidden, n_experts, n_prefetch
-REPLY_HEADER = struct.Struct("<4sBBQIII")  # magic, status, dtype, seq, rows, hidden, message length
+# magic, kind, dtype, flags, seq, layer, rows, hidden, n_experts, n_prefetch
+REQUEST_HEADER = struct.Struct("<4sBBBQIIIII")
+REPLY_HEADER = struct.Struct("<4sBBBQIII")  # magic, status, dtype, flags, seq, rows, hidden, message length
 
 MAX_TOKEN = 256
+MAX_LINK_OFFER = 1024
 MAX_MESSAGE = 4096
 MAX_EXPERTS = 1 << 16
 MAX_ROWS = 1 << 24
@@ -55,10 +59,12 @@ class Request:
     experts: list[int]
     counts: list[int]
     prefetch: list[tuple[int, int]]
+    flags: int = 0
 
     @property
     def payload_bytes(self) -> int:
-        return self.rows * self.hidden * _itemsize(self.dtype)
+        """Tensor bytes on the socket (none when they travel on the link)."""
+        return 0 if self.flags & LINKED else self.rows * self.hidden * _itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -69,10 +75,13 @@ class Reply:
     hidden: int
     dtype: torch.dtype
     message: str = ""
+    flags: int = 0
 
     @property
     def payload_bytes(self) -> int:
-        return self.rows * self.hidden * _itemsize(self.dtype) if self.status == OK else 0
+        if self.status != OK or self.flags & LINKED:
+            return 0
+        return self.rows * self.hidden * _itemsize(self.dtype)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -99,22 +108,37 @@ def _dtype(code: int) -> torch.dtype:
         raise ProtocolError(f"unknown dtype code {code}") from None
 
 
-def encode_hello(token: str) -> bytes:
+def encode_hello(token: str, link: dict | None = None) -> bytes:
     raw = token.encode()
+    offer = json.dumps(link).encode() if link else b""
     if len(raw) > MAX_TOKEN:
         raise ProtocolError(f"channel token longer than {MAX_TOKEN} bytes")
-    return HELLO_HEADER.pack(MAGIC, HELLO, len(raw)) + raw
+    if len(offer) > MAX_LINK_OFFER:
+        raise ProtocolError(f"link offer longer than {MAX_LINK_OFFER} bytes")
+    return HELLO_HEADER.pack(MAGIC, HELLO, len(raw), len(offer)) + raw + offer
 
 
-def decode_hello_header(buf: bytes) -> int:
-    """Token length of a hello header."""
-    magic, kind, n = HELLO_HEADER.unpack(buf)
+def decode_hello_header(buf: bytes) -> tuple[int, int]:
+    """Token length and link offer length of a hello header."""
+    magic, kind, n, m = HELLO_HEADER.unpack(buf)
     _check_magic(bytes(magic))
     if kind != HELLO:
         raise ProtocolError(f"expected a hello, got frame kind {kind}")
-    if n > MAX_TOKEN:
-        raise ProtocolError(f"hello token of {n} bytes exceeds {MAX_TOKEN}")
-    return n
+    if n > MAX_TOKEN or m > MAX_LINK_OFFER:
+        raise ProtocolError(f"hello of {n} + {m} bytes exceeds {MAX_TOKEN} + {MAX_LINK_OFFER}")
+    return n, m
+
+
+def decode_link_offer(raw: bytes) -> dict | None:
+    if not raw:
+        return None
+    try:
+        offer = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ProtocolError(f"link offer is not JSON: {err}") from None
+    if not isinstance(offer, dict):
+        raise ProtocolError("link offer is not an object")
+    return offer
 
 
 def encode_ack(status: int, message: str = "") -> bytes:
@@ -131,22 +155,24 @@ def decode_ack_header(buf: bytes) -> tuple[int, int]:
 
 
 def encode_request(seq: int, layer: int, rows: int, hidden: int, dtype: torch.dtype, experts: list[int],
-                   counts: list[int], prefetch: list[tuple[int, int]] | None = None) -> bytes:
+                   counts: list[int], prefetch: list[tuple[int, int]] | None = None, flags: int = 0) -> bytes:
     """Header and variable part of a request (the tensor bytes follow separately)."""
     prefetch = prefetch or []
     if len(experts) != len(counts):
         raise ProtocolError("experts and counts differ in length")
     if sum(counts) != rows:
         raise ProtocolError(f"counts sum to {sum(counts)}, not to the {rows} rows sent")
-    head = REQUEST_HEADER.pack(MAGIC, EXPERTS, dtype_code(dtype), seq, layer, rows, hidden, len(experts), len(prefetch))
+    head = REQUEST_HEADER.pack(MAGIC, EXPERTS, dtype_code(dtype), flags, seq, layer, rows, hidden, len(experts),
+                               len(prefetch))
     flat = [*experts, *counts, *(v for pair in prefetch for v in pair)]
     body = struct.pack(f"<{len(flat)}i", *flat)
     return head + body + bytes(_variable_size(len(experts), len(prefetch)) - len(body))
 
 
-def decode_request_header(buf) -> tuple[int, int, int, int, int, torch.dtype, int, int]:
-    """(seq, layer, rows, hidden, dtype, n_experts, n_prefetch, byte length of the variable part)."""
-    magic, kind, code, seq, layer, rows, hidden, n_experts, n_prefetch = REQUEST_HEADER.unpack_from(buf)
+def decode_request_header(buf) -> tuple[int, int, int, int, torch.dtype, int, int, int, int]:
+    """(seq, layer, rows, hidden, dtype, n_experts, n_prefetch, byte length of the variable part,
+    flags)."""
+    magic, kind, code, flags, seq, layer, rows, hidden, n_experts, n_prefetch = REQUEST_HEADER.unpack_from(buf)
     _check_magic(bytes(magic))
     if kind != EXPERTS:
         raise ProtocolError(f"expected an experts request, got frame kind {kind}")
@@ -155,7 +181,7 @@ def decode_request_header(buf) -> tuple[int, int, int, int, int, torch.dtype, in
         raise ProtocolError(f"{n_experts} experts / {n_prefetch} prefetch hints exceed {MAX_EXPERTS}")
     if rows > MAX_ROWS or hidden > MAX_HIDDEN or rows * hidden * _itemsize(dtype) > MAX_PAYLOAD:
         raise ProtocolError(f"{rows} x {hidden} rows exceed the frame limits")
-    return seq, layer, rows, hidden, dtype, n_experts, n_prefetch, _variable_size(n_experts, n_prefetch)
+    return seq, layer, rows, hidden, dtype, n_experts, n_prefetch, _variable_size(n_experts, n_prefetch), flags
 
 
 ALIGN = 16  # the tensor bytes start at a multiple of this, so the receiver can view them in place
@@ -168,7 +194,7 @@ def _variable_size(n_experts: int, n_prefetch: int) -> int:
 
 
 def decode_request(header, variable) -> Request:
-    seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size = decode_request_header(header)
+    seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size, flags = decode_request_header(header)
     if len(variable) != size:
         raise ProtocolError(f"request body of {len(variable)} bytes, expected {size}")
     flat = struct.unpack_from(f"<{2 * n_experts + 2 * n_prefetch}i", variable)
@@ -177,24 +203,24 @@ def decode_request(header, variable) -> Request:
     prefetch = [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)]
     if any(c < 0 for c in counts) or sum(counts) != rows:
         raise ProtocolError(f"counts {counts} do not add up to the {rows} rows sent")
-    return Request(seq, layer, rows, hidden, dtype, experts, counts, prefetch)
+    return Request(seq, layer, rows, hidden, dtype, experts, counts, prefetch, flags)
 
 
 def encode_reply(seq: int, status: int, rows: int = 0, hidden: int = 0, dtype: torch.dtype = torch.float32,
-                 message: str = "") -> bytes:
+                 message: str = "", flags: int = 0) -> bytes:
     raw = message.encode()[:MAX_MESSAGE]
-    return REPLY_HEADER.pack(MAGIC, status, dtype_code(dtype), seq, rows, hidden, len(raw)) + raw
+    return REPLY_HEADER.pack(MAGIC, status, dtype_code(dtype), flags, seq, rows, hidden, len(raw)) + raw
 
 
 def decode_reply_header(buf) -> tuple[Reply, int]:
     """The reply (message not yet read) and the length of its message."""
-    magic, status, code, seq, rows, hidden, n = REPLY_HEADER.unpack_from(buf)
+    magic, status, code, flags, seq, rows, hidden, n = REPLY_HEADER.unpack_from(buf)
     _check_magic(bytes(magic))
     if status not in STATUS_NAMES:
         raise ProtocolError(f"unknown reply status {status}")
     if n > MAX_MESSAGE or rows > MAX_ROWS or hidden > MAX_HIDDEN:
         raise ProtocolError("reply exceeds the frame limits")
-    return Reply(seq, status, rows, hidden, _dtype(code)), n
+    return Reply(seq, status, rows, hidden, _dtype(code), flags=flags), n
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
