@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import statistics
@@ -47,6 +48,10 @@ def parse_args():
     p.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra env var for the served app's replicas (runtime_env), repeatable")
     p.add_argument("--deep-point", type=int, default=0, help=argparse.SUPPRESS)  # one depth, in a subprocess
+    p.add_argument("--deep-threads", type=int, default=1,
+                   help="depth sweep: torch threads in-process and of the served ingress (1: the app's default, and "
+                        "the faster setting for batch-1 decode on both sides)")
+    p.add_argument("--deep-rounds", type=int, default=5, help="depth sweep: interleaved rounds per depth")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
     return p.parse_args()
@@ -178,8 +183,11 @@ def _concurrent(url: str, bodies: list[dict]) -> float:
     return time.perf_counter() - t0
 
 
-def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads: int, vocab: int, num_layers: int,
-               num_experts: int, micro_batches: int, serve_env: dict[str, str]) -> dict:
+@contextlib.contextmanager
+def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_layers: int, num_experts: int,
+               micro_batches: int, serve_env: dict[str, str], max_batch: int):
+    """The bench app on a fresh local Ray head: (url, stats()) with stats() the ingress' engine
+    figures and each shard's status."""
     from moe_operator.backends.ray_rest import RayServeClient
     from moe_operator.standalone.local_ray import LocalRayHead
     from moe_workers.serve.config import AppArgs, serve_application
@@ -191,8 +199,7 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
 
         placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in range(num_layers) for e in range(num_experts)
                                           if e % groups == g] for g in range(groups)}
-        batch = max([work["prefill_n"], *work["decode_batches"]])
-        args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=groups, max_batch_size=batch,
+        args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=groups, max_batch_size=max_batch,
                        kv_cache_budget_bytes=2 * 2**30, max_queued_requests=256, max_model_len=512,
                        ingress_num_cpus=1, shard_num_cpus=1, torch_threads=shard_threads,
                        ingress_torch_threads=threads, micro_batches=micro_batches)
@@ -210,6 +217,18 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
             return ingress.engine_stats.remote().result(), [s.status.remote().result() for s in shards]
 
         _post(url, {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})  # warm-up
+        yield url, stats
+        client.delete_all()
+        ray.shutdown()
+    finally:
+        head.stop()
+
+
+def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads: int, vocab: int, num_layers: int,
+               num_experts: int, micro_batches: int, serve_env: dict[str, str]) -> dict:
+    batch = max([work["prefill_n"], *work["decode_batches"]])
+    with served_app(path, groups, threads, shard_threads, num_layers, num_experts, micro_batches, serve_env,
+                    batch) as (url, stats):
         out = {}
         ps = prompts(work["prefill_n"], work["prefill_len"], vocab, 1)
         runs = []
@@ -258,11 +277,7 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
         out["ingress_dense_bytes"] = e["dense_bytes"]
         out["pids"] = {"Ingress": e["pid"], "shards": {x["group"]: x["pid"] for x in s}}
         out["shard_expert_bytes"] = {x["group"]: x["bytes"] for x in s}
-        client.delete_all()
-        ray.shutdown()
         return out
-    finally:
-        head.stop()
 
 
 def print_breakdown(title: str, bd: dict) -> None:
@@ -274,20 +289,57 @@ def print_breakdown(title: str, bd: dict) -> None:
 
 
 def deep_point(a, n: int) -> dict:
-    """Batch-1 decode of one model depth, served against in-process."""
+    """Batch-1 decode of one model depth, served against in-process, interleaved: the two sides
+    alternate --deep-rounds times in one window (this machine's speed drifts by 20-30% over
+    minutes, which a before/after pair would read as a ratio); figures are medians over rounds."""
+    from moe_workers.model.inprocess import InProcessModel
+
     shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=n, num_heads=8,
                  num_kv_heads=2, num_experts=8, top_k=2, max_position_embeddings=512)
-    work = dict(prefill_n=0, prefill_len=0, prefill_repeats=0, decode_batches=[1], decode_tokens=33, decode_repeats=3)
+    tokens = 33
     path = ensure_checkpoint(a.cache_dir, shape)
-    print(f"\ndepth sweep: {n} layers ({shape})", flush=True)
-    local = run_inprocess(path, work, a.threads)
-    served = run_served(path, work, 2, a.ingress_threads or a.threads, a.shard_threads, shape["vocab_size"], n,
-                        shape["num_experts"], a.micro_batches, dict(kv.split("=", 1) for kv in a.serve_env))
-    ms_local, ms_served = 1000 / local["decode1_tps"], 1000 / served["decode1_tps"]
-    return {"layers": n, "in_process_ms_per_token": ms_local, "served_ms_per_token": ms_served,
-            "ratio": ms_local / ms_served, "dispatch_ms_per_layer": (ms_served - ms_local) / n,
-            "in_process_runs_tps": local["decode1_runs_tps"], "served_runs_tps": served["decode1_runs_tps"],
-            "served_breakdown": served["decode1_breakdown"]}
+    print(f"\ndepth sweep: {n} layers ({shape}); torch threads {a.deep_threads} on both sides", flush=True)
+    torch.set_num_threads(a.deep_threads)
+    model = InProcessModel(path, max_len=512, max_sequences=2)
+    prompt = [5, 6, 7]
+    model.generate([prompt], max_tokens=4)  # warm-up
+
+    def local_ms() -> float:
+        t0 = time.perf_counter()
+        model.generate([prompt], max_tokens=1)
+        t1 = time.perf_counter()
+        model.generate([prompt], max_tokens=tokens)
+        return ((time.perf_counter() - t1) - (t1 - t0)) / (tokens - 1) * 1000
+
+    rounds = []
+    with served_app(path, 2, a.deep_threads, a.shard_threads, n, shape["num_experts"], a.micro_batches,
+                    dict(kv.split("=", 1) for kv in a.serve_env), 8) as (url, stats):
+        body = {"prompt": prompt, "temperature": 0}
+
+        def served_ms() -> tuple[float, dict]:
+            one = _concurrent(url, [{**body, "max_tokens": 1}])
+            e0, s0 = stats()
+            full = _concurrent(url, [{**body, "max_tokens": tokens}])
+            e1, s1 = stats()
+            steps = e1["steps"] - e0["steps"]
+            per_step = {"dense_ms": (e1["dense_s"] - e0["dense_s"]) / steps * 1000,
+                        "experts_ms": (e1["experts_s"] - e0["experts_s"]) / steps * 1000,
+                        "shard_compute_ms": max(b["compute_s"] - a_["compute_s"] for a_, b in zip(s0, s1)) / steps * 1000,
+                        "shard_handle_ms": max(b["channel"]["handle_s"] - a_["channel"]["handle_s"]
+                                               for a_, b in zip(s0, s1)) / steps * 1000}
+            return (full - one) / (tokens - 1) * 1000, per_step
+
+        served_ms()  # warm-up
+        for _ in range(a.deep_rounds):
+            lm = local_ms()
+            sm, per_step = served_ms()
+            rounds.append({"in_process_ms": lm, "served_ms": sm, "ratio": lm / sm, "dispatch_ms_per_layer": (sm - lm) / n,
+                           "served_per_step": per_step})
+            print(f"  round: in-process {lm:.2f} ms/token, served {sm:.2f} ms/token ({lm / sm:.2f}); served per step "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in per_step.items()), flush=True)
+    med = lambda k: statistics.median(r[k] for r in rounds)  # noqa: E731
+    return {"layers": n, "in_process_ms_per_token": med("in_process_ms"), "served_ms_per_token": med("served_ms"),
+            "ratio": med("ratio"), "dispatch_ms_per_layer": med("dispatch_ms_per_layer"), "rounds": rounds}
 
 
 def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
@@ -299,7 +351,8 @@ def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
     for n in layer_counts:
         out = Path(tempfile.mkdtemp(prefix="moe-bench-deep-")) / "point.json"
         cmd = [sys.executable, __file__, "--deep-point", str(n), "--out", str(out), "--threads", str(a.threads),
-               "--shard-threads", str(a.shard_threads), "--cache-dir", a.cache_dir,
+               "--shard-threads", str(a.shard_threads), "--cache-dir", a.cache_dir, "--deep-threads", str(a.deep_threads),
+               "--deep-rounds", str(a.deep_rounds),
                *(["--ingress-threads", str(a.ingress_threads)] if a.ingress_threads else []),
                *(f"--serve-env={kv}" for kv in a.serve_env)]
         subprocess.run(cmd, check=True)
@@ -308,7 +361,8 @@ def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
         figures[f"decode1-ratio-{n}-layers"] = row["ratio"]
         figures[f"dispatch-ms-per-layer-{n}-layers"] = row["dispatch_ms_per_layer"]
     if rows:
-        print(f"\n{'layers':>6} {'in-process ms/token':>20} {'served ms/token':>16} {'served/in-process':>18} "
+        print(f"\nbatch-1 decode, 32 new tokens, medians over {a.deep_rounds} interleaved rounds:")
+        print(f"{'layers':>6} {'in-process ms/token':>20} {'served ms/token':>16} {'served/in-process':>18} "
               f"{'dispatch ms/layer':>18}")
         for r in rows:
             print(f"{r['layers']:6} {r['in_process_ms_per_token']:20.2f} {r['served_ms_per_token']:16.2f} "
