@@ -65,6 +65,14 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
 
 def group_by_expert(indices: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """{expert: (token rows, top-k slot)} for the (N, k) router indices, experts ascending."""
+    if indices.numel() <= _SMALL_ROWS:  # decode: a few Python ints beat argsort/unique/split
+        k = indices.shape[1]
+        buckets: dict[int, tuple[list[int], list[int]]] = {}
+        for pos, e in enumerate(indices.reshape(-1).tolist()):
+            rows, slots = buckets.setdefault(e, ([], []))
+            rows.append(pos // k)
+            slots.append(pos % k)
+        return {e: (torch.tensor(buckets[e][0]), torch.tensor(buckets[e][1])) for e in sorted(buckets)}
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)

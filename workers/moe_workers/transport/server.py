@@ -44,8 +44,17 @@ def recv_bytes(sock: socket.socket, n: int) -> bytes:
 
 
 def send_all(sock: socket.socket, parts: list) -> None:
-    """sendmsg until every byte of `parts` is out (a large send may go out in pieces)."""
+    """sendmsg until every byte of `parts` (bytes, or 1-D byte memoryviews) is out (a large send
+    may go out in pieces; a small one is one call)."""
+    sent = sock.sendmsg(parts)
+    if sent == sum(len(p) for p in parts):
+        return
     views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views and sent >= len(views[0]):
+        sent -= len(views[0])
+        views.pop(0)
+    if views and sent:
+        views[0] = views[0][sent:]
     while views:
         sent = sock.sendmsg(views)
         while views and sent >= len(views[0]):
@@ -179,7 +188,7 @@ class ExchangeServer:
         outbuf = torch.empty(0, dtype=torch.uint8)
         while True:
             got = _recv_at_least(conn, view, 0, head)
-            seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size, flags = wire.decode_request_header(view[:head])
+            seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size, flags = wire.decode_request_header(view)
             linked = bool(flags & wire.LINKED)
             if linked and link is None:
                 raise wire.ProtocolError("a linked frame on a connection without a device link")
@@ -191,7 +200,7 @@ class ExchangeServer:
                 buf, view = bigger, memoryview(bigger.numpy())
             _recv_at_least(conn, view, got, total)
             t0 = time.perf_counter()
-            req = wire.decode_request(view[:head], view[head:head + size])
+            experts, counts, prefetch = wire.decode_request_body(view, head, n_experts, n_prefetch, rows)
             if linked:  # the rows come on the link, in frame order; take them even when draining
                 x = torch.empty(rows, hidden, dtype=dtype, device=link.device)
                 link.recv_into(x)
@@ -207,7 +216,7 @@ class ExchangeServer:
             with self._lock:
                 self.busy += 1
             try:
-                self.compute(layer, x, req.experts, req.counts, req.prefetch, out)
+                self.compute(layer, x, experts, counts, prefetch, out)
             except Exception as err:  # noqa: BLE001 - the ingress decides; this replica keeps serving
                 self.errors += 1
                 conn.sendall(wire.encode_reply(seq, wire.ERROR, message=f"{type(err).__name__}: {err}"))

@@ -193,16 +193,22 @@ def _variable_size(n_experts: int, n_prefetch: int) -> int:
     return -(-end // ALIGN) * ALIGN - REQUEST_HEADER.size
 
 
+def decode_request_body(buf, offset: int, n_experts: int, n_prefetch: int,
+                        rows: int) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """(experts, counts, prefetch) from the variable part at `offset` of `buf`."""
+    flat = struct.unpack_from(f"<{2 * n_experts + 2 * n_prefetch}i", buf, offset)
+    experts, counts = list(flat[:n_experts]), list(flat[n_experts:2 * n_experts])
+    pairs = flat[2 * n_experts:]
+    if any(c < 0 for c in counts) or sum(counts) != rows:
+        raise ProtocolError(f"counts {counts} do not add up to the {rows} rows sent")
+    return experts, counts, [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)]
+
+
 def decode_request(header, variable) -> Request:
     seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size, flags = decode_request_header(header)
     if len(variable) != size:
         raise ProtocolError(f"request body of {len(variable)} bytes, expected {size}")
-    flat = struct.unpack_from(f"<{2 * n_experts + 2 * n_prefetch}i", variable)
-    experts, counts = list(flat[:n_experts]), list(flat[n_experts:2 * n_experts])
-    pairs = flat[2 * n_experts:]
-    prefetch = [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)]
-    if any(c < 0 for c in counts) or sum(counts) != rows:
-        raise ProtocolError(f"counts {counts} do not add up to the {rows} rows sent")
+    experts, counts, prefetch = decode_request_body(variable, 0, n_experts, n_prefetch, rows)
     return Request(seq, layer, rows, hidden, dtype, experts, counts, prefetch, flags)
 
 
