@@ -48,7 +48,7 @@ def test_killed_shard_replicas_fail_requests_at_most_with_503_and_rejoin(ray_hea
         wait_for(lambda: sum(len(r) for r in _status(url)["channel"]["members"].values()) == 3, timeout_s=60,
                  what="three shard replicas on the channel")
         prompts = [[(i * 7 + k) % 90 + 3 for k in range(5)] for i in range(24)]
-        expected = {tuple(p): reference.generate([p], max_tokens=24)[0] for p in prompts}
+        expected = {tuple(p): reference.generate([p], max_tokens=24, stop_at_eos=True)[0] for p in prompts}
         outcomes: list[tuple[int, float, list[int] | None]] = []
         stop = threading.Event()
 

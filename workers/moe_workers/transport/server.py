@@ -44,24 +44,20 @@ def recv_bytes(sock: socket.socket, n: int) -> bytes:
 
 
 def send_all(sock: socket.socket, parts: list) -> None:
-    """sendmsg until every byte of `parts` (bytes, or 1-D byte memoryviews) is out (a large send
-    may go out in pieces; a small one is one call)."""
+    """sendmsg until every byte of `parts` (bytes, or 1-D byte memoryviews) is out (a small send
+    is one call; a large one may go out in pieces)."""
     sent = sock.sendmsg(parts)
     if sent == sum(len(p) for p in parts):
         return
     views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views and sent >= len(views[0]):
-        sent -= len(views[0])
-        views.pop(0)
-    if views and sent:
-        views[0] = views[0][sent:]
-    while views:
-        sent = sock.sendmsg(views)
+    while True:
         while views and sent >= len(views[0]):
             sent -= len(views[0])
             views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
+        if not views:
+            return
+        views[0] = views[0][sent:]
+        sent = sock.sendmsg(views)
 
 
 def tune(sock: socket.socket) -> None:
