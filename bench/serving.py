@@ -4,7 +4,8 @@
     python bench/serving.py --quick    # a small model, for a smoke run
 
 Prefill: 32 prompts x 256 tokens, one untimed warm-up on each side, then the median of
---prefill-repeats runs. Decode at batch 1, 16 and 64: tokens/s of the decode steps alone (a run with max_tokens=T minus a run with max_tokens=1). Both sides get the same CPU
+--prefill-repeats runs. The in-process side runs before and after the served side and the two
+are averaged (this machine's speed drifts over minutes). Decode at batch 1, 16 and 64: tokens/s of the decode steps alone (a run with max_tokens=T minus a run with max_tokens=1). Both sides get the same CPU
 budget (torch threads reported). Ends with `figure: value` lines.
 """
 
@@ -399,10 +400,20 @@ def main() -> int:
     print(f"model {shape}\nwork {work}\ntorch threads: in-process {a.threads}; served ingress {ingress_threads}, "
           f"each of {a.groups} shard groups {a.shard_threads}; served micro-batches per step {a.micro_batches}; "
           f"machine cores {os.cpu_count()}", flush=True)
-    local = run_inprocess(path, work, a.threads)
+    # in-process before and after the served run, averaged: the machine's speed drifts over the
+    # minutes the served run takes, and one side measured at another time reads that as a ratio
+    before = run_inprocess(path, work, a.threads)
     served = run_served(path, work, a.groups, ingress_threads, a.shard_threads, shape["vocab_size"], shape["num_layers"],
                         shape["num_experts"], a.micro_batches,
                         dict(kv.split("=", 1) for kv in a.serve_env))
+    after = run_inprocess(path, work, a.threads)
+    rates = [k for k, v in before.items() if k.endswith("_tps") and isinstance(v, float)]
+    local = {**before, "before": {k: before[k] for k in rates},
+             "after": {k: after[k] for k in rates}}
+    for key in local["before"]:
+        local[key] = (before[key] + after[key]) / 2
+    print("in-process tok/s before / after the served run: " + ", ".join(
+        f"{k.removesuffix('_tps')} {before[k]:.1f} / {after[k]:.1f}" for k in local["before"]), flush=True)
     rows = [("prefill", "prefill_tps")] + [(f"decode batch {b}", f"decode{b}_tps") for b in work["decode_batches"]]
     print(f"\n{'':18} {'in-process tok/s':>17} {'served tok/s':>13} {'ratio':>7}")
     figures = {}
