@@ -199,11 +199,10 @@ class ExpertChannel:
         failed: dict[str, set[str]] = {g: set() for g in parts}  # replicas that answered with an error
         errors: dict[str, str] = {}
         self.stats["exchanges"] += 1
-        first = True
+        passes = 0
         while pending:
-            if not first:
-                self.stats["retries"] += 1
-            first = False
+            self.stats["retries"] += passes > 0
+            passes += 1
             sent = []
             for group, part in pending.items():
                 got = self._checkout(layer, group, part, failed[group])

@@ -47,10 +47,6 @@ class LinkOffer:
         return LinkOffer(backend, str(raw["host"]), int(raw["port"]))
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def link_device(backend: str) -> torch.device:
     """Where a link's tensors live on this side: the current CUDA device for NCCL."""
     if backend == "nccl":

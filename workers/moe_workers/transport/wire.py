@@ -61,11 +61,6 @@ class Request:
     prefetch: list[tuple[int, int]]
     flags: int = 0
 
-    @property
-    def payload_bytes(self) -> int:
-        """Tensor bytes on the socket (none when they travel on the link)."""
-        return 0 if self.flags & LINKED else self.rows * self.hidden * _itemsize(self.dtype)
-
 
 @dataclass(frozen=True)
 class Reply:
@@ -76,12 +71,6 @@ class Reply:
     dtype: torch.dtype
     message: str = ""
     flags: int = 0
-
-    @property
-    def payload_bytes(self) -> int:
-        if self.status != OK or self.flags & LINKED:
-            return 0
-        return self.rows * self.hidden * _itemsize(self.dtype)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
