@@ -1,16 +1,26 @@
-"""Placement planner against a greedy packing without replication and against the lower bound,
+"""Placement planner, per layer, against an EPLB-style reference and against the lower bound,
 side by side in one run.
 
     python bench/placement.py
 
-Loads: Zipf expert popularity (a different ranking per layer) at several skews, 8 to 256 experts
-per layer and 4 to 64 shard groups (4 layers), and the per-expert token counts recorded from the
-served model (bench/serving's checkpoint, in process). From the initial round-robin placement:
-- ours: plan() with redundant slots = number of groups (one spare copy per group);
-- greedy: longest-processing-time packing, one copy per expert, ignoring the current placement;
-- lower bound: perfect balance, limited by the hottest expert's share per copy (with ours' copies).
-Balancedness is mean / max group load (1.0 perfect). Also bytes moved (42 MiB experts) and
-planning time per call. Ends with `figure: value` lines.
+A decode step waits, layer by layer, for that layer's busiest shard group, so every figure here
+is per layer. Settings: 8 / 64 / 256 experts per layer x 4 / 8 / 32 shard groups (no more groups
+than experts), 0 / G / 2G spare copies per layer, loads Zipf 0.6 / 1.0 / 1.4 (a different
+ranking per layer) and lognormal (sigma 1), 4 layers, 3 seeds. On the same load matrices:
+- ours: `plan()` from the initial round-robin placement (unlimited moves), then again after a
+  drift (20% of the experts' loads re-drawn) from its own previous plan;
+- reference: DeepSeek's expert-parallel load balancer as published (replicate: each spare slot to
+  the expert with the highest load per copy; then balanced packing: copies heaviest first, each to
+  the least-loaded group that has a free slot, equal slots per group), from scratch each time;
+- lower bound: perfect balance, unless the heaviest copy (after the best replication) is more
+  than a group's share.
+Balancedness of a layer is mean / max group load (1.0 perfect). Figures:
+`balancedness-vs-reference` (ours / reference, mean over settings) and its worst setting,
+`worst-layer-balancedness` (the least balanced layer, settings with >= 64 experts and >= G
+spare copies), `moves-vs-replan` (copies moved on drift, ours / reference), `plan-ms-256x32`
+(256 experts, 32 groups, 4 layers, G spare copies, from the initial placement; median of 3).
+Also the co-selection tie-breaker: shard groups a token-layer reaches, with and without it, on a
+routing trace where experts are picked in pairs.
 
     python bench/placement.py --end-to-end
 
@@ -25,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,34 +44,115 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator"), str(REPO / "bench")]
 
-from moe_operator.planner.initial import initial_placement, moved_experts  # noqa: E402
-from moe_operator.planner.rebalance import balancedness, lower_bound_balancedness, plan  # noqa: E402
-from moe_operator.planner.synthetic import zipf_load  # noqa: E402
+from moe_operator.planner.initial import initial_placement  # noqa: E402
+from moe_operator.planner.layer import slots_per_group  # noqa: E402
+from moe_operator.planner.rebalance import (layer_balancedness, lower_bound_balancedness,  # noqa: E402
+                                            moved_copies, plan, replicate)
+from moe_operator.planner.synthetic import lognormal_load, zipf_load  # noqa: E402
 
 EXPERT_BYTES = 3 * 1024 * 3584 * 4  # the bench/serving model's expert
 
 
-def greedy(load: dict[str, float], groups: list[str]) -> dict[str, list[str]]:
-    placed = {g: [] for g in groups}
-    gl = {g: 0.0 for g in groups}
-    for e in sorted(load, key=lambda e: (-load[e], e)):
-        g = min(groups, key=lambda g: (gl[g], g))
-        placed[g].append(e)
-        gl[g] += load[e]
-    return placed
+def reference(load: dict[str, float], groups: list[str], spare: int) -> dict[str, list[str]]:
+    """EPLB-style, from scratch: replicate, then balanced packing into equal slots per group."""
+    out: dict[str, list[str]] = {g: [] for g in groups}
+    by_layer: dict[str, dict[str, float]] = {}
+    for e, v in load.items():
+        by_layer.setdefault(e.split(".")[0], {})[e] = v
+    for layer in sorted(by_layer, key=int):
+        loads = by_layer[layer]
+        G = len(groups)
+        cap = slots_per_group(len(loads), G, spare)
+        copies = replicate(loads, G, min(spare, G * cap - len(loads)))
+        gl, n = [0.0] * G, [0] * G
+        items = sorted(((loads[e] / copies[e], e) for e in loads for _ in range(copies[e])),
+                       key=lambda t: (-t[0], t[1]))
+        for w, e in items:
+            g = min((k for k in range(G) if n[k] < cap and e not in out[groups[k]]), key=lambda k: (gl[k], k))
+            out[groups[g]].append(e)
+            gl[g] += w
+            n[g] += 1
+    return out
 
 
-def recorded_load(tokens: int) -> dict[str, float]:
-    from serving import ensure_checkpoint, model_shape
-    from tiering import recorded_trace
+def drifted(load: dict[str, float], fresh: dict[str, float], seed: int, share: float = 0.2) -> dict[str, float]:
+    """`load` with `share` of the experts re-drawn from `fresh`."""
+    keys = sorted(load)
+    pick = set(random.Random(seed).sample(keys, int(len(keys) * share)))
+    return {e: (fresh[e] if e in pick else v) for e, v in load.items()}
 
-    import tempfile
 
-    path = ensure_checkpoint(str(Path(tempfile.gettempdir()) / "moe-bench"), model_shape(False))
-    counts: dict[str, float] = {}
-    for layer, expert in recorded_trace(path, tokens):
-        counts[f"{layer}.{expert}"] = counts.get(f"{layer}.{expert}", 0.0) + 1
-    return counts
+def loads_for(kind: str, layers: int, experts: int, seed: int) -> dict[str, float]:
+    if kind == "lognormal":
+        return lognormal_load(layers, experts, 1.0, seed)
+    return zipf_load(layers, experts, float(kind.split()[1]), seed)
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 1.0
+
+
+def one_setting(experts: int, groups: int, spare: int, kind: str, seed: int, layers: int) -> dict:
+    load = loads_for(kind, layers, experts, seed)
+    later = drifted(load, loads_for(kind, layers, experts, seed + 1000), seed)
+    current = initial_placement(layers, experts, groups)
+    names = sorted(current)
+    t0 = time.perf_counter()
+    ours = plan(load, current, EXPERT_BYTES, redundant_slots=spare)
+    ms = (time.perf_counter() - t0) * 1e3
+    ours2 = plan(later, ours.placement, EXPERT_BYTES, redundant_slots=spare)
+    ref, ref2 = reference(load, names, spare), reference(later, names, spare)
+    ref_b = layer_balancedness(ref, load)
+    bound = lower_bound_balancedness(load, groups, spare)
+    return {"experts": experts, "groups": groups, "spare": spare, "load": kind, "seed": seed,
+            "ours": ours.balancedness, "ours_worst_layer": ours.worst_layer[1], "reference": mean(ref_b.values()),
+            "reference_worst_layer": min(ref_b.values()), "bound": mean(bound.values()),
+            "ours_after_drift": ours2.balancedness, "reference_after_drift": mean(layer_balancedness(ref2, later).values()),
+            "ours_moves": ours2.moved_copies, "reference_moves": moved_copies(ref, ref2),
+            "copies": sum(len(v) for v in ours2.placement.values()), "plan_ms": ms,
+            "slots_per_group": ours.slots_per_group}
+
+
+def paired_trace(layers: int, experts: int, tokens: int, seed: int) -> list[list[tuple[str, str]]]:
+    """Per token, per layer, the top-2 experts: 70% of the time one of a few fixed pairs."""
+    rng = random.Random(seed)
+    pairs = {layer: [tuple(rng.sample(range(experts), 2)) for _ in range(experts // 2)] for layer in range(layers)}
+    out = []
+    for _ in range(tokens):
+        row = []
+        for layer in range(layers):
+            a, b = rng.choice(pairs[layer]) if rng.random() < 0.7 else rng.sample(range(experts), 2)
+            row.append((f"{layer}.{a}", f"{layer}.{b}"))
+        out.append(row)
+    return out
+
+
+def co_selection_effect(layers: int = 4, experts: int = 64, groups: int = 8) -> dict:
+    trace = paired_trace(layers, experts, 4000, 7)
+    load: dict[str, float] = {}
+    co: dict[tuple[str, str], float] = {}
+    for row in trace:
+        for a, b in row:
+            load[a] = load.get(a, 0.0) + 1
+            load[b] = load.get(b, 0.0) + 1
+            key = (min(a, b), max(a, b))
+            co[key] = co.get(key, 0.0) + 1
+    current = initial_placement(layers, experts, groups)
+
+    def reached(placement) -> float:
+        where: dict[str, set[str]] = {}
+        for g, es in placement.items():
+            for e in es:
+                where.setdefault(e, set()).add(g)
+        # a token-layer reaches one group when its two experts share one, else two
+        return mean(1 if where[a] & where[b] else 2 for row in trace for a, b in row)
+
+    without = plan(load, current, 1, redundant_slots=groups)
+    with_co = plan(load, current, 1, redundant_slots=groups, co_selection=co)
+    return {"groups_per_token_layer_without": reached(without.placement),
+            "groups_per_token_layer_with": reached(with_co.placement),
+            "balancedness_without": without.balancedness, "balancedness_with": with_co.balancedness}
 
 
 def onset_to_balanced() -> dict:
@@ -156,43 +249,48 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "placement.json"))
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--end-to-end", action="store_true", help="also measure onset-to-balanced on a local Ray (~5 min)")
     a = p.parse_args()
     rows = []
-    cases = [(8, 4), (64, 8), (64, 16), (256, 16), (256, 64)]
-    skews = [0.6, 1.0, 1.4]
-    print(f"{'experts x groups':>17} {'skew':>5} {'initial':>8} {'greedy':>7} {'ours':>6} {'bound':>6} "
-          f"{'ours/bound':>10} {'moved':>6} {'GiB moved':>9} {'greedy moved':>12} {'plan ms':>8}")
+    cases = [(8, 4), (8, 8), (64, 4), (64, 8), (64, 32), (256, 4), (256, 8), (256, 32)]
+    kinds = ["zipf 0.6", "zipf 1.0", "zipf 1.4", "lognormal"]
+    print(f"{'experts x groups':>17} {'spare':>5} {'ours':>6} {'ref':>6} {'bound':>6} {'ours/ref':>8} "
+          f"{'worst layer':>11} {'ours moves':>10} {'ref moves':>9} {'of copies':>9} {'plan ms':>8}")
     for experts, groups in cases:
-        for s in skews:
-            load = zipf_load(a.layers, experts, s, seed=experts * 7 + groups)
-            current = initial_placement(a.layers, experts, groups)
-            t0 = time.perf_counter()
-            ours = plan(load, current, EXPERT_BYTES, redundant_slots=groups)
-            ms = (time.perf_counter() - t0) * 1e3
-            g = greedy(load, sorted(current))
-            row = {"experts": experts, "groups": groups, "skew": s, "initial": balancedness(current, load),
-                   "greedy": balancedness(g, load), "ours": ours.balancedness,
-                   "bound": lower_bound_balancedness(load, groups, ours.copies), "moved": ours.moved_copies,
-                   "bytes_moved": ours.bytes_moved, "greedy_moved": moved_experts(current, g), "plan_ms": ms}
-            rows.append(row)
-            print(f"{experts:>8} x {groups:<6} {s:5.1f} {row['initial']:8.3f} {row['greedy']:7.3f} {row['ours']:6.3f} "
-                  f"{row['bound']:6.3f} {row['ours'] / row['bound']:10.3f} {row['moved']:6d} "
-                  f"{row['bytes_moved'] / 2**30:9.2f} {row['greedy_moved']:12d} {ms:8.1f}")
-    rec = recorded_load(400)
-    current = initial_placement(4, 8, 4)
-    ours = plan(rec, current, EXPERT_BYTES, redundant_slots=4)
-    recorded = {"initial": balancedness(current, rec), "greedy": balancedness(greedy(rec, sorted(current)), rec),
-                "ours": ours.balancedness, "bound": lower_bound_balancedness(rec, 4, ours.copies),
-                "moved": ours.moved_copies}
-    print(f"\nrecorded from the served model (8 experts x 4 layers, 4 groups): initial {recorded['initial']:.3f}, "
-          f"greedy {recorded['greedy']:.3f}, ours {recorded['ours']:.3f}, bound {recorded['bound']:.3f}, "
-          f"{recorded['moved']} copies moved")
+        for spare in (0, groups, 2 * groups):
+            part = [one_setting(experts, groups, spare, kind, seed, a.layers) for kind in kinds for seed in range(a.seeds)]
+            rows += part
+            print(f"{experts:>8} x {groups:<6} {spare:5d} {mean(r['ours'] for r in part):6.3f} "
+                  f"{mean(r['reference'] for r in part):6.3f} {mean(r['bound'] for r in part):6.3f} "
+                  f"{mean(r['ours'] / r['reference'] for r in part):8.3f} {min(r['ours_worst_layer'] for r in part):11.3f} "
+                  f"{sum(r['ours_moves'] for r in part):10d} {sum(r['reference_moves'] for r in part):9d} "
+                  f"{sum(r['copies'] for r in part):9d} {max(r['plan_ms'] for r in part):8.1f}", flush=True)
+    timing = []
+    for seed in range(3):
+        load = zipf_load(a.layers, 256, 1.0, seed)
+        current = initial_placement(a.layers, 256, 32)
+        t0 = time.perf_counter()
+        plan(load, current, EXPERT_BYTES, redundant_slots=32)
+        timing.append((time.perf_counter() - t0) * 1e3)
+    co = co_selection_effect()
+    print(f"\nco-selection tie-breaker (64 experts, 8 groups, pairs picked 70% of the time): shard groups per "
+          f"token-layer {co['groups_per_token_layer_without']:.3f} without, {co['groups_per_token_layer_with']:.3f} "
+          f"with; balancedness {co['balancedness_without']:.4f} / {co['balancedness_with']:.4f}")
+    big = [r for r in rows if r["experts"] >= 64 and r["spare"] >= r["groups"]]
     figures = {
-        "balancedness-vs-bound-worst": min(r["ours"] / r["bound"] for r in rows),
-        "balancedness-ours-worst": min(r["ours"] for r in rows),
-        "balancedness-greedy-worst": min(r["greedy"] for r in rows),
+        "balancedness-vs-reference": mean(r["ours"] / r["reference"] for r in rows),
+        "balancedness-vs-reference-worst": min(r["ours"] / r["reference"] for r in rows),
+        "balancedness-vs-bound": mean(r["ours"] / r["bound"] for r in rows),
+        "reference-vs-bound": mean(r["reference"] / r["bound"] for r in rows),
+        "worst-layer-balancedness": min(r["ours_worst_layer"] for r in big),
+        "reference-worst-layer-balancedness": min(r["reference_worst_layer"] for r in big),
+        "moves-vs-replan": sum(r["ours_moves"] for r in rows) / max(1, sum(r["reference_moves"] for r in rows)),
+        "moved-share-ours": sum(r["ours_moves"] for r in rows) / sum(r["copies"] for r in rows),
+        "moved-share-reference": sum(r["reference_moves"] for r in rows) / sum(r["copies"] for r in rows),
+        "plan-ms-256x32": statistics.median(timing),
         "plan-ms-max": max(r["plan_ms"] for r in rows),
+        "co-selection-groups-saved": co["groups_per_token_layer_without"] - co["groups_per_token_layer_with"],
     }
     onset = None
     if a.end_to_end:
@@ -200,8 +298,7 @@ def main() -> int:
         figures["onset-to-balanced-s"] = onset["balanced_s"]
         figures["onset-to-balanced-vs-stabilization"] = onset["balanced_s"] / onset["stabilization_s"]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"rows": rows, "recorded": recorded, "onset": onset, "figures": figures},
-                                      indent=2))
+    Path(a.out).write_text(json.dumps({"rows": rows, "co_selection": co, "onset": onset, "figures": figures}, indent=2))
     print()
     for k, v in figures.items():
         print(f"{k}: {v:.3f}")

@@ -1,50 +1,105 @@
-"""Load-aware placement (pure, deterministic): replicate hot experts, pack copies into shard
-groups so group load is balanced, keep experts often selected together in one group, and move
-as few bytes as possible from the current placement.
+"""Load-aware placement (pure, deterministic): per layer, replicate the hottest experts and pack
+the copies into equal expert slots per shard group so that layer's busiest group carries as
+little as possible, moving few copies from where they are.
 
-Load model: an expert with c copies has its load split evenly over them (the ingress routes each
-dispatch to the least-loaded copy). A group's load is the sum over its copies; imbalance is
-max / mean group load and balancedness its inverse (1.0 is perfect).
+Why per layer: the ingress waits, layer by layer, for the slowest shard group, so a step costs
+the sum over layers of each layer's busiest group, not the busiest group summed over layers.
+Load model (see `planner.layer`): an expert with c copies has its load split evenly over them.
+Balancedness of a layer is its mean group load / its busiest group's (1.0 is perfect); a plan's
+`balancedness` is the mean over layers and `imbalance` the mean of busiest / mean.
 
-Steps:
-1. replication: each redundant slot goes to the expert with the highest load per copy (the
-   D'Hondt rule, as in DeepSeek's EPLB), never two copies of one expert in one group;
-2. packing: copies, heaviest first, go to a group under the capacity (the perfect share, or the
-   heaviest copy when that is larger, plus a small slack): the group that already had this expert
-   when it still fits (no move), else the one whose experts of the same layer are most often
-   selected together with it, else the least loaded;
-3. a move budget: when more copies would move than allowed, the heaviest moves are kept and the
-   other copies stay where they were (new replicas beyond the budget are not added).
+Memory: every group has `slots_per_group(E, G, spare)` slots in each layer (E experts and up to
+`redundant_slots` spare copies per layer, divided by the G groups), so every group's replicas hold
+the same number of experts; a plan never has more copies in a layer than E + redundant_slots.
+
+Per layer:
+1. replication: copies per expert by the D'Hondt rule (each spare slot to the highest load per
+   copy, as DeepSeek's EPLB);
+2. packing: heaviest copy first into the least-loaded group with a free slot (among nearly equally
+   loaded groups, the one whose experts are most often selected together with it), the groups
+   then renamed to keep the most copies where they were; then local improvement (`layer.improve`:
+   moves, swaps, and copies handed from one expert to another where the slots make the
+   D'Hondt copies pack badly);
+3. stickiness: copies go back where they were (a move, or a swap with a copy of about the same
+   load) while the layer's busiest group stays within `TOLERANCE` of what packing reached; and a
+   layer already that good keeps its placement.
+With a move budget (`max_moves`, the autoscaler's maxMovesPerStep): starting from the current
+placement, the steps that lower a layer's busiest group most per copy moved (`layer.improve`'s
+steps, over all layers), until the budget is spent; used when packing would move more, or when
+the steps end better balanced (they may leave a spare slot empty where D'Hondt fills it).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 
+from moe_operator.planner.layer import LayerState, expert_key, feasible, improve, slots_per_group
+
 Placement = dict[str, list[str]]
+TOLERANCE = 0.003
+NEAR_BOUND = 0.001  # packing stops improving a layer this close to its lower bound  # a sticky layer may be this much less balanced than the best candidate
 
 
 @dataclass(frozen=True)
 class Plan:
     placement: Placement
-    group_load: dict[str, float]
-    balancedness: float  # mean / max group load (1.0 is perfect)
+    group_load: dict[str, float]  # summed over layers
+    balancedness: float  # mean over layers of mean / max group load (1.0 is perfect)
     moved_copies: int  # copies loaded where they were not
     bytes_moved: int
     copies: dict[str, int]
+    layer_balancedness: dict[int, float]
+    slots_per_group: int  # per layer (the largest over layers)
 
     @property
     def imbalance(self) -> float:
-        return 1.0 / self.balancedness if self.balancedness else float("inf")
+        """Mean over layers of busiest / mean group load: what status.imbalance measures."""
+        values = [1.0 / b if b else float("inf") for b in self.layer_balancedness.values()]
+        return sum(values) / len(values) if values else 1.0
+
+    @property
+    def worst_layer(self) -> tuple[int, float]:
+        """(layer, balancedness) of the least balanced layer."""
+        return min(self.layer_balancedness.items(), key=lambda kv: (kv[1], kv[0]), default=(0, 1.0))
 
 
-def _key(eid: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in eid.split("."))
+def layer_of(eid: str) -> int:
+    return int(eid.split(".")[0])
+
+
+def by_layer(placement: Placement, load: dict[str, float]) -> dict[int, tuple[dict[str, set[str]], dict[str, float]]]:
+    """layer -> ({group: experts of that layer}, {expert: load})"""
+    out: dict[int, tuple[dict[str, set[str]], dict[str, float]]] = {}
+    experts = {e for es in placement.values() for e in es} | set(load)
+    for e in experts:
+        hosts, loads = out.setdefault(layer_of(e), ({g: set() for g in placement}, {}))
+        loads[e] = float(load.get(e, 0.0))
+    for g, es in placement.items():
+        for e in es:
+            out[layer_of(e)][0][g].add(e)
+    return out
+
+
+def layer_balancedness(placement: Placement, load: dict[str, float]) -> dict[int, float]:
+    """Per layer: mean / max group load under the even-split model."""
+    out = {}
+    for layer, (hosts, loads) in by_layer(placement, load).items():
+        groups = sorted(hosts)
+        state = LayerState(groups, [set(hosts[g]) for g in groups], loads, capacity=10**9, max_copies=10**9)
+        out[layer] = state.balancedness()
+    return out
+
+
+def balancedness(placement: Placement, load: dict[str, float]) -> float:
+    """Mean over layers of each layer's mean / max group load."""
+    per = layer_balancedness(placement, load)
+    return sum(per.values()) / len(per) if per else 1.0
 
 
 def group_loads(placement: Placement, load: dict[str, float]) -> dict[str, float]:
-    """Group load under the even-split model."""
+    """Group load under the even-split model, summed over layers."""
     copies: dict[str, int] = defaultdict(int)
     for experts in placement.values():
         for eid in experts:
@@ -52,139 +107,328 @@ def group_loads(placement: Placement, load: dict[str, float]) -> dict[str, float
     return {g: sum(load.get(e, 0.0) / copies[e] for e in experts) for g, experts in placement.items()}
 
 
-def balancedness(placement: Placement, load: dict[str, float]) -> float:
-    loads = list(group_loads(placement, load).values())
-    top = max(loads, default=0.0)
-    return (sum(loads) / len(loads)) / top if top > 0 else 1.0
-
-
-def lower_bound_balancedness(load: dict[str, float], num_groups: int, copies: dict[str, int] | None = None) -> float:
-    """Best possible: perfect balance, unless the heaviest copy alone exceeds a group's share."""
-    total = sum(load.values())
-    if total <= 0:
-        return 1.0
-    heaviest = max(load[e] / (copies or {}).get(e, 1) for e in load)
-    return (total / num_groups) / max(total / num_groups, heaviest)
-
-
 def replicate(load: dict[str, float], num_groups: int, redundant_slots: int) -> dict[str, int]:
-    """Copies per expert: one each, plus redundant slots to the highest load per copy."""
+    """Copies per expert of one layer: one each, plus spare slots to the highest load per copy
+    (at most one copy per group)."""
     copies = {e: 1 for e in load}
+    heap = [(-load[e], tuple(expert_key(e)), e) for e in load if load[e] > 0 and num_groups > 1]
+    heapq.heapify(heap)
     for _ in range(redundant_slots):
-        candidates = [e for e in load if copies[e] < num_groups and load[e] > 0]
-        if not candidates:
+        if not heap:
             break
-        best = max(candidates, key=lambda e: (load[e] / copies[e], tuple(-x for x in _key(e))))
-        copies[best] += 1
+        _, k, e = heapq.heappop(heap)
+        copies[e] += 1
+        if copies[e] < num_groups:
+            heapq.heappush(heap, (-load[e] / copies[e], k, e))
     return copies
 
 
+def lower_bound_balancedness(load: dict[str, float], num_groups: int, redundant_slots: int = 0) -> dict[int, float]:
+    """Per layer, the best any placement can do: perfect balance, unless the heaviest copy alone
+    (after the spare slots went to the highest loads per copy, which minimises it) exceeds a
+    group's share."""
+    out = {}
+    for layer, (_, loads) in by_layer({}, load).items():
+        total = sum(loads.values())
+        if total <= 0:
+            out[layer] = 1.0
+            continue
+        copies = replicate(loads, num_groups, _spare(len(loads), num_groups, redundant_slots))
+        heaviest = max(loads[e] / copies[e] for e in loads)
+        out[layer] = (total / num_groups) / max(total / num_groups, heaviest)
+    return out
+
+
+def _spare(num_experts: int, num_groups: int, redundant_slots: int) -> int:
+    """Spare copies that fit a layer's slots (all of them unless the slots run out)."""
+    return min(redundant_slots, num_groups * slots_per_group(num_experts, num_groups, redundant_slots) - num_experts)
+
+
+def _pack(state: LayerState, copies: dict[str, int], affinity: dict[str, dict[str, float]] | None) -> None:
+    """Place `copies` into the (empty) state: heaviest copy first, into the least-loaded group
+    with a free slot; among groups within 1% of a fair share of the least loaded, the one whose
+    experts are most often selected together with it."""
+    G = len(state.hosts)
+    state.copies = dict(copies)
+    units = sorted(copies, key=lambda e: (-state.load[e] / copies[e], expert_key(e)))
+    near = 0.01 * sum(state.load.values()) / G
+    gload = [0.0] * G
+    rooms = [state.capacity] * G
+    remaining = {e: copies[e] for e in units}
+    for e in units:
+        w = state.load[e] / copies[e]
+        remaining.pop(e)
+        chosen: list[int] = []
+        for _ in range(copies[e]):
+            free = [g for g in range(G) if rooms[g] > 0 and g not in chosen]
+            least = min(gload[g] for g in free)
+            if affinity and affinity.get(e):
+                close = [g for g in free if gload[g] <= least + near]
+                g = min(close, key=lambda g: (-sum(affinity[e].get(o, 0.0) for o in state.hosts[g]), gload[g], g))
+            else:
+                g = min(free, key=lambda g: (gload[g], g))
+            chosen.append(g)
+        after = [r - (1 if g in chosen else 0) for g, r in enumerate(rooms)]
+        if any(c > 1 for c in remaining.values()) and not feasible(list(remaining.values()), after):
+            # the groups with the most free slots keep the rest placeable (Ryser)
+            chosen = sorted(range(G), key=lambda g: (-rooms[g], gload[g], g))[: copies[e]]
+        for g in chosen:
+            state.hosts[g].add(e)
+            gload[g] += w
+            rooms[g] -= 1
+    state._recompute()
+
+
+def _pack_sticky(state: LayerState, copies: dict[str, int], limit: float,
+                 affinity: dict[str, dict[str, float]] | None) -> None:
+    """Keep what can stay, place the rest: each expert keeps up to its new number of copies where
+    it was (in its least-loaded old groups); a group above `limit` or its slots gives up copies
+    (the lightest that brings it under, else its heaviest); then the copies without a group go,
+    heaviest first, to the least-loaded group with a free slot (co-selection breaking near-ties, as
+    in `_pack`)."""
+    G = len(state.hosts)
+    near = 0.01 * sum(state.load.values()) / G
+    state.copies = dict(copies)
+    had: dict[str, list[int]] = defaultdict(list)
+    for g, e in sorted(state.original, key=lambda t: (t[0], expert_key(t[1]))):
+        had[e].append(g)
+    weight = {e: state.load[e] / copies[e] for e in copies}
+    gload = [0.0] * G
+    for e in sorted(copies, key=lambda e: (-weight[e], expert_key(e))):
+        for g in sorted(had[e], key=lambda g: (gload[g], g))[: copies[e]]:
+            state.hosts[g].add(e)
+            gload[g] += weight[e]
+    kept = sum(gload)
+    target = limit - max(0.0, sum(state.load.values()) - kept) / G  # leave room for what is not placed yet
+    for g in range(G):
+        while len(state.hosts[g]) > state.capacity or gload[g] > target + 1e-12:
+            excess = gload[g] - target
+            mine = sorted(state.hosts[g], key=lambda e: (weight[e], expert_key(e)))
+            if len(state.hosts[g]) > state.capacity:
+                out = mine[0] if excess <= 0 else next((e for e in mine if weight[e] >= excess), mine[-1])
+            else:
+                out = next((e for e in mine if weight[e] >= excess), mine[-1])
+            state.hosts[g].discard(out)
+            gload[g] -= weight[out]
+    placed: dict[str, int] = defaultdict(int)
+    for h in state.hosts:
+        for e in h:
+            placed[e] += 1
+    remaining = {e: copies[e] - placed[e] for e in copies if copies[e] > placed[e]}
+    rooms = [state.capacity - len(h) for h in state.hosts]
+    for e in sorted(remaining, key=lambda e: (-weight[e], expert_key(e))):
+        need = remaining.pop(e)
+        free = [g for g in range(G) if rooms[g] > 0 and e not in state.hosts[g]]
+        chosen = sorted(free, key=lambda g: (gload[g], g))[:need]
+        if affinity and affinity.get(e) and need == 1 and free:
+            least = gload[chosen[0]]
+            close = [g for g in free if gload[g] <= least + near]
+            chosen = [min(close, key=lambda g: (-sum(affinity[e].get(o, 0.0) for o in state.hosts[g]), gload[g], g))]
+        after = [r - (1 if g in chosen else 0) for g, r in enumerate(rooms)]
+        if len(chosen) < need or not feasible(list(remaining.values()), after):
+            chosen = sorted(free, key=lambda g: (-rooms[g], gload[g], g))[:need]
+        for g in chosen:
+            state.hosts[g].add(e)
+            gload[g] += weight[e]
+            rooms[g] -= 1
+    state._recompute()
+
+
+def _restick(state: LayerState, limit: float) -> None:
+    """Send copies back to where they were while no group goes above `limit`: a move when the old
+    group has a free slot, else a swap with a copy there of about the same load; each change
+    lowers the copies moved."""
+    G = len(state.hosts)
+    home: dict[str, list[int]] = defaultdict(list)
+    for g, e in sorted(state.original, key=lambda t: (t[0], expert_key(t[1]))):
+        home[e].append(g)
+
+    def new(g: int, e: str) -> int:
+        return 0 if (g, e) in state.original else 1
+
+    for _ in range(4):
+        changed = False
+        for g in range(G):
+            for e in sorted(state.hosts[g], key=lambda x: (-state.weight(x), expert_key(x))):
+                if (g, e) in state.original or e not in state.hosts[g]:
+                    continue
+                w = state.weight(e)
+                for h in home[e]:
+                    if e in state.hosts[h]:
+                        continue
+                    if len(state.hosts[h]) < state.capacity and state.gload[h] + w <= limit:
+                        state.apply(("move", e, g, h))
+                        changed = True
+                        break
+                    best = None
+                    for f in state.hosts[h]:
+                        if f in state.hosts[g]:
+                            continue
+                        wf = state.weight(f)
+                        if state.gload[h] - wf + w > limit or state.gload[g] - w + wf > limit:
+                            continue
+                        saved = 1 - new(h, e) + new(h, f) - new(g, f)
+                        if saved > 0:
+                            k = (-saved, abs(wf - w), expert_key(f))
+                            if best is None or k < best[0]:
+                                best = (k, f)
+                    if best is not None:
+                        state.apply(("swap", e, g, best[1], h))
+                        changed = True
+                        break
+        if not changed:
+            return
+
+
+def _rename_to_current(state: LayerState) -> None:
+    """Groups are interchangeable within a layer: give each packed group the name of the current
+    group it shares the most experts with (greedy on the overlap)."""
+    G = len(state.hosts)
+    before = [{e for (g, e) in state.original if g == k} for k in range(G)]
+    pairs = sorted(((len(state.hosts[a] & before[b]), a, b) for a in range(G) for b in range(G)),
+                   key=lambda t: (-t[0], t[1], t[2]))
+    to: dict[int, int] = {}
+    used: set[int] = set()
+    for _, a, b in pairs:
+        if a not in to and b not in used:
+            to[a] = b
+            used.add(b)
+    hosts = [set() for _ in range(G)]
+    for a, b in to.items():
+        hosts[b] = state.hosts[a]
+    state.hosts = hosts
+    state._recompute()
+
+
+def _layer_states(placement: Placement, load: dict[str, float], redundant_slots: int
+                  ) -> tuple[list[str], dict[int, LayerState]]:
+    groups = sorted(placement, key=lambda g: (len(g), g))
+    states = {}
+    for layer, (hosts, loads) in sorted(by_layer(placement, load).items()):
+        cap = slots_per_group(len(loads), len(groups), redundant_slots)
+        original = {(k, e) for k, g in enumerate(groups) for e in hosts[g]}
+        states[layer] = LayerState(groups, [set(hosts[g]) for g in groups], loads, cap,
+                                   len(loads) + _spare(len(loads), len(groups), redundant_slots), original)
+    return groups, states
+
+
+def _fresh(base: LayerState) -> LayerState:
+    return LayerState(base.groups, [set() for _ in base.hosts], base.load, base.capacity, base.max_copies, base.original)
+
+
+def _plan_layer(current: LayerState, affinity: dict[str, dict[str, float]] | None) -> LayerState:
+    copies = replicate(current.load, len(current.hosts), current.max_copies - len(current.load))
+    packed = _fresh(current)
+    _pack(packed, copies, affinity)
+    _rename_to_current(packed)
+    G = len(current.hosts)
+    bound = max(sum(current.load.values()) / G, max((current.load[e] / copies[e] for e in copies), default=0.0))
+    improve(packed, change_copies=True, until=bound * (1 + NEAR_BOUND))
+    limit = packed.busiest() * (1 + TOLERANCE) + 1e-12
+    kept = LayerState(current.groups, [set(h) for h in current.hosts], current.load, current.capacity,
+                      current.max_copies, current.original)
+    _repair(kept)
+    _restick(packed, limit)
+    options = [packed]
+    if all(len(h) <= kept.capacity for h in kept.hosts) and kept.busiest() <= limit:
+        options.append(kept)
+    sticky = _fresh(current)
+    _pack_sticky(sticky, copies, limit, affinity)
+    if sticky.total_copies() == sum(copies.values()):  # else a copy found no group: not an option
+        improve(sticky, until=limit)
+        _restick(sticky, limit)
+        if sticky.busiest() <= limit:
+            options.append(sticky)
+    return min(options, key=lambda s: (s.moved(), s.busiest()))
+
+
+def _repair(state: LayerState, budget: int | None = None) -> int:
+    """A placement made under other limits (fewer slots or spare copies now): surplus copies are
+    dropped, the lightest first, from the fullest groups (nothing is loaded for this); a group
+    still above its slots then moves its lightest experts to the least-loaded groups with a free
+    slot, within `budget` moves. Returns the copies moved."""
+    spent = 0
+    while True:
+        over = [g for g, h in enumerate(state.hosts) if len(h) > state.capacity]
+        surplus = state.total_copies() > state.max_copies
+        if not over and not surplus:
+            return spent
+        options = [(state.weight(e), -len(state.hosts[g]), g, e) for g in over for e in state.hosts[g]
+                   if state.copies[e] >= 2]
+        if not options and surplus:
+            options = [(state.weight(e), -len(h), g, e) for g, h in enumerate(state.hosts) for e in h
+                       if state.copies[e] >= 2]
+        if options:
+            _, _, g, e = min(options, key=lambda t: (t[0], t[1], t[2], expert_key(t[3])))
+            state.apply(("drop", e, g))
+            continue
+        if not over or (budget is not None and spent >= budget):
+            return spent
+        g = over[0]
+        e = min(state.hosts[g], key=lambda x: (state.weight(x), expert_key(x)))
+        free = [h for h, hs in enumerate(state.hosts) if len(hs) < state.capacity and e not in hs]
+        if not free:
+            return spent
+        state.apply(("move", e, g, min(free, key=lambda h: (state.gload[h], h))))
+        spent += 1
+
+
+def _within_budget(states: dict[int, LayerState], max_moves: int) -> None:
+    """From the current placement: over all layers, the step that lowers a layer's busiest group
+    most per copy moved, until `max_moves` copies moved or no step helps."""
+    spent = 0
+    for s in states.values():
+        spent += _repair(s, max_moves - spent)
+    cache: dict[int, tuple | None] = {}
+    while True:
+        left = max_moves - spent
+        for layer, s in states.items():
+            if layer not in cache or (cache[layer] is not None and cache[layer][1] > left):
+                cache[layer] = s.best_step(change_copies=True, budget=left)
+        options = [(v[0], -layer, layer) for layer, v in cache.items() if v is not None]
+        if not options:
+            return
+        _, _, layer = max(options)
+        _, cost, step = cache.pop(layer)
+        states[layer].apply(step)
+        spent += cost
+
+
 def plan(load: dict[str, float], current: Placement, expert_bytes: int, redundant_slots: int = 0,
-         co_selection: dict[tuple[str, str], float] | None = None, max_moves: int | None = None,
-         slack: float = 0.02) -> Plan:
-    """A placement for these loads over the groups of `current` (which must host every expert)."""
-    groups = sorted(current, key=lambda g: (len(g), g))
-    if not groups:
+         co_selection: dict[tuple[str, str], float] | None = None, max_moves: int | None = None) -> Plan:
+    """A placement for these loads over the groups of `current` (which must host every expert);
+    `redundant_slots` spare copies per layer; at most `max_moves` copies loaded somewhere new."""
+    if not current:
         raise ValueError("no shard groups")
-    experts = sorted({e for es in current.values() for e in es} | set(load), key=_key)
-    load = {e: float(load.get(e, 0.0)) for e in experts}
-    copies = replicate(load, len(groups), redundant_slots)
-    had: dict[str, list[str]] = defaultdict(list)
-    for g in groups:
-        for e in current.get(g, []):
-            had[e].append(g)
     affinity: dict[str, dict[str, float]] = defaultdict(dict)
     for (a, b), w in (co_selection or {}).items():
         affinity[a][b] = affinity[a].get(b, 0.0) + w
         affinity[b][a] = affinity[b].get(a, 0.0) + w
-
-    items = [(load[e] / copies[e], e, i) for e in experts for i in range(copies[e])]
-    items.sort(key=lambda t: (-t[0], _key(t[1]), t[2]))
-    total = sum(load.values())
-    heaviest = items[0][0] if items else 0.0
-    cap = max(total / len(groups), heaviest) * (1 + slack)
-    placed: dict[str, list[str]] = {g: [] for g in groups}
-    gload = {g: 0.0 for g in groups}
-    where: dict[str, set[str]] = defaultdict(set)
-    placed_set: set[str] = set()
-
-    def next_item() -> tuple[float, str, int]:
-        # heaviest first; among copies of (nearly) equal weight, the one most often selected
-        # together with experts already placed goes next, so it can join them
-        top = items[0][0]
-        best, best_i = None, 0
-        for i, it in enumerate(items):
-            if it[0] < top * 0.99 - 1e-12:
-                break
-            pull = sum(affinity[it[1]].get(o, 0.0) for o in placed_set) if affinity else 0.0
-            if best is None or pull > best:
-                best, best_i = pull, i
-            if not affinity:
-                break
-        return items.pop(best_i)
-
-    while items:
-        w, e, _ = next_item()
-        free = [g for g in groups if g not in where[e]]
-        fits = [g for g in free if gload[g] + w <= cap + 1e-12]
-        layer = e.split(".")[0]
-
-        def pull(g: str) -> float:
-            return sum(affinity[e].get(o, 0.0) for o in placed[g] if o.split(".")[0] == layer) if affinity else 0.0
-
-        sticky = [g for g in had[e] if g in fits]
-        best_pull = max((pull(g) for g in fits), default=0.0)
-        if sticky and max(pull(g) for g in sticky) >= best_pull:
-            target = min(sticky, key=lambda g: (-pull(g), gload[g], groups.index(g)))  # no move
-        elif fits:
-            target = min(fits, key=lambda g: (-pull(g), gload[g], groups.index(g)))
-        else:
-            target = min(free, key=lambda g: (gload[g], groups.index(g)))
-        placed[target].append(e)
-        gload[target] += w
-        where[e].add(target)
-        placed_set.add(e)
-
+    groups, states = _layer_states(current, load, redundant_slots)
+    planned = {layer: _plan_layer(s, affinity or None) for layer, s in states.items()}
     if max_moves is not None:
-        placed = _within_move_budget(placed, current, load, max_moves)
-    final = {g: sorted(v, key=_key) for g, v in placed.items()}
-    final_copies: dict[str, int] = defaultdict(int)
-    for es in final.values():
+        # step by step from where it is, within the budget; also kept when it reaches a better
+        # placement than packing (steps can leave spare copies unused where packing cannot)
+        _within_budget(states, max_moves)
+        packed_cost = (sum(s.busiest() for s in planned.values()), sum(s.moved() for s in planned.values()))
+        stepped_cost = (sum(s.busiest() for s in states.values()), sum(s.moved() for s in states.values()))
+        if packed_cost[1] > max_moves or stepped_cost[0] < packed_cost[0] * (1 - 1e-9):
+            planned = states
+    placement: Placement = {g: [] for g in groups}
+    for layer in sorted(planned):
+        for g, es in planned[layer].placement().items():
+            placement[g].extend(es)
+    copies: dict[str, int] = defaultdict(int)
+    for es in placement.values():
         for e in es:
-            final_copies[e] += 1
-    moved = _moved(current, final)
-    return Plan(final, group_loads(final, load), balancedness(final, load), moved, moved * expert_bytes,
-                dict(final_copies))
+            copies[e] += 1
+    moved = sum(s.moved() for s in planned.values())
+    per_layer = {layer: s.balancedness() for layer, s in planned.items()}
+    return Plan(placement, group_loads(placement, load), sum(per_layer.values()) / len(per_layer) if per_layer else 1.0,
+                moved, moved * expert_bytes, dict(copies), per_layer,
+                max((s.capacity for s in planned.values()), default=0))
 
 
-def _moved(before: Placement, after: Placement) -> int:
+def moved_copies(before: Placement, after: Placement) -> int:
     had = {(g, e) for g, es in before.items() for e in es}
     return sum(1 for g, es in after.items() for e in es if (g, e) not in had)
-
-
-def _within_move_budget(target: Placement, current: Placement, load: dict[str, float], max_moves: int) -> Placement:
-    """Keep the `max_moves` heaviest new (group, expert) copies of the target; every other
-    expert keeps its current copies (and so stays served)."""
-    had = {(g, e) for g, es in current.items() for e in es}
-    new = [(g, e) for g, es in target.items() for e in es if (g, e) not in had]
-    if len(new) <= max_moves:
-        return target
-    copies_target: dict[str, int] = defaultdict(int)
-    for es in target.values():
-        for e in es:
-            copies_target[e] += 1
-    new.sort(key=lambda ge: (-load.get(ge[1], 0.0) / copies_target[ge[1]], _key(ge[1]), ge[0]))
-    accepted = set(new[:max_moves])
-    moved_experts = {e for _, e in accepted}
-    out: dict[str, list[str]] = {g: [] for g in target}
-    for g, es in target.items():
-        for e in es:
-            # an expert whose moves are accepted takes its target copies that already existed or
-            # were accepted; the others stay exactly as they are now
-            if e in moved_experts and ((g, e) in had or (g, e) in accepted):
-                out[g].append(e)
-    for g, es in current.items():
-        for e in es:
-            if e not in moved_experts:
-                out.setdefault(g, []).append(e)
-    return out

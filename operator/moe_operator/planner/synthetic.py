@@ -15,3 +15,10 @@ def zipf_load(layers: int, experts: int, s: float, seed: int) -> dict[str, float
         for r, e in enumerate(ranks):
             out[f"{layer}.{e}"] = 1000.0 / (r + 1) ** s
     return out
+
+
+def lognormal_load(layers: int, experts: int, sigma: float, seed: int) -> dict[str, float]:
+    """Tokens per expert `L.E` drawn from a lognormal (median 100): many mid-sized experts and a
+    few heavy ones, without Zipf's strict ranking."""
+    rng = random.Random(seed)
+    return {f"{layer}.{e}": 100.0 * rng.lognormvariate(0.0, sigma) for layer in range(layers) for e in range(experts)}
