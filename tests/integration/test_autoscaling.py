@@ -48,14 +48,17 @@ def test_skewed_router_is_rebalanced_without_failed_requests(tmp_path):
         with Load(url) as load:
             # measured above the threshold (one reading can be lower than the true ~3.7: the Ray
             # exports of different replicas are not taken at the same instant)
-            wait_for(lambda: (_status(env).get("imbalance") or 0) > threshold, timeout_s=120,
-                     what="the imbalance to be measured")
+            skewed = wait_for(lambda: (lambda s: (s.get("imbalance") or 0) > threshold and s)(_status(env)),
+                              timeout_s=120, what="the imbalance to be measured")
+            # per layer: both layers route to the same group, so the worst is about as bad as the mean
+            assert skewed["worstLayer"]["layer"] in (0, 1) and skewed["worstLayer"]["imbalance"] > threshold
             done = wait_for(lambda: (lambda s: (s.get("autoscaling") or {}).get("lastDecision") == "Rebalance"
                                      and s["autoscaling"].get("phase") == "Steady" and s)(_status(env)),
                             timeout_s=180, what="a rebalance to complete")
             auto = done["autoscaling"]
             assert auto["imbalanceBefore"] > threshold and auto["imbalanceAfter"] < threshold
             assert auto["movedCopies"] > 0 and "target" not in auto
+            assert auto["slotsPerGroup"] == 3  # (8 experts + 4 spare copies) / 4 groups, per layer
             balanced = wait_for(lambda: (lambda s: s.get("imbalance") is not None and s["imbalance"] < threshold
                                          and s)(_status(env)), timeout_s=120, what="measured imbalance below threshold")
             # moectl rebalance: the operator decides now (any improvement the planner finds is applied)
@@ -67,6 +70,9 @@ def test_skewed_router_is_rebalanced_without_failed_requests(tmp_path):
         assert load.ok > 20
         after = requests.get(url + "/moe/v1/status", timeout=30).json()
         routed = after["placement"]
+        for es in routed.values():  # equal slots: at most 3 copies per group in each layer
+            assert all(sum(e.startswith(f"{layer}.") for e in es) <= 3 for layer in (0, 1)), routed
+        assert balanced["worstLayer"]["imbalance"] < threshold * 1.5, balanced["worstLayer"]
         for hot in ("0.0", "0.4", "1.0", "1.4"):
             assert sum(hot in es for es in routed.values()) >= 2, routed  # each hot expert replicated
         hosted = {}

@@ -134,3 +134,26 @@ def test_driver_reads_when_due_and_needs_two_reads():
     # a request is read at once
     assert drv.step("ns/a", sp, {}, PLACEMENT, src, 2**20, request="r", now=111.0) is not None
     assert src.reads == 3
+
+
+def test_imbalance_is_per_layer_and_the_worst_layer_is_named():
+    """Two layers: layer 0 balanced, layer 1 all on one group. Summed over layers the groups
+    would look closer than either layer's step does."""
+    placement = initial_placement(2, 4, 2)  # 2 experts per group per layer
+    rates = {}
+    for g, es in placement.items():
+        for e in es:
+            layer, expert = e.split(".")
+            rates[(g, e)] = 100.0 if layer == "0" else (200.0 if g == "ExpertShard-0" else 0.0)
+    p = autoscale(spec(mode="Off"), {}, placement, rates, 1000.0, 2**20, 1)
+    assert p.status["imbalance"] == 1.5  # mean of layer 0's 1.0 and layer 1's 2.0
+    assert p.status["worstLayer"] == {"layer": 1, "imbalance": 2.0}
+    idle = autoscale(spec(mode="Off"), {}, placement, {}, 1000.0, 2**20, 1)
+    assert idle.status["imbalance"] == 1.0 and idle.status["worstLayer"] is None
+
+
+def test_the_plan_states_slots_per_group():
+    p = autoscale(spec(mode="Auto", redundantExpertSlots=4), {}, PLACEMENT, skewed_rates(), 1000.0, 2**20, 1)
+    assert p.autoscaling["slotsPerGroup"] == 3  # (8 experts + 4 spare) / 4 groups
+    target = p.autoscaling["target"]
+    assert all(len(es) <= 3 for es in target.values()) and sum(map(len, target.values())) <= 12

@@ -113,6 +113,21 @@ def test_router_alternates_copies_of_serial_dispatches():
     assert sent == {"ExpertShard-0": 150, "ExpertShard-1": 150}
 
 
+def test_router_shares_copies_within_each_layer():
+    """Two layers, each with a hot expert on two groups, dispatched one after another: every
+    layer must use both of its copies (counted over all layers, layer 0 kept one copy and layer 1
+    the other, and each layer waited for a group doing all of its hot expert's work)."""
+    router = ExpertRouter({"ExpertShard-0": ["0.0", "1.0"], "ExpertShard-1": ["0.0", "1.0"]})
+    per_layer = {(layer, g): 0 for layer in (0, 1) for g in ("ExpertShard-0", "ExpertShard-1")}
+    for _ in range(50):
+        for layer in (0, 1):
+            (group,) = router.assign(layer, {0: 1})
+            router.begin(group, 1)
+            router.end(group, 1)
+            per_layer[(layer, group)] += 1
+    assert set(per_layer.values()) == {25}
+
+
 def test_split_chunks_balances_tokens_and_keeps_order():
     from moe_workers.model.dense import Chunk
     from moe_workers.serve.engine import split_chunks

@@ -352,7 +352,8 @@ class AutoscalingSpec(ApiModel):
     max_moves_per_step: int = Field(default=8, ge=1, le=10_000, description="Most expert copies added or moved by one decision.")
     redundant_expert_slots: int = Field(
         default=0, ge=0, le=65_536,
-        description="Extra expert copies (over one per expert) the planner may place to replicate hot experts.",
+        description="Extra expert copies per MoE layer (over one per expert) the planner may place to replicate "
+                    "hot experts. Every shard group gets (experts + this) / groups expert slots per layer.",
     )
     min_replicas_per_group: int = Field(default=1, ge=0, le=256, description="Fewest replicas per shard group.")
     max_replicas_per_group: int = Field(default=4, ge=1, le=256, description="Most replicas per shard group.")
@@ -433,6 +434,13 @@ class SwapRecord(ApiModel):
     duration_seconds: float | None = Field(default=None, description="Stage + validate + commit time on the slowest replica.")
 
 
+class LayerImbalance(ApiModel):
+    """One MoE layer's balance."""
+
+    layer: int = Field(description="Layer index.")
+    imbalance: float = Field(description="max/mean shard-group load of this layer.")
+
+
 class AutoscalingStatus(ApiModel):
     """The autoscaler's last decision, the placement it is applying, and its own memory (so a
     restarted operator keeps the stabilization window and cooldown)."""
@@ -440,8 +448,8 @@ class AutoscalingStatus(ApiModel):
     last_decision: str = Field(default="", description="What was decided: None, Rebalance, ScaleUp, ScaleDown.")
     reason: str = Field(default="", description="Why.")
     message: str = Field(default="", description="What the autoscaler sees now: why nothing is done, or what is.")
-    imbalance_before: float | None = Field(default=None, description="max/mean group load before.")
-    imbalance_after: float | None = Field(default=None, description="Expected max/mean group load after.")
+    imbalance_before: float | None = Field(default=None, description="Imbalance (see status.imbalance) before.")
+    imbalance_after: float | None = Field(default=None, description="Imbalance the planner expects after.")
     time: str | None = Field(default=None, description="When (RFC 3339).")
     moved_copies: int | None = Field(default=None, description="Expert copies the plan loads where they were not.")
     bytes_moved: int | None = Field(default=None, description="Bytes the plan loads.")
@@ -458,6 +466,8 @@ class AutoscalingStatus(ApiModel):
     last_request: str | None = Field(default=None, description="The last `moectl rebalance` request handled.")
     coefficient_of_variation: float | None = Field(default=None, description="Of group load over the window.")
     tokens_per_second: float | None = Field(default=None, description="Expert-tokens per second, all groups.")
+    slots_per_group: int | None = Field(
+        default=None, description="Expert slots every shard group has per layer: (experts + redundantExpertSlots) / groups.")
 
 
 class MoEDeploymentStatus(ApiModel):
@@ -477,7 +487,10 @@ class MoEDeploymentStatus(ApiModel):
     groups: list[GroupStatus] = Field(default_factory=list, description="Per shard group.")
     tiers: dict[str, TierSummary] = Field(default_factory=dict, description="Residency per tier (hot, warm, cold).")
     overridden_experts: int = Field(default=0, description="Experts serving an override.")
-    imbalance: float | None = Field(default=None, description="max/mean shard-group load over the last window.")
+    imbalance: float | None = Field(
+        default=None, description="Mean over MoE layers of each layer's max/mean shard-group load over the last window "
+                                  "(a decode step waits, layer by layer, for that layer's busiest group).")
+    worst_layer: LayerImbalance | None = Field(default=None, description="The least balanced layer.")
     last_swaps: list[SwapRecord] = Field(default_factory=list, max_length=20, description="Most recent hot-swaps, newest first.")
     autoscaling: AutoscalingStatus | None = Field(default=None, description="Last autoscaling decision.")
 

@@ -13,7 +13,8 @@ from datetime import datetime, timezone
 
 from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.autoscaling import policy
-from moe_operator.autoscaling.signals import coefficient_of_variation, expert_load, group_load, imbalance
+from moe_operator.autoscaling.signals import (coefficient_of_variation, expert_load, group_load, layer_imbalance,
+                                              mean_imbalance)
 from moe_operator.planner.rebalance import plan
 
 REBALANCE_ANNOTATION = "serving.moe.io/rebalance-requested"
@@ -47,8 +48,11 @@ def autoscale(spec: MoEDeploymentSpec, status: dict, placement: dict[str, list[s
     groups = sorted(placement)
     loads = group_load(rates, groups)
     loads = {g: v for g, v in loads.items() if g in placement}  # a group that is gone no longer counts
-    imb = imbalance(loads)
+    per_layer = layer_imbalance({k: v for k, v in rates.items() if k[0] in placement}, groups)
+    imb = mean_imbalance(per_layer)
     out = Pass(auto, {"imbalance": round(imb, 3)})
+    worst = max(per_layer, key=lambda layer: (per_layer[layer], -layer), default=None)
+    out.status["worstLayer"] = None if worst is None else {"layer": worst, "imbalance": round(per_layer[worst], 3)}
     out.status["groups"] = [{**g, "load": round(loads.get(g["name"], 0.0), 2)} for g in status.get("groups") or []]
     auto["coefficientOfVariation"] = round(coefficient_of_variation(loads), 3)
     auto["tokensPerSecond"] = round(sum(loads.values()), 2)
@@ -64,7 +68,8 @@ def autoscale(spec: MoEDeploymentSpec, status: dict, placement: dict[str, list[s
 
     proposal = plan(expert_load(rates), placement, expert_bytes, a.redundant_expert_slots,
                     co_selection=co_selection, max_moves=a.max_moves_per_step)
-    # the planner's balancedness is on its even-split load model; compare like with like
+    auto["slotsPerGroup"] = proposal.slots_per_group
+    # the planner's per-layer imbalance is on its even-split load model; compare like with like
     expected = proposal.imbalance
     signals = policy.Signals(imb, max(loads.values(), default=0.0), replicas_running,
                              spec.experts.replicas_per_group, expected)

@@ -135,6 +135,21 @@ def group_load(rates: dict[tuple[str, str], float], groups: list[str] | None = N
     return out
 
 
+def layer_imbalance(rates: dict[tuple[str, str], float], groups: list[str]) -> dict[int, float]:
+    """Per MoE layer with load: max / mean over the shard groups of that layer's expert-tokens
+    (idle groups count as 0)."""
+    per: dict[int, dict[str, float]] = {}
+    for (group, eid), r in rates.items():
+        loads = per.setdefault(int(eid.split(".")[0]), {g: 0.0 for g in groups})
+        loads[group] = loads.get(group, 0.0) + r
+    return {layer: imbalance(loads) for layer, loads in sorted(per.items()) if sum(loads.values()) > 0}
+
+
+def mean_imbalance(per_layer: dict[int, float]) -> float:
+    """What a decode step pays: the mean over layers of each layer's max / mean (1.0 when idle)."""
+    return sum(per_layer.values()) / len(per_layer) if per_layer else 1.0
+
+
 def imbalance(loads: dict[str, float]) -> float:
     """max / mean; 1.0 when balanced or idle."""
     values = list(loads.values())

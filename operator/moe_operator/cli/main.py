@@ -227,7 +227,9 @@ def get(
         if output == "wide":
             auto = st.get("autoscaling") or {}
             imb = st.get("imbalance")
-            row += ["" if imb is None else f"{imb:.2f}",
+            worst = st.get("worstLayer") or {}
+            row += ["" if imb is None else f"{imb:.2f}" + (f" (worst L{worst['layer']} {worst['imbalance']:.2f})"
+                                                           if worst else ""),
                     f"{auto.get('phase', 'Steady')} (last: {auto['lastDecision']})" if auto.get("lastDecision")
                     else auto.get("phase", ""), ready.get("message", "")]
         table.add_row(*row)

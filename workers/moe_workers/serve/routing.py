@@ -2,8 +2,10 @@
 
 Each expert may be hosted by several groups (replicated hot experts). For every dispatch the
 router picks, per expert, the copy whose group has the fewest tokens outstanding and, among
-those, the fewest tokens sent so far (decode steps run one after another, so nothing is
-outstanding at decision time: without the second key every tie would go to the same copy);
+those, the fewest tokens of this layer sent to it so far (decode steps run one after another, so
+nothing is outstanding at decision time: without the second key every tie would go to the same
+copy). Counted per layer because a step waits for each layer's busiest group: counted over all
+layers, two layers' hot experts would settle on alternate copies, each layer using half of them);
 then the ingress sends one call per group that got any expert.
 """
 
@@ -22,7 +24,8 @@ class ExpertRouter:
                 layer, expert = (int(p) for p in eid.split("."))
                 self.hosts[(layer, expert)].append(group)
         self.outstanding: dict[str, int] = {g: 0 for g in placement}
-        self.sent: dict[str, int] = {g: 0 for g in placement}
+        self.sent: dict[str, int] = {g: 0 for g in placement}  # all layers (metrics)
+        self.layer_sent: dict[tuple[int, str], int] = defaultdict(int)  # per layer (the choice of copy)
 
     def missing(self, num_layers: int, num_experts: int) -> list[str]:
         """Experts no group hosts: a placement must cover every expert."""
@@ -36,8 +39,9 @@ class ExpertRouter:
             hosts = self.hosts.get((layer, expert))
             if not hosts:
                 raise KeyError(f"no shard group hosts expert {layer}.{expert}")
-            group = min(hosts, key=lambda g: (planned[g], self.sent.get(g, 0), g))
+            group = min(hosts, key=lambda g: (planned[g], self.layer_sent[(layer, g)], g))
             planned[group] += count
+            self.layer_sent[(layer, group)] += count
             out[group].append(expert)
         return dict(out)
 
