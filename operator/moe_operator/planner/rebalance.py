@@ -39,7 +39,8 @@ from moe_operator.planner.layer import LayerState, expert_key, feasible, improve
 
 Placement = dict[str, list[str]]
 TOLERANCE = 0.003
-NEAR_BOUND = 0.001  # packing stops improving a layer this close to its lower bound  # a sticky layer may be this much less balanced than the best candidate
+NEAR_BOUND = 0.001  # packing stops improving a layer this close to its lower bound
+FAR_FROM_BOUND = 0.02  # further than this from the bound, fewer spare copies are tried too  # a sticky layer may be this much less balanced than the best candidate
 
 
 @dataclass(frozen=True)
@@ -324,6 +325,17 @@ def _plan_layer(current: LayerState, affinity: dict[str, dict[str, float]] | Non
     G = len(current.hosts)
     bound = max(sum(current.load.values()) / G, max((current.load[e] / copies[e] for e in copies), default=0.0))
     improve(packed, change_copies=True, until=bound * (1 + NEAR_BOUND))
+    spare = current.max_copies - len(current.load)
+    if packed.busiest() > bound * (1 + FAR_FROM_BOUND) and spare > 1:
+        # the slots, not the copies, limit this layer (few slots per group): fewer spare copies can
+        # pack better, as a copy of a hot expert leaves its group little room for anything else
+        for fewer in sorted({spare * k // 8 for k in (7, 6, 5, 4)}, reverse=True):
+            other = _fresh(current)
+            _pack(other, replicate(current.load, G, fewer), affinity)
+            _rename_to_current(other)
+            improve(other, change_copies=True, until=bound * (1 + NEAR_BOUND))
+            if other.busiest() < packed.busiest() * (1 - 1e-9):
+                packed = other
     limit = packed.busiest() * (1 + TOLERANCE) + 1e-12
     kept = LayerState(current.groups, [set(h) for h in current.hosts], current.load, current.capacity,
                       current.max_copies, current.original)
@@ -332,6 +344,7 @@ def _plan_layer(current: LayerState, affinity: dict[str, dict[str, float]] | Non
     options = [packed]
     if all(len(h) <= kept.capacity for h in kept.hosts) and kept.busiest() <= limit:
         options.append(kept)
+    copies = {e: c for e, c in packed.copies.items() if c > 0}  # as packing and improving left them
     sticky = _fresh(current)
     _pack_sticky(sticky, copies, limit, affinity)
     if sticky.total_copies() == sum(copies.values()):  # else a copy found no group: not an option
