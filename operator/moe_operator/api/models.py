@@ -185,6 +185,10 @@ class IngressSpec(ApiModel):
         description="Requests that may wait for KV cache space; beyond this they are refused "
         "with 503 and Retry-After.",
     )
+    max_request_bytes: Quantity = Field(
+        default="4Mi",
+        description="Largest HTTP request body the API accepts; a larger one gets 413 before it is read.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------

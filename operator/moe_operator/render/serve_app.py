@@ -47,6 +47,7 @@ def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None
         max_batch_size=spec.ingress.max_batch_size,
         kv_cache_budget_bytes=quantity_bytes(spec.ingress.kv_cache_budget),
         max_queued_requests=spec.ingress.max_queued_requests,
+        max_request_bytes=quantity_bytes(spec.ingress.max_request_bytes),
         num_groups=spec.experts.groups,
         ingress_replicas=spec.ingress.replicas,
         ingress_num_cpus=spec.ingress.num_cpus,

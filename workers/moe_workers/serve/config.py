@@ -46,6 +46,8 @@ class AppArgs(BaseModel):
     exchange_timeout_s: float = Field(default=30.0, gt=0, description="How long one layer's expert exchange may "
                                       "wait for the shard groups (retries on other replicas included) before the "
                                       "step's requests get a 503.")
+    max_request_bytes: int = Field(default=4 * 2**20, ge=1024, description="Largest HTTP request body; a larger "
+                                   "one gets 413 before it is read.")
     ingress_torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per ingress replica.")
     allowed_weight_roots: list[str] = Field(default_factory=list, description="Directories hot-swap weight "
                                             "files must lie under; none means every swap is refused.")

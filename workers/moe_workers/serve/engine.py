@@ -46,6 +46,7 @@ class GenerationRequest:
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     error: Exception | None = None  # what failed the step that ended this request
+    cancelled: bool = False  # the client went away: freed at the next step
     # engine state
     slot: int | None = None
     produced: list[int] = field(default_factory=list)
@@ -106,6 +107,15 @@ class Engine:
             self._task = asyncio.get_running_loop().create_task(self._loop())
         return req
 
+    def cancel(self, req: GenerationRequest) -> None:
+        """The client is gone: the request leaves the queue now, or its KV slot at the next step."""
+        if req.finish_reason is not None:
+            return
+        req.cancelled = True
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self._finish(req, "cancelled")
+
     async def _loop(self) -> None:
         while True:
             if not self.running and not self.waiting:
@@ -139,6 +149,9 @@ class Engine:
         req.out.put_nowait(None)
 
     async def step(self) -> None:
+        for req in [r for r in self.running if r.cancelled]:
+            self._finish(req, "cancelled")
+        self.running = [r for r in self.running if not r.cancelled]
         seqs = self.running + self._admit()
         if not seqs:
             return
@@ -158,7 +171,12 @@ class Engine:
         still = []
         for row, (req, chunk) in enumerate(zip(seqs, chunks)):
             req.cached = chunk.start + len(chunk.tokens)
-            tok = sample(logits[row], req.temperature, req.top_p, req.generator)
+            try:
+                tok = sample(logits[row], req.temperature, req.top_p, req.generator)
+            except Exception as err:  # this sequence's sampling failed: it ends, the batch goes on
+                req.error = err
+                self._finish(req, f"error: {err}")
+                continue
             req.produced.append(tok)
             req.out.put_nowait(tok)
             if len(req.produced) >= req.max_tokens:

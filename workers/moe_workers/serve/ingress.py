@@ -7,6 +7,7 @@ StatusBoard, so Serve's replica changes reach it without a restart.
 """
 
 
+import asyncio
 import json
 import os
 import resource
@@ -28,7 +29,7 @@ from moe_workers.serve.config import AppArgs
 from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
-from moe_workers.serve.protocol import RequestError, parse_completion
+from moe_workers.serve.protocol import RequestError, decode_body, parse_completion
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.transport import ExpertChannel, ExpertsUnavailable, Member, Part
@@ -40,6 +41,37 @@ fastapi_app = FastAPI(title="moe-operator", docs_url=None, redoc_url=None)
 async def _request_error(_: Request, err: RequestError):
     headers = {"Retry-After": "1"} if err.status == 503 else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+@fastapi_app.middleware("http")
+async def _body_limit(request: Request, call_next):
+    """Every route: a body announced larger than the limit is refused before it is read."""
+    limit = getattr(request.app.state, "max_request_bytes", None)
+    length = request.headers.get("content-length")
+    if limit is not None and length is not None:
+        if not length.isdigit():
+            return JSONResponse(RequestError(400, "Content-Length is not a number").body(), status_code=400)
+        if int(length) > limit:
+            return _too_large(limit)
+    return await call_next(request)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    err = RequestError(413, f"request body is larger than {limit} bytes (spec.ingress.maxRequestBytes)",
+                       err_type="request_too_large")
+    return JSONResponse(err.body(), status_code=413)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, read up to `limit` bytes (a chunked body has no Content-Length to check first)."""
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(413, f"request body is larger than {limit} bytes (spec.ingress.maxRequestBytes)",
+                               err_type="request_too_large")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 @serve.deployment
@@ -77,6 +109,9 @@ class Ingress:
         if tok_file.is_file():
             from tokenizers import Tokenizer
             self.tokenizer = Tokenizer.from_file(str(tok_file))
+        # a text of more than max_len x the longest token's characters cannot fit: refused untokenized
+        self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
+        fastapi_app.state.max_request_bytes = self.args.max_request_bytes
 
     def reconfigure(self, config: dict) -> None:
         """user_config {"placement": {group: [L.E, ...]}} re-points routing without a restart."""
@@ -162,11 +197,7 @@ class Ingress:
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request):
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise RequestError(400, f"request body is not valid JSON: {err}")
-        req = parse_completion(body)
+        req = parse_completion(decode_body(await _read_body(request, self.args.max_request_bytes)))
         if req.model is not None and req.model != self.args.served_model_name:
             raise RequestError(404, f"model {req.model!r} is not served here (serving {self.args.served_model_name!r})",
                                param="model", err_type="model_not_found")
@@ -184,8 +215,12 @@ class Ingress:
         if req.stream:
             return StreamingResponse(self._stream(gen, rid, created), media_type="text/event-stream")
         tokens = []
-        while (tok := await gen.out.get()) is not None:
-            tokens.append(tok)
+        try:
+            while (tok := await gen.out.get()) is not None:
+                tokens.append(tok)
+        except asyncio.CancelledError:  # the client went away (Serve cancels the request)
+            self.engine.cancel(gen)
+            raise
         if gen.finish_reason and gen.finish_reason.startswith("error"):
             if isinstance(gen.error, ExpertsUnavailable):
                 raise RequestError(503, f"experts unavailable: {gen.error}; retry later", err_type="unavailable")
@@ -199,6 +234,13 @@ class Ingress:
         }
 
     async def _stream(self, gen: GenerationRequest, rid: str, created: int):
+        try:
+            async for chunk in self._chunks(gen, rid, created):
+                yield chunk
+        finally:  # the client went away mid-stream (or it ended): nothing keeps generating for it
+            self.engine.cancel(gen)
+
+    async def _chunks(self, gen: GenerationRequest, rid: str, created: int):
         tokens: list[int] = []
         text_so_far = ""
         while (tok := await gen.out.get()) is not None:
@@ -219,7 +261,13 @@ class Ingress:
             if self.tokenizer is None:
                 raise RequestError(400, "prompt: this checkpoint has no tokenizer.json; send the prompt as a "
                                    "list of token ids", param="prompt")
+            if len(prompt) > self.max_len * self.max_token_chars:
+                raise RequestError(400, f"prompt: {len(prompt)} characters are more than the context of "
+                                   f"{self.max_len} tokens can hold", param="prompt")
             return self.tokenizer.encode(prompt).ids
+        if len(prompt) > self.max_len:
+            raise RequestError(400, f"prompt: {len(prompt)} token ids are more than the context of {self.max_len} "
+                               "tokens", param="prompt")
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise RequestError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")

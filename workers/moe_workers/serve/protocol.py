@@ -1,19 +1,37 @@
-"""The OpenAI-compatible request body, validated with errors that name the field."""
+"""The OpenAI-compatible request body: decoded within limits, validated strictly, with errors
+that name the field (pure; no Ray, no HTTP server here).
+
+Limits (each a 4xx with a JSON reason, before any work is spent on the request):
+- the body: at most the app's `max_request_bytes` (413), JSON nested at most `MAX_JSON_DEPTH`
+  deep, integers of at most `MAX_INT_DIGITS` digits, no NaN / Infinity, valid Unicode (a lone
+  surrogate such as "\\ud800" is refused: it cannot be tokenized or echoed back);
+- the fields: exact JSON types (no coercion: `true` is not a number, `"5"` is not a token id,
+  `0` is not a boolean), and sampling parameters in ranges that cannot make sampling fail.
+"""
 
 from __future__ import annotations
 
+import json
+import re
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_JSON_DEPTH = 32
+MAX_INT_DIGITS = 20  # int64 / uint64 need 20 at most
+MIN_TEMPERATURE = 1e-5  # below this (and above 0) logits / temperature leave floating point
+INT64 = (-(2**63), 2**63 - 1)
+_STRUCTURE = re.compile(rb'\\.|["\[\]{}]', re.S)
 
 
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | list[int] = Field(description="Text (needs tokenizer.json) or token ids.")
-    max_tokens: int = Field(default=16, ge=1)
+    max_tokens: int = Field(default=16, ge=1, le=2**31 - 1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1, description="Only one choice per request is supported.")
     user: str | None = None
@@ -23,6 +41,13 @@ class CompletionRequest(BaseModel):
     def _not_empty(cls, v):
         if len(v) == 0:
             raise ValueError("prompt is empty")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _usable_temperature(cls, v):
+        if 0.0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         return v
 
 
@@ -37,6 +62,74 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
 
 
+def _json_depth(raw: bytes) -> int:
+    """How deeply arrays and objects nest in `raw` (brackets inside strings do not count)."""
+    depth = deepest = 0
+    in_string = False
+    for m in _STRUCTURE.finditer(raw):
+        tok = m.group()
+        if tok[:1] == b"\\":
+            continue
+        if tok == b'"':
+            in_string = not in_string
+        elif not in_string:
+            if tok in (b"[", b"{"):
+                depth += 1
+                deepest = max(deepest, depth)
+            else:
+                depth -= 1
+    return deepest
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise RequestError(400, f"request body has an integer of {len(text.lstrip('-'))} digits; at most "
+                           f"{MAX_INT_DIGITS} are accepted")
+    return int(text)
+
+
+def _constant(name: str):
+    raise RequestError(400, f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def _bad_unicode(value: object, path: str = "") -> str | None:
+    """The path of the first string (or key) that is not valid Unicode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if (bad := _bad_unicode(v, f"{path}[{i}]")) is not None:
+                return bad
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            name = k.encode("utf-8", "backslashreplace").decode()  # the message must be valid Unicode too
+            key_path = f"{path}.{name}" if path else name
+            if (bad := _bad_unicode(k, key_path)) is not None or (bad := _bad_unicode(v, key_path)) is not None:
+                return bad
+    return None
+
+
+def decode_body(raw: bytes) -> object:
+    """The JSON value of a request body, or a RequestError saying what is wrong with it."""
+    if _json_depth(raw) > MAX_JSON_DEPTH:
+        raise RequestError(400, f"request body nests arrays or objects more than {MAX_JSON_DEPTH} deep")
+    try:
+        body = json.loads(raw, parse_int=_int, parse_constant=_constant)
+    except RequestError:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise RequestError(400, f"request body is not valid JSON: {err}") from None
+    bad = _bad_unicode(body)
+    if bad is not None:
+        param = bad.split("[")[0].split(".")[0] if bad != "body" else None
+        raise RequestError(400, f"{bad}: not valid Unicode (a lone surrogate such as \\ud800); send UTF-8 text",
+                           param=param)
+    return body
+
+
 def parse_completion(body: object) -> CompletionRequest:
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object")
@@ -44,8 +137,17 @@ def parse_completion(body: object) -> CompletionRequest:
         return CompletionRequest.model_validate(body)
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
-        loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("list[", "str")))
+        # union branches ("str", "list[int]") are pydantic's names, not the client's fields
+        loc = ".".join(str(p) for p in first["loc"] if str(p) != "str" and not str(p).startswith("list["))
+        field = str(first["loc"][0]) if first["loc"] else ""
         msg = first["msg"].removeprefix("Value error, ")
         if first["type"] == "extra_forbidden":
             msg = "unknown field"
-        raise RequestError(400, f"{loc}: {msg}", param=loc or None) from None
+        elif field == "prompt" and first["type"] in ("string_type", "int_type", "list_type"):
+            loc, msg = "prompt", "expected a string or a list of integer token ids"
+        elif first["type"] in ("int_type", "float_type", "bool_type", "string_type"):
+            got = type(first["input"]).__name__ if first["input"] is not None else "null"
+            got = {"str": "a string", "bool": "a boolean", "float": "a number with a fraction", "int": "an integer",
+                   "list": "a list", "dict": "an object", "null": "null"}.get(got, got)
+            msg = f"{msg} (got {got})"
+        raise RequestError(400, f"{loc}: {msg}", param=field or None) from None
