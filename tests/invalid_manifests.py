@@ -65,7 +65,33 @@ CASES: list[tuple[str, Callable[[dict], None], str]] = [
     ("ray-mode-unknown", _set("spec.ray.mode", "Docker"), "spec.ray.mode"),
     ("ray-address-no-scheme", _set("spec.ray.address", "ray-head:8265"), "spec.ray.address"),
     ("prefetch-lookahead-too-far", _set("spec.experts.tiers.prefetch.lookaheadLayers", 99), "spec.experts.tiers.prefetch.lookaheadLayers"),
+    # the schema and the parser agree on types and ranges (each was accepted by one of them only)
+    ("budget-negative-integer", _set("spec.experts.tiers.hot.budget", -5), "spec.experts.tiers.hot.budget"),
+    ("budget-negative-string", _set("spec.experts.tiers.warm.budget", "-1Gi"), "spec.experts.tiers.warm.budget"),
+    ("budget-with-spaces", _set("spec.experts.tiers.warm.budget", " 1Gi"), "spec.experts.tiers.warm.budget"),
+    ("budget-above-int64", _set("spec.experts.tiers.hot.budget", 2**63), "spec.experts.tiers.hot.budget"),
+    ("groups-boolean", _set("spec.experts.groups", True), "spec.experts.groups"),
+    ("replicas-boolean", _set("spec.experts.replicasPerGroup", True), "spec.experts.replicasPerGroup"),
+    ("pinned-integer", _set("spec.experts.tiers.warm.pinned", 1), "spec.experts.tiers.warm.pinned"),
+    ("cpus-string", _set("spec.ingress.numCpus", "2"), "spec.ingress.numCpus"),
+    ("model-path-nul", _set("spec.model.path", "/models/a\x00b"), "spec.model.path"),
+    ("cold-path-nul", _set("spec.experts.tiers.cold.path", "/cache/\x00"), "spec.experts.tiers.cold.path"),
+    ("override-path-nul", _set("spec.experts.overrides.0.weights.path", "/w/\x00.safetensors"),
+     "spec.experts.overrides[0].weights.path"),
     ("duplicate-override", _set("spec.experts.overrides.1", {"expert": "1.3", "weights": {"path": "/models/other.safetensors"}}), "spec.experts.overrides[1]"),
+]
+
+
+# Accepted by the apiserver (its schema cannot say "a whole number of bytes, at least 1" or bound a
+# quantity string), refused by the parser: the operator marks the object Ready=False InvalidSpec
+# naming the field (tests/unit: parser and the reconcile pass; tests/e2e: the apiserver accepts).
+SEMANTIC_CASES: list[tuple[str, Callable[[dict], None], str]] = [
+    (f"kv-budget-{i}", _set("spec.ingress.kvCacheBudget", v), "spec.ingress.kvCacheBudget")
+    for i, v in enumerate([0, "0", "0.5", "1e-9", "1n", "1e400", "9" * 400, "1.5"])
+] + [
+    ("hot-budget-huge", _set("spec.experts.tiers.hot.budget", "8Ei"), "spec.experts.tiers.hot.budget"),
+    ("cold-budget-fraction", _set("spec.experts.tiers.cold.budget", "100m"), "spec.experts.tiers.cold.budget"),
+    ("request-bytes-zero", _set("spec.ingress.maxRequestBytes", "0Ki"), "spec.ingress.maxRequestBytes"),
 ]
 
 

@@ -161,6 +161,11 @@ def remove_application(client: RayServeClient, name: str, port: int, wait_s: flo
     return True
 
 
+# what planning and rendering raise on a spec the parser let through: the user's to fix, so
+# InvalidSpec with the message, never a crashed reconcile (pydantic's errors are ValueErrors)
+UNRENDERABLE = (ValueError, TypeError, ArithmeticError)
+
+
 class _Outcome:
     """Builds a pass's Result: Ready/Progressing written through the pure condition helper."""
 
@@ -213,9 +218,12 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
         return result(False, cond.RAY_UNREACHABLE, f"Ray dashboard {client.dashboard_url}: {err}", "Warning", retry=10)
     ingress_now, shards_now = deployed_placement(cluster, app), deployed_shards(cluster, app)
     base_url = f"http://{endpoint_host}:{http_port}{spec.ingress.route_prefix.rstrip('/')}"
-    step = placement_step(facts, spec, status, ingress_now, shards_now,
-                          lambda: (fetch(base_url) or {}).get("replicas"), time.time())
-    ours = render_application(namespace, name, spec, step.ingress, allowed_roots, shard_experts=step.shards)
+    try:
+        step = placement_step(facts, spec, status, ingress_now, shards_now,
+                              lambda: (fetch(base_url) or {}).get("replicas"), time.time())
+        ours = render_application(namespace, name, spec, step.ingress, allowed_roots, shard_experts=step.shards)
+    except UNRENDERABLE as err:
+        return result(False, cond.INVALID_SPEC, f"cannot plan or render this spec: {err}", "Warning")
     try:
         with RAY_APPLY_SECONDS.time():
             cluster = apply_application(client, ours, http_port, wait_s)
@@ -313,6 +321,8 @@ def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None
         observed = kuberay.apply(render_rayservice(namespace, name, uid, spec, app, http_port))
     except KubeRayError as err:
         return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
+    except UNRENDERABLE as err:
+        return result(False, cond.INVALID_SPEC, f"cannot plan or render this spec: {err}", "Warning")
     status["endpoint"] = base_url + "/v1"
     status["rayService"] = name
     ready, why = rayservice_ready(observed)

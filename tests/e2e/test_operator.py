@@ -196,6 +196,14 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
         assert bad["status"] == "False" and bad["reason"] == "InvalidSpec" and "outside the allowed model roots" in bad["message"]
         events = k8s.kubectl_json("get", "events", "--field-selector", "involvedObject.name=outside")["items"]
         assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events)
+        # a quantity the schema lets through (a string) but no parser can hold: InvalidSpec naming it,
+        # the reconcile does not crash
+        huge = _manifest("huge", model, prefix="/huge")
+        huge["spec"]["ingress"]["kvCacheBudget"] = "1e400"
+        k8s.kubectl("apply", "-f", "-", input=json.dumps(huge))
+        _, _, bad = wait_for(lambda: (r := _ready(k8s, "huge"))[2] and r, what="huge: InvalidSpec")
+        assert bad["reason"] == "InvalidSpec" and "spec.ingress.kvCacheBudget: '1e400' is out of range" in bad["message"]
+        k8s.kubectl("delete", "moed", "huge", "--wait=true", "--timeout=60s")
 
         # the operator killed and restarted converges without duplicates
         op.kill()

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from hypothesis import given, strategies as st
 
-from invalid_manifests import CASES, VALID, build
+from invalid_manifests import CASES, SEMANTIC_CASES, VALID, build
 from moe_operator.api.models import MoEDeployment, MoEDeploymentSpec
-from moe_operator.api.types import ExpertId, parse_quantity, quantity_bytes
+from moe_operator.api.types import MAX_QUANTITY, ExpertId, parse_quantity, quantity_bytes
 from moe_operator.api.validation import SpecError, parse_spec
 
 
@@ -20,7 +20,7 @@ from moe_operator.api.validation import SpecError, parse_spec
     ("1e3", 1000), ("500m", 0.5), (1024, 1024), ("0", 0),
 ])
 def test_quantity_parsing(text, expected):
-    assert math.isclose(parse_quantity(text), expected)
+    assert math.isclose(float(parse_quantity(text)), expected)
 
 
 @pytest.mark.parametrize("bad", ["16GB", "lots", "", "1.2.3Gi", "Gi", "-1Gi", True])
@@ -32,7 +32,23 @@ def test_quantity_rejects(bad):
 @given(st.integers(min_value=0, max_value=2**40), st.sampled_from(["", "Ki", "Mi", "Gi"]))
 def test_quantity_bytes_round_trip(n, suffix):
     factor = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}[suffix]
-    assert quantity_bytes(f"{n}{suffix}") == n * factor
+    if n * factor > MAX_QUANTITY:  # an int64, as Kubernetes keeps it
+        with pytest.raises(ValueError, match="out of range"):
+            quantity_bytes(f"{n}{suffix}")
+    else:
+        assert quantity_bytes(f"{n}{suffix}") == n * factor
+
+
+@pytest.mark.parametrize("text,value", [("1e3", 1000), ("1.5Gi", 3 * 2**29), ("0.5", 1), ("1n", 1), ("2k", 2000),
+                                         ("+7", 7), ("1E2", 100), (".5Ki", 512), (MAX_QUANTITY, 2**63 - 1024)])
+def test_quantities_are_exact_and_fractions_round_up(text, value):
+    assert quantity_bytes(text) == value
+
+
+@pytest.mark.parametrize("bad", ["1e400", "9" * 400, 2**63, 2**63 - 1023, "-1Gi", "-0", " 1Gi", "1Gi ", True, 1.5, "1e-400000"])
+def test_quantities_out_of_range_or_malformed_are_refused(bad):
+    with pytest.raises(ValueError):
+        parse_quantity(bad)
 
 
 @given(st.integers(0, 999_999), st.integers(0, 999_999))
@@ -65,7 +81,7 @@ def test_round_trip_uses_camel_case():
     assert MoEDeploymentSpec.model_validate(dumped) == spec
 
 
-@pytest.mark.parametrize("case_id,mutation,path", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case_id,mutation,path", CASES + SEMANTIC_CASES, ids=[c[0] for c in CASES + SEMANTIC_CASES])
 def test_invalid_manifests_rejected_by_parser(case_id, mutation, path):
     doc = build(mutation, case_id)
     with pytest.raises(SpecError) as err:
@@ -98,3 +114,16 @@ def test_examples_parse(path):
     for doc in yaml.safe_load_all(open(path)):
         if doc and doc.get("kind") == "MoEDeployment":
             MoEDeployment.model_validate(doc)
+
+
+def test_pruning_drops_unknown_fields_and_nulls_as_the_apiserver_does():
+    from moe_operator.api.pruning import prune, spec_schema
+
+    spec = {"model": {"path": "/m", "dtype": None}, "experts": {"groups": 2, "replicas_per_group": 2,
+            "tiers": {"hot": {"budget": "1Gi"}, "warm": {"budget": "1Gi"}},
+            "overrides": [{"expert": "0.1", "weights": {"path": "/w.safetensors", "sha": "x"}}]}}
+    pruned, dropped = prune(spec, spec_schema(), "spec")
+    assert dropped == ["spec.model.dtype: null", "spec.experts.replicas_per_group: unknown field",
+                       "spec.experts.overrides[0].weights.sha: unknown field"]
+    parsed = parse_spec(pruned)
+    assert parsed.experts.replicas_per_group == 1 and parsed.model.dtype == "auto"  # the defaults, as in Kubernetes

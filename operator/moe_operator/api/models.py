@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from .types import DNS_SUBDOMAIN_PATTERN, SHA256_PATTERN, ExpertIdStr, Quantity
+from .types import DNS_SUBDOMAIN_PATTERN, SHA256_PATTERN, Bytes, ExpertIdStr, Quantity
 
 GROUP = "serving.moe.io"
 VERSION = "v1alpha1"
@@ -27,7 +27,7 @@ class ApiModel(BaseModel):
     """camelCase on the wire, snake_case in Python; unknown fields are errors."""
 
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_default=True
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_default=True, strict=True
     )
 
 
@@ -53,7 +53,7 @@ class ModelSource(ApiModel):
     path: str = Field(
         min_length=1,
         max_length=4096,
-        pattern=r"^/",
+        pattern=r"^/[^\x00]*$",
         description=(
             "Absolute path, as seen by the Ray nodes, of a directory in Hugging Face layout: "
             "config.json, one or more *.safetensors files (with model.safetensors.index.json "
@@ -118,7 +118,7 @@ class KubeRayCluster(ApiModel):
     )
     worker_replicas: int = Field(default=1, ge=0, le=1000, description="Ray worker Pods.")
     worker_cpu: Quantity = Field(default="4", description="CPU request and limit of each worker Pod.")
-    worker_memory: Quantity = Field(default="16Gi", description="Memory request and limit of each worker Pod.")
+    worker_memory: Bytes = Field(default="16Gi", description="Memory request and limit of each worker Pod.")
     worker_gpus: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu per worker Pod.")
 
 
@@ -174,7 +174,7 @@ class IngressSpec(ApiModel):
     max_batch_size: int = Field(
         default=32, ge=1, le=4096, description="Most sequences sharing one decode step (continuous batching)."
     )
-    kv_cache_budget: Quantity = Field(
+    kv_cache_budget: Bytes = Field(
         default="1Gi",
         description="Memory the KV cache may use per replica. Requests wait when it is full.",
     )
@@ -185,7 +185,7 @@ class IngressSpec(ApiModel):
         description="Requests that may wait for KV cache space; beyond this they are refused "
         "with 503 and Retry-After.",
     )
-    max_request_bytes: Quantity = Field(
+    max_request_bytes: Bytes = Field(
         default="4Mi",
         description="Largest HTTP request body the API accepts; a larger one gets 413 before it is read.",
     )
@@ -198,13 +198,13 @@ class IngressSpec(ApiModel):
 class HotTier(ApiModel):
     """Accelerator memory (host memory in compute layout when there is no accelerator)."""
 
-    budget: Quantity = Field(description="Bytes of expert weights kept ready to compute, per replica.")
+    budget: Bytes = Field(description="Bytes of expert weights kept ready to compute, per replica.")
 
 
 class WarmTier(ApiModel):
     """Host RAM."""
 
-    budget: Quantity = Field(description="Bytes of expert weights kept in host RAM, per replica.")
+    budget: Bytes = Field(description="Bytes of expert weights kept in host RAM, per replica.")
     pinned: bool = Field(default=True, description="Use pinned (page-locked) memory when CUDA is present.")
 
 
@@ -213,11 +213,11 @@ class ColdTier(ApiModel):
 
     path: str = Field(
         default="/var/cache/moe-experts",
-        pattern=r"^/",
+        pattern=r"^/[^\x00]*$",
         max_length=4096,
         description="Absolute path of the cache directory on each Ray node.",
     )
-    budget: Quantity | None = Field(
+    budget: Bytes | None = Field(
         default=None, description="Most bytes the cache may hold per node; unset means unbounded."
     )
 
@@ -253,7 +253,7 @@ class WeightsSource(ApiModel):
     """A safetensors file holding one expert's tensors."""
 
     path: str = Field(
-        min_length=1, max_length=4096, pattern=r"^/.*\.safetensors$",
+        min_length=1, max_length=4096, pattern=r"^/[^\x00]*\.safetensors$",
         description="Absolute path of a .safetensors file with the expert's w1, w2 and w3 "
         "(under the names the checkpoint uses, or just w1.weight, w2.weight, w3.weight). Must "
         "lie under one of the operator's allowed weight roots.",

@@ -93,6 +93,8 @@ def up(
     from moe_operator.standalone.runner import StandaloneRunner, default_state_dir, load_manifest
 
     manifest = load_manifest(file)
+    for line in manifest.dropped:  # the apiserver prunes these silently; say so here
+        err.print(f"warning: {file}: {line}, dropped as the Kubernetes apiserver would", markup=False)
     roots = [str(p.resolve()) for p in allowed_roots] or [str(file.resolve().parent)]
     roots += [r for r in os.environ.get("MOE_ALLOWED_ROOTS", "").split(":") if r]
     address = ray_address or (manifest.spec.ray.address if manifest.spec else None)

@@ -19,6 +19,7 @@ import yaml
 from moe_operator.api import conditions as cond
 from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.api.semantics import validate_semantics
+from moe_operator.api.pruning import prune, spec_schema
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
 from moe_operator.backends.ray_rest import RayServeClient
@@ -47,6 +48,7 @@ class Manifest:
     problems: list[str]
     raw: dict
     raw_spec: dict | None = None
+    dropped: list[str] = field(default_factory=list)  # what the apiserver would have pruned too
 
 
 def load_manifest(path: Path) -> Manifest:
@@ -64,7 +66,7 @@ def load_manifest(path: Path) -> Manifest:
     name, namespace = meta.get("name", ""), meta.get("namespace", "default")
     if not name:
         return Manifest("", namespace, None, ["metadata.name: required field is missing"], doc)
-    spec_raw = json.loads(json.dumps(doc.get("spec") or {}))
+    spec_raw, dropped = prune(json.loads(json.dumps(doc.get("spec") or {})), spec_schema(), "spec")
     base = path.resolve().parent
     model = spec_raw.get("model") or {}
     if isinstance(model.get("path"), str) and not model["path"].startswith("/"):
@@ -77,9 +79,9 @@ def load_manifest(path: Path) -> Manifest:
         if isinstance(w.get("path"), str) and not w["path"].startswith("/"):
             w["path"] = str((base / w["path"]).resolve())
     try:
-        return Manifest(name, namespace, parse_spec(spec_raw), [], doc, spec_raw)
+        return Manifest(name, namespace, parse_spec(spec_raw), [], doc, spec_raw, dropped)
     except SpecError as err:
-        return Manifest(name, namespace, None, err.problems, doc, spec_raw)
+        return Manifest(name, namespace, None, err.problems, doc, spec_raw, dropped)
 
 
 @dataclass
