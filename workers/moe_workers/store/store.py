@@ -233,6 +233,8 @@ class TieredExpertStore:
                       WARM: SlotPool(self.expert_bytes, torch.device("cpu"), pin, self._slots(self.config.warm_budget))}
         self.used = {HOT: 0, WARM: 0}
         self.reserved = {HOT: 0, WARM: 0}
+        # the part of `reserved` that holds hot-swaps' staged versions (each released at its commit)
+        self.staging = {HOT: 0, WARM: 0}
         self.stats = StoreStats()
         self._cv = threading.Condition(threading.RLock())
         self._swap_locks: dict[Key, threading.Lock] = {}
@@ -620,6 +622,11 @@ class TieredExpertStore:
             if victim is None:
                 if not wait:
                     return False
+                if self.staging[tier]:
+                    # a swap's staged copy holds the room, and its commit waits for the batches
+                    # that pinned the expert, this one maybe: waiting here would deadlock until the
+                    # timeout. Go over the budget by the staged copy until the commit frees the old.
+                    return True
                 if not self._cv.wait(max(0.0, deadline - time.monotonic())):
                     raise StoreFull(f"no room in the {tier} tier: every resident expert is in use")
                 continue
@@ -788,6 +795,7 @@ class TieredExpertStore:
                     raise SwapError(f"no room to stage expert {key[0]}.{key[1]} beside the serving version "
                                     "(hot and warm budgets are full of experts in use)")
                 self.reserved[stage] += e.nbytes
+                self.staging[stage] += e.nbytes
             slot = None
             try:
                 raw = load()
@@ -798,6 +806,7 @@ class TieredExpertStore:
                     if slot is not None:
                         self.pools[stage].give(slot)
                     self.reserved[stage] -= e.nbytes
+                    self.staging[stage] -= e.nbytes
                     self._cv.notify_all()
                 raise
             with self._cv:
@@ -808,6 +817,7 @@ class TieredExpertStore:
                         e.swap_pending = False
                         self.pools[stage].give(slot)
                         self.reserved[stage] -= e.nbytes
+                        self.staging[stage] -= e.nbytes
                         self._cv.notify_all()
                         raise SwapError(f"expert {key[0]}.{key[1]} stayed in use for {self.wait_timeout_s:.0f} s; "
                                         "swap not committed")
@@ -816,6 +826,7 @@ class TieredExpertStore:
                     self.used[old_tier] -= e.nbytes
                 self._free_slot(e)  # the old version's memory: released after its last batch
                 self.reserved[stage] -= e.nbytes
+                self.staging[stage] -= e.nbytes
                 self.used[stage] += e.nbytes
                 e.tensors, e.slot, e.tier, e.version = staged, slot, stage, version
                 e.swap_pending = False
