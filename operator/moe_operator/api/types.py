@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
 from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
 
@@ -76,29 +76,24 @@ def _validate_bytes(value: Any) -> int | str:
     return value
 
 
-Quantity = Annotated[
-    int | str,
-    BeforeValidator(_validate_quantity),
-    WithJsonSchema({
-        "x-kubernetes-int-or-string": True,
-        "anyOf": [{"type": "integer"}, {"type": "string"}],
-        "pattern": QUANTITY_PATTERN,
-        "minimum": 0,
-        "maximum": MAX_QUANTITY,
-    }),
-]
+def _quantity_type(validator: Callable[[Any], int | str]) -> Any:
+    """An int-or-string field checked by `validator` in pydantic and by the pattern and bounds in
+    the CRD (the apiserver's int-or-string form)."""
+    return Annotated[
+        int | str,
+        BeforeValidator(validator),
+        WithJsonSchema({
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+            "minimum": 0,
+            "maximum": MAX_QUANTITY,
+        }),
+    ]
 
-Bytes = Annotated[
-    int | str,
-    BeforeValidator(_validate_bytes),
-    WithJsonSchema({
-        "x-kubernetes-int-or-string": True,
-        "anyOf": [{"type": "integer"}, {"type": "string"}],
-        "pattern": QUANTITY_PATTERN,
-        "minimum": 0,
-        "maximum": MAX_QUANTITY,
-    }),
-]
+
+Quantity = _quantity_type(_validate_quantity)
+Bytes = _quantity_type(_validate_bytes)  # whole bytes, at least 1
 
 
 @dataclass(frozen=True, order=True)
