@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
+import time
 
 import pytest
 import requests
@@ -23,6 +25,7 @@ pytestmark = pytest.mark.ray
 
 LIMIT = 64 * 1024  # max_request_bytes of this app
 MAX_LEN = 2048
+BODY_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,8 @@ def app(ray_head, tmp_path_factory):
     make_mixtral(path, num_local_experts=4, num_hidden_layers=2, max_position_embeddings=MAX_LEN)
     add_tokenizer(path, 96)
     args = AppArgs(model_path=str(path), served_model_name="tiny", num_groups=2, max_batch_size=8,
-                   kv_cache_budget_bytes=16 * 2**20, max_queued_requests=16, max_request_bytes=LIMIT)
+                   kv_cache_budget_bytes=16 * 2**20, max_queued_requests=16, max_request_bytes=LIMIT,
+                   request_body_timeout_s=BODY_TIMEOUT_S)
     placement = {"ExpertShard-0": ["0.0", "0.1", "1.0", "1.1"], "ExpertShard-1": ["0.2", "0.3", "1.2", "1.3"]}
     deploy(ray_head, [serve_application("hostile", "/", args, placement)])
     url = f"http://127.0.0.1:{ray_head.serve_http_port}"
@@ -130,6 +134,29 @@ def test_a_text_too_long_for_the_context_is_refused_untokenized(app):
     assert "characters are more than the context" in resp.json()["error"]["message"]
     tokens = requests.post(url + "/v1/completions", json={"prompt": "w5 " * 3000, "max_tokens": 1}, timeout=60)
     assert tokens.status_code == 400 and "exceeds the context of 2048 tokens" in tokens.json()["error"]["message"]
+
+
+def test_a_body_sent_a_byte_at_a_time_gets_408(app):
+    """A chunked body that stalls after its first byte: 408 once the body timeout passes, and the
+    replica keeps serving others meanwhile."""
+    url, _ = app
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")
+        assert _good(url)  # served while the slow body is pending
+        t0 = time.monotonic()
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < 100:
+            more = sock.recv(4096)
+            if not more:
+                break
+            reply += more
+        waited = time.monotonic() - t0
+        reply = reply.decode(errors="replace")
+    assert reply.startswith("HTTP/1.1 408"), reply[:200]
+    assert "not received within 3 s" in reply
+    assert waited < 30  # answered by the body timeout, not the socket's
 
 
 def _running(url: str) -> int:

@@ -48,6 +48,8 @@ class AppArgs(BaseModel):
                                       "step's requests get a 503.")
     max_request_bytes: int = Field(default=4 * 2**20, ge=1024, description="Largest HTTP request body; a larger "
                                    "one gets 413 before it is read.")
+    request_body_timeout_s: float = Field(default=30.0, gt=0, description="How long a request body may take "
+                                          "to arrive; then 408.")
     ingress_torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per ingress replica.")
     allowed_weight_roots: list[str] = Field(default_factory=list, description="Directories hot-swap weight "
                                             "files must lie under; none means every swap is refused.")

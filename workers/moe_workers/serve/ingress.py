@@ -62,10 +62,20 @@ def _too_large(limit: int) -> JSONResponse:
     return JSONResponse(err.body(), status_code=413)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, read up to `limit` bytes (a chunked body has no Content-Length to check first)."""
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, read up to `limit` bytes (a chunked body has no Content-Length to check first)
+    and within `timeout_s` (a client sending it a byte at a time does not hold the replica)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    chunks = request.stream().__aiter__()
     parts, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - loop.time()))
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"request body not received within {timeout_s:g} s", err_type="request_timeout")
         size += len(chunk)
         if size > limit:
             raise RequestError(413, f"request body is larger than {limit} bytes (spec.ingress.maxRequestBytes)",
@@ -197,7 +207,8 @@ class Ingress:
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request):
-        req = parse_completion(decode_body(await _read_body(request, self.args.max_request_bytes)))
+        raw = await _read_body(request, self.args.max_request_bytes, self.args.request_body_timeout_s)
+        req = parse_completion(decode_body(raw))
         if req.model is not None and req.model != self.args.served_model_name:
             raise RequestError(404, f"model {req.model!r} is not served here (serving {self.args.served_model_name!r})",
                                param="model", err_type="model_not_found")
