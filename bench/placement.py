@@ -26,7 +26,7 @@ routing trace where experts are picked in pairs.
 
 adds the seconds from the onset of a skew to balanced serving on a real local Ray (`moectl up`,
 default autoscaling timings: 60 s window, 120 s stabilization, 15 s scrape; mode Auto with one
-spare copy per group): a checkpoint whose routers send nearly every token to two experts of one
+spare copy per group in each layer): a checkpoint whose routers send nearly every token to two experts of one
 group, clients start at the onset; reported next to the stabilization window the policy must wait
 by design (the physical floor of any decision with these settings).
 """
