@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_workers.expert_ids import expert_key
+
 Placement = dict[str, list[str]]
 
 STEADY, LOADING, SWITCHING, DRAINING = "Steady", "Loading", "Switching", "Draining"
@@ -30,12 +32,8 @@ class Step:
     retry_after_s: float | None = None
 
 
-def _key(eid: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in eid.split("."))
-
-
 def union(a: Placement, b: Placement) -> Placement:
-    return {g: sorted(set(a.get(g, [])) | set(b.get(g, [])), key=_key) for g in sorted(set(a) | set(b))}
+    return {g: sorted(set(a.get(g, [])) | set(b.get(g, [])), key=expert_key) for g in sorted(set(a) | set(b))}
 
 
 def same_placement(a: Placement, b: Placement) -> bool:

@@ -9,6 +9,7 @@ which is the fewest moves any balanced placement allows.
 
 from __future__ import annotations
 
+from moe_workers.expert_ids import expert_key
 from moe_workers.serve.config import group_name  # the deployment names the app builder uses
 
 Placement = dict[str, list[str]]
@@ -48,7 +49,7 @@ def initial_placement(num_layers: int, num_experts: int, num_groups: int,
             k = max(range(num_groups), key=lambda i: (caps[i], -i))
             result[names[k]].append(eid)
             caps[k] -= 1
-    return {g: sorted(v, key=lambda s: tuple(map(int, s.split(".")))) for g, v in result.items()}
+    return {g: sorted(v, key=expert_key) for g, v in result.items()}
 
 
 def moved_experts(before: Placement, after: Placement) -> int:

@@ -18,12 +18,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from moe_workers.expert_ids import expert_key
+
 EPS = 1e-9
 SWAP_GROUPS = 8  # swaps are tried with this many of the least-loaded groups
-
-
-def expert_key(eid: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in eid.split("."))
 
 
 def slots_per_group(num_experts: int, num_groups: int, spare: int) -> int:

@@ -35,7 +35,8 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 
-from moe_operator.planner.layer import LayerState, expert_key, feasible, improve, slots_per_group
+from moe_operator.planner.layer import LayerState, feasible, improve, slots_per_group
+from moe_workers.expert_ids import expert_key, layer_of
 
 Placement = dict[str, list[str]]
 TOLERANCE = 0.003
@@ -64,10 +65,6 @@ class Plan:
     def worst_layer(self) -> tuple[int, float]:
         """(layer, balancedness) of the least balanced layer."""
         return min(self.layer_balancedness.items(), key=lambda kv: (kv[1], kv[0]), default=(0, 1.0))
-
-
-def layer_of(eid: str) -> int:
-    return int(eid.split(".")[0])
 
 
 def by_layer(placement: Placement, load: dict[str, float]) -> dict[int, tuple[dict[str, set[str]], dict[str, float]]]:
