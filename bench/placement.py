@@ -44,10 +44,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator"), str(REPO / "bench")]
 
-from moe_operator.planner.initial import initial_placement  # noqa: E402
+from moe_operator.planner.initial import initial_placement, moved_experts  # noqa: E402
 from moe_operator.planner.layer import slots_per_group  # noqa: E402
 from moe_operator.planner.rebalance import (layer_balancedness, lower_bound_balancedness,  # noqa: E402
-                                            moved_copies, plan, replicate)
+                                            plan, replicate)
 from moe_operator.planner.synthetic import lognormal_load, zipf_load  # noqa: E402
 
 EXPERT_BYTES = 3 * 1024 * 3584 * 4  # the bench/serving model's expert
@@ -109,7 +109,7 @@ def one_setting(experts: int, groups: int, spare: int, kind: str, seed: int, lay
             "ours": ours.balancedness, "ours_worst_layer": ours.worst_layer[1], "reference": mean(ref_b.values()),
             "reference_worst_layer": min(ref_b.values()), "bound": mean(bound.values()),
             "ours_after_drift": ours2.balancedness, "reference_after_drift": mean(layer_balancedness(ref2, later).values()),
-            "ours_moves": ours2.moved_copies, "reference_moves": moved_copies(ref, ref2),
+            "ours_moves": ours2.moved_copies, "reference_moves": moved_experts(ref, ref2),
             "copies": sum(len(v) for v in ours2.placement.values()), "plan_ms": ms,
             "slots_per_group": ours.slots_per_group}
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from moe_workers.expert_ids import layer_of
+
 EXPERT_TOKENS = "ray_moe_expert_tokens"  # the shards' counter, as Ray exports it (ray_ prefix)
 
 Totals = dict[tuple[str, str], float]  # (group, "L.E") -> tokens since the replicas started
@@ -140,7 +142,7 @@ def layer_imbalance(rates: dict[tuple[str, str], float], groups: list[str]) -> d
     (idle groups count as 0)."""
     per: dict[int, dict[str, float]] = {}
     for (group, eid), r in rates.items():
-        loads = per.setdefault(int(eid.split(".")[0]), {g: 0.0 for g in groups})
+        loads = per.setdefault(layer_of(eid), {g: 0.0 for g in groups})
         loads[group] = loads.get(group, 0.0) + r
     return {layer: imbalance(loads) for layer, loads in sorted(per.items()) if sum(loads.values()) > 0}
 

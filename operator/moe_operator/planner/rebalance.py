@@ -142,6 +142,17 @@ def _spare(num_experts: int, num_groups: int, redundant_slots: int) -> int:
     return min(redundant_slots, num_groups * slots_per_group(num_experts, num_groups, redundant_slots) - num_experts)
 
 
+def _least_loaded(e: str, free: list[int], gload: list[float], hosts: list[set[str]], near: float,
+                  affinity: dict[str, dict[str, float]] | None) -> int:
+    """The least-loaded of `free`; among those within `near` of it, the one whose experts are most
+    often selected together with `e`."""
+    least = min(gload[g] for g in free)
+    if not affinity or not affinity.get(e):
+        return min(free, key=lambda g: (gload[g], g))
+    close = [g for g in free if gload[g] <= least + near]
+    return min(close, key=lambda g: (-sum(affinity[e].get(o, 0.0) for o in hosts[g]), gload[g], g))
+
+
 def _pack(state: LayerState, copies: dict[str, int], affinity: dict[str, dict[str, float]] | None) -> None:
     """Place `copies` into the (empty) state: heaviest copy first, into the least-loaded group
     with a free slot; among groups within 1% of a fair share of the least loaded, the one whose
@@ -159,13 +170,7 @@ def _pack(state: LayerState, copies: dict[str, int], affinity: dict[str, dict[st
         chosen: list[int] = []
         for _ in range(copies[e]):
             free = [g for g in range(G) if rooms[g] > 0 and g not in chosen]
-            least = min(gload[g] for g in free)
-            if affinity and affinity.get(e):
-                close = [g for g in free if gload[g] <= least + near]
-                g = min(close, key=lambda g: (-sum(affinity[e].get(o, 0.0) for o in state.hosts[g]), gload[g], g))
-            else:
-                g = min(free, key=lambda g: (gload[g], g))
-            chosen.append(g)
+            chosen.append(_least_loaded(e, free, gload, state.hosts, near, affinity))
         after = [r - (1 if g in chosen else 0) for g, r in enumerate(rooms)]
         if any(c > 1 for c in remaining.values()) and not feasible(list(remaining.values()), after):
             # the groups with the most free slots keep the rest placeable (Ryser)
@@ -218,10 +223,8 @@ def _pack_sticky(state: LayerState, copies: dict[str, int], limit: float,
         need = remaining.pop(e)
         free = [g for g in range(G) if rooms[g] > 0 and e not in state.hosts[g]]
         chosen = sorted(free, key=lambda g: (gload[g], g))[:need]
-        if affinity and affinity.get(e) and need == 1 and free:
-            least = gload[chosen[0]]
-            close = [g for g in free if gload[g] <= least + near]
-            chosen = [min(close, key=lambda g: (-sum(affinity[e].get(o, 0.0) for o in state.hosts[g]), gload[g], g))]
+        if need == 1 and free:
+            chosen = [_least_loaded(e, free, gload, state.hosts, near, affinity)]
         after = [r - (1 if g in chosen else 0) for g, r in enumerate(rooms)]
         if len(chosen) < need or not feasible(list(remaining.values()), after):
             chosen = sorted(free, key=lambda g: (-rooms[g], gload[g], g))[:need]
@@ -438,7 +441,3 @@ def plan(load: dict[str, float], current: Placement, expert_bytes: int, redundan
                 moved, moved * expert_bytes, dict(copies), per_layer,
                 max((s.capacity for s in planned.values()), default=0))
 
-
-def moved_copies(before: Placement, after: Placement) -> int:
-    had = {(g, e) for g, es in before.items() for e in es}
-    return sum(1 for g, es in after.items() for e in es if (g, e) not in had)

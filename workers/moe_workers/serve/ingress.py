@@ -52,14 +52,13 @@ async def _body_limit(request: Request, call_next):
         if not length.isdigit():
             return JSONResponse(RequestError(400, "Content-Length is not a number").body(), status_code=400)
         if int(length) > limit:
-            return _too_large(limit)
+            return JSONResponse(_too_large(limit).body(), status_code=413)
     return await call_next(request)
 
 
-def _too_large(limit: int) -> JSONResponse:
-    err = RequestError(413, f"request body is larger than {limit} bytes (spec.ingress.maxRequestBytes)",
-                       err_type="request_too_large")
-    return JSONResponse(err.body(), status_code=413)
+def _too_large(limit: int) -> RequestError:
+    return RequestError(413, f"request body is larger than {limit} bytes (spec.ingress.maxRequestBytes)",
+                        err_type="request_too_large")
 
 
 async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
@@ -78,8 +77,7 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
             raise RequestError(408, f"request body not received within {timeout_s:g} s", err_type="request_timeout")
         size += len(chunk)
         if size > limit:
-            raise RequestError(413, f"request body is larger than {limit} bytes (spec.ingress.maxRequestBytes)",
-                               err_type="request_too_large")
+            raise _too_large(limit)
         parts.append(chunk)
     return b"".join(parts)
 
@@ -276,9 +274,6 @@ class Ingress:
                 raise RequestError(400, f"prompt: {len(prompt)} characters are more than the context of "
                                    f"{self.max_len} tokens can hold", param="prompt")
             return self.tokenizer.encode(prompt).ids
-        if len(prompt) > self.max_len:
-            raise RequestError(400, f"prompt: {len(prompt)} token ids are more than the context of {self.max_len} "
-                               "tokens", param="prompt")
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise RequestError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
