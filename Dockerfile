@@ -14,6 +14,8 @@ COPY workers workers
 RUN pip install --no-cache-dir --no-deps . && rm -rf /src
 WORKDIR /
 USER 65532:65532
-ENV HOME=/tmp PYTHONUNBUFFERED=1
+# USER: kopf names itself after the login (getpass), and uid 65532 has no passwd entry; without
+# it the operator exits at start with "getpwuid(): uid not found" (seen on the test node)
+ENV HOME=/tmp PYTHONUNBUFFERED=1 USER=moe-operator
 ENTRYPOINT ["kopf", "run", "-m", "moe_operator.handlers.operator"]
 CMD ["--standalone", "--all-namespaces"]

@@ -85,6 +85,40 @@ def k8s(tmp_path_factory) -> KubeEnv:
         subprocess.run([str(TESTENV), "stop", str(state)], timeout=60)
 
 
+@dataclass
+class NodeEnv(KubeEnv):
+    """A control plane with a real node (kubelet + containerd) and the project's images in it."""
+
+    operator_image: str = ""
+    ray_image: str = ""
+
+
+@pytest.fixture(scope="session")
+def k8s_node(tmp_path_factory) -> NodeEnv:
+    """`scripts/testenv start --node`: its own apiserver on the node's bridge, a kubelet, kube-proxy,
+    scheduler and controller-manager, the operator and Ray images imported. Needs root."""
+    bin_dir = _cache_bin()
+    missing = [b for b in ("kubelet", "kube-proxy", "kube-scheduler", "kube-controller-manager", "pause")
+               if not (bin_dir / b).exists()]
+    if missing:
+        pytest.fail(f"node binaries not installed ({', '.join(missing)} missing in {bin_dir}); "
+                    f"run: scripts/testenv install", pytrace=False)
+    state = tmp_path_factory.mktemp("testenv-node")
+    proc = subprocess.run([str(TESTENV), "start", str(state), "--node"], capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        pytest.fail(f"scripts/testenv start --node failed: {proc.stderr[-3000:]}", pytrace=False)
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.splitlines()
+                   if line.startswith("export ") and "PATH=" not in line)
+    env = NodeEnv(dir=state, kubeconfig=Path(exports["KUBECONFIG"]),
+                  developer_kubeconfig=Path(exports["MOE_TESTENV_DEVELOPER_KUBECONFIG"]),
+                  server=exports["MOE_TESTENV_SERVER"], bin_dir=bin_dir,
+                  operator_image=exports["MOE_OPERATOR_IMAGE"], ray_image=exports["MOE_RAY_IMAGE"])
+    try:
+        yield env
+    finally:
+        subprocess.run([str(TESTENV), "stop", str(state)], timeout=180)
+
+
 @pytest.fixture(scope="session")
 def crd_installed(k8s: KubeEnv) -> KubeEnv:
     k8s.kubectl("apply", "-f", str(REPO / "crds"))

@@ -114,8 +114,11 @@ def record_step(status: dict, step: transition.Step, ingress_before: dict | None
     return events
 
 
-def http_options(port: int) -> dict:
-    return {"host": "127.0.0.1", "port": port}
+def http_options(port: int, host: str = "127.0.0.1") -> dict:
+    """Serve's proxy address. Loopback unless the operator is told otherwise (MOE_SERVE_HTTP_HOST):
+    a Ray cluster in Pods needs 0.0.0.0 for its Service to reach the proxy. Serve takes it when it
+    starts on a cluster and keeps it while it runs."""
+    return {"host": host, "port": port}
 
 
 _locks_guard = threading.Lock()
@@ -129,7 +132,8 @@ def cluster_lock(client) -> threading.Lock:
         return _cluster_locks.setdefault(client.dashboard_url, threading.Lock())
 
 
-def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: float, attempts: int = 3) -> dict:
+def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: float, attempts: int = 3,
+                      host: str = "127.0.0.1") -> dict:
     """Read-merge-write under the cluster lock, then wait outside it; if another writer (another
     process) replaced the config meanwhile and ours is gone, write again."""
     for _ in range(attempts):
@@ -137,7 +141,7 @@ def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: flo
             current = client.get()
             apps = [a["deployed_app_config"] for a in current.get("applications", {}).values()
                     if a.get("deployed_app_config")]
-            client.put({"http_options": http_options(port), "applications": merge_applications(apps, ours)})
+            client.put({"http_options": http_options(port, host), "applications": merge_applications(apps, ours)})
         client.wait_running([ours["name"]], timeout_s=wait_s)
         cluster = client.get()
         if (cluster.get("applications", {}).get(ours["name"]) or {}).get("deployed_app_config") is not None:
@@ -145,7 +149,8 @@ def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: flo
     raise RayServeError(f"application {ours['name']} was replaced by another writer {attempts} times in a row")
 
 
-def remove_application(client: RayServeClient, name: str, port: int, wait_s: float = 120.0) -> bool:
+def remove_application(client: RayServeClient, name: str, port: int, wait_s: float = 120.0,
+                       host: str = "127.0.0.1") -> bool:
     """Delete our application, keep everyone else's, and wait until Ray no longer lists it.
     False when it was not there."""
     with cluster_lock(client):
@@ -154,7 +159,7 @@ def remove_application(client: RayServeClient, name: str, port: int, wait_s: flo
             return False
         others = [a["deployed_app_config"] for n, a in apps.items() if n != name and a.get("deployed_app_config")]
         if others:
-            client.put({"http_options": http_options(port), "applications": others})
+            client.put({"http_options": http_options(port, host), "applications": others})
         else:
             client.delete_all()
     client.wait_gone(name, wait_s)
@@ -205,7 +210,8 @@ def _validated(raw_spec, spec, allowed_roots, result: _Outcome):
 
 def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int, status: dict,
               client: RayServeClient, allowed_roots: list[str], http_port: int, endpoint_host: str = "127.0.0.1",
-              wait_s: float = 600.0, spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status) -> Result:
+              wait_s: float = 600.0, spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status,
+              http_host: str = "127.0.0.1") -> Result:
     result = _Outcome(status, generation)
     status = result.status
     spec, facts, failed = _validated(raw_spec, spec, allowed_roots, result)
@@ -226,7 +232,7 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
         return result(False, cond.INVALID_SPEC, f"cannot plan or render this spec: {err}", "Warning")
     try:
         with RAY_APPLY_SECONDS.time():
-            cluster = apply_application(client, ours, http_port, wait_s)
+            cluster = apply_application(client, ours, http_port, wait_s, host=http_host)
     except ValueError as err:  # route prefix clash and the like: the user must change the spec
         return result(False, cond.INVALID_SPEC, str(err), "Warning")
     except (RayServeError, OSError) as err:

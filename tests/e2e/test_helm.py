@@ -62,6 +62,8 @@ def test_default_render_least_privilege_cluster_wide(k8s):
     assert "--all-namespaces" in c["args"][0] and "--standalone" in c["args"][0]
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["MOE_ALLOWED_ROOTS"] == "/models" and env["MOE_METRICS_HOST"] == "0.0.0.0"
+    assert env["MOE_SERVE_HTTP_HOST"] == "0.0.0.0"  # Ray in Pods: the proxy must answer its Service
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert sts["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 

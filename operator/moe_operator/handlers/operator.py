@@ -7,6 +7,8 @@ Settings come from the environment (the Helm chart sets them):
   MOE_RAY_TOKEN_FILE    file with the Ray dashboard token (or MOE_RAY_TOKEN)
   MOE_ALLOWED_ROOTS     colon-separated directories models and weights may be read from
   MOE_SERVE_HTTP_PORT   Serve proxy port on the Ray cluster (default 8000)
+  MOE_SERVE_HTTP_HOST   address the Serve proxy binds when the operator starts Serve (default
+                        127.0.0.1; the Helm chart sets 0.0.0.0, for Ray clusters in Pods)
   MOE_ENDPOINT_HOST     host written into status.endpoint (default 127.0.0.1)
   MOE_METRICS_PORT      serve the operator's Prometheus metrics on MOE_METRICS_HOST:PORT when set
   MOE_METRICS_HOST      address for the metrics (default 127.0.0.1; the Helm chart sets 0.0.0.0 in the Pod)
@@ -131,7 +133,8 @@ def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict):
                                  status, _kuberay(), _roots())
     return reconcile(namespace, name, spec_dict, meta.get("generation", 0), status,
                      _client(spec_dict, namespace), _roots(), int(_setting("MOE_SERVE_HTTP_PORT", "8000")),
-                     endpoint_host=_setting("MOE_ENDPOINT_HOST", "127.0.0.1"))
+                     endpoint_host=_setting("MOE_ENDPOINT_HOST", "127.0.0.1"),
+                     http_host=_setting("MOE_SERVE_HTTP_HOST", "127.0.0.1"))
 
 
 @kopf.on.resume(*RESOURCE)
@@ -172,7 +175,8 @@ def delete_handler(name: str, namespace: str, spec, meta, logger, **_) -> None:
         return
     try:
         removed = remove_application(_client(spec_dict, namespace), app_name(namespace, name),
-                                     int(_setting("MOE_SERVE_HTTP_PORT", "8000")))
+                                     int(_setting("MOE_SERVE_HTTP_PORT", "8000")),
+                                     host=_setting("MOE_SERVE_HTTP_HOST", "127.0.0.1"))
     except (RayServeError, OSError) as err:  # keep the finalizer until Ray confirms the app is gone
         raise kopf.TemporaryError(f"removing {app_name(namespace, name)}: {err}", delay=10)
     logger.info("removed Serve application %s" if removed else "Serve application %s was already gone",

@@ -1,0 +1,214 @@
+"""Everything in Pods on a real node, as a user would do it: `helm install` the chart with the
+operator image built from our Dockerfile -> the operator Pod Ready -> a Ray head and worker as
+Pods (examples/ray-cluster.yaml) with the model on a hostPath -> `kubectl apply` a MoEDeployment
+(Existing mode, the head's ClusterIP) -> Ready -> completions through the ray-serve ClusterIP equal
+to the in-process model -> moectl hot-swap --wait -> moectl rebalance --wait -> the worker Pod
+deleted under load, the app recovers (failures counted and reported) -> delete -> helm uninstall,
+nothing of ours left."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+from safetensors.torch import save_file
+
+from load_clients import Load
+from moe_workers.model.inprocess import InProcessModel
+from moe_workers.model.random_init import write_random_mixtral
+from moe_workers.store.versions import file_sha256
+from waiting import wait_for
+
+pytestmark = [pytest.mark.k8s, pytest.mark.node]
+REPO = Path(__file__).resolve().parents[2]
+CHART = str(REPO / "helm" / "moe-operator")
+MOECTL = str(Path(sys.executable).with_name("moectl"))
+NS = "moe-system"
+
+
+def _ray_cluster(models: Path, image: str) -> list[dict]:
+    """examples/ray-cluster.yaml with the locally built image and this test's model directory."""
+    docs = [d for d in yaml.safe_load_all((REPO / "examples" / "ray-cluster.yaml").read_text()) if d]
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        pod = d["spec"]["template"]["spec"]
+        pod["terminationGracePeriodSeconds"] = 1
+        for c in pod["containers"]:
+            c["image"], c["imagePullPolicy"] = image, "Never"
+        for v in pod["volumes"]:
+            if v["name"] == "models":
+                v["hostPath"]["path"] = str(models)
+    return docs
+
+
+def _manifest(ray_ip: str) -> dict:
+    return {
+        "apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "tiny"},
+        "spec": {"model": {"path": "/models/tiny"},
+                 "ray": {"address": f"http://{ray_ip}:8265"},
+                 "ingress": {"numCpus": 0.25, "kvCacheBudget": "16Mi", "routePrefix": "/tiny"},
+                 "experts": {"groups": 2, "numCpus": 0.25,
+                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"},
+                                       "cold": {"path": "/var/cache/moe-experts/tiny"}}}},
+    }
+
+
+def _ready(k8s, name="tiny"):
+    obj = k8s.kubectl_json("get", "moed", name)
+    st = obj.get("status") or {}
+    ready = next((c for c in st.get("conditions", []) if c["type"] == "Ready"), {})
+    return obj, st, ready
+
+
+def _moectl(k8s, *args):
+    return subprocess.run([MOECTL, *args], env=k8s.env, capture_output=True, text=True, timeout=400)
+
+
+def _pods(k8s, selector: str) -> list[dict]:
+    return k8s.kubectl_json("get", "pods", "-l", selector)["items"]
+
+
+def _replica_ips(ray_ip: str) -> dict[str, str]:
+    """Where Serve runs each replica of our application: replica id -> node IP (a Pod IP)."""
+    apps = requests.get(f"http://{ray_ip}:8265/api/serve/applications/", timeout=30).json()["applications"]
+    deployments = apps["default.tiny"]["deployments"]
+    return {r["replica_id"]: r["node_ip"] for d in deployments.values() for r in d["replicas"]
+            if r["state"] == "RUNNING"}
+
+
+def _dump(k8s) -> str:
+    """What a person would look at when the test fails: Pods, events, the operator's log."""
+    out = [k8s.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout,
+           k8s.kubectl("get", "events", "-A", "--sort-by=.lastTimestamp", check=False).stdout[-4000:],
+           k8s.kubectl("-n", NS, "logs", "statefulset/rel-moe-operator", "--tail=60", check=False).stdout,
+           k8s.kubectl("logs", "deploy/ray-head", "--tail=40", check=False).stdout]
+    return "\n".join(out)
+
+
+def test_helm_operator_ray_and_model_in_pods(k8s_node, tmp_path, record_property):
+    k8s = k8s_node
+    models = tmp_path / "models"
+    model = write_random_mixtral(models / "tiny", num_layers=2, num_experts=4, hidden_size=32,
+                                 intermediate_size=64, vocab_size=128, router_scale=10)
+    models.chmod(0o755)
+    reference = InProcessModel(model)
+    t0 = time.monotonic()
+    shares = {}
+
+    # the Ray cluster as Pods; its Services first (the worker finds the head by env var)
+    k8s.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in _ray_cluster(models, k8s.ray_image)))
+    ray_ip = k8s.kubectl("get", "svc", "ray-head", "-o", "jsonpath={.spec.clusterIP}").stdout
+    serve_ip = k8s.kubectl("get", "svc", "ray-serve", "-o", "jsonpath={.spec.clusterIP}").stdout
+    try:
+        # the operator, installed with helm from our chart and image
+        repo, tag = k8s.operator_image.rsplit(":", 1)
+        k8s.helm("install", "rel", CHART, "--namespace", NS, "--create-namespace", "--wait", "--timeout", "180s",
+                 "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
+                 "--set", f"ray.endpointHost={serve_ip}", "--set", "terminationGracePeriodSeconds=1",
+                 "--set", "extraVolumes[0].name=models", "--set", f"extraVolumes[0].hostPath.path={models}",
+                 "--set", "extraVolumeMounts[0].name=models", "--set", "extraVolumeMounts[0].mountPath=/models",
+                 "--set", "extraVolumeMounts[0].readOnly=true")
+        op_pod = k8s.kubectl_json("-n", NS, "get", "pod", "rel-moe-operator-0")
+        assert op_pod["spec"]["containers"][0]["image"] == k8s.operator_image
+        assert next(c for c in op_pod["status"]["conditions"] if c["type"] == "Ready")["status"] == "True"
+        shares["operator_ready_s"] = time.monotonic() - t0
+
+        k8s.kubectl("wait", "--for=condition=Ready", "pod", "-l", "app.kubernetes.io/component=head", "--timeout=180s")
+        wait_for(lambda: all(p["status"]["phase"] == "Running" for p in _pods(k8s, "app.kubernetes.io/component=worker")),
+                 timeout_s=120, what="Ray worker Pod Running")
+        shares["ray_ready_s"] = time.monotonic() - t0
+
+        # apply -> Ready, all through the cluster
+        k8s.kubectl("apply", "-f", "-", input=json.dumps(_manifest(ray_ip)))
+        try:
+            obj, st, ready = wait_for(lambda: (r := _ready(k8s))[2].get("status") == "True" and r,
+                                      timeout_s=600, what="MoEDeployment Ready=True")
+        except AssertionError:
+            raise AssertionError(f"not Ready: {_ready(k8s)[1]}\n{_dump(k8s)}")
+        shares["moed_ready_s"] = time.monotonic() - t0
+        assert ready["reason"] == "Serving" and st["observedGeneration"] == obj["metadata"]["generation"]
+        endpoint = st["endpoint"]
+        assert endpoint == f"http://{serve_ip}:8000/tiny/v1"
+
+        prompts = [[5, 6, 7, 8], [9, 10, 11], [40, 41, 42, 43, 44]]
+
+        def tokens(p):
+            r = requests.post(endpoint + "/completions", json={"prompt": p, "max_tokens": 5, "temperature": 0},
+                              timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        want_old = [reference.generate([p], 5, stop_at_eos=True)[0] for p in prompts]
+        assert [tokens(p) for p in prompts] == want_old
+
+        # moectl hot-swap --wait: a file on the model volume, validated and served by every replica
+        original = {w: t.clone() for w, t in reference.experts.weights[(1, 1)].items()}
+        new = {w: (t * 40).contiguous() for w, t in original.items()}
+        (models / "weights").mkdir()
+        f = models / "weights" / "e-1.1.safetensors"
+        save_file({f"{w}.weight": t for w, t in new.items()}, str(f))
+        swapped = InProcessModel(model)
+        swapped.experts.weights[(1, 1)] = new
+        want_new = [swapped.generate([p], 5, stop_at_eos=True)[0] for p in prompts]
+        assert want_new != want_old
+        r = _moectl(k8s, "hot-swap", "tiny", "--expert", "1.1", "--weights", "/models/weights/e-1.1.safetensors",
+                    "--sha256", file_sha256(f), "--wait", "--timeout", "300")
+        assert r.returncode == 0 and "on every replica" in r.stdout, (r.stdout, r.stderr)
+        assert [tokens(p) for p in prompts] == want_new
+
+        # moectl rebalance --wait: answered by the operator's autoscale timer in its Pod
+        r = _moectl(k8s, "rebalance", "tiny", "--wait", "--timeout", "300")
+        assert r.returncode == 0 and r.stdout.startswith(("rebalanced default/tiny", "no rebalance:")), (r.stdout, r.stderr)
+        assert [tokens(p) for p in prompts] == want_new
+
+        # the worker Pod deleted under load: Kubernetes starts another, Ray and Serve put the
+        # replicas back; every request is answered or fails, none hangs, and serving recovers
+        worker_pod = _pods(k8s, "app.kubernetes.io/component=worker")[0]
+        worker = worker_pod["metadata"]["name"]
+        # the head offers Ray no CPUs: every replica runs in the worker Pod
+        assert set(_replica_ips(ray_ip).values()) == {worker_pod["status"]["podIP"]}, _replica_ips(ray_ip)
+        t_kill = time.monotonic()
+        with Load(endpoint.removesuffix("/v1"), clients=2) as load:
+            time.sleep(5)
+            k8s.kubectl("delete", "pod", worker, "--wait=false")
+            wait_for(lambda: any(p["metadata"]["name"] != worker and p["status"]["phase"] == "Running"
+                                 for p in _pods(k8s, "app.kubernetes.io/component=worker")),
+                     timeout_s=120, what="a new Ray worker Pod")
+            ok_before = load.ok
+            wait_for(lambda: load.ok >= ok_before + 20, timeout_s=300, what="requests answered after the worker loss")
+        shares["worker_loss_recovered_s"] = time.monotonic() - t_kill
+        new_ip = next(p["status"]["podIP"] for p in _pods(k8s, "app.kubernetes.io/component=worker")
+                      if p["metadata"]["name"] != worker)
+        assert set(_replica_ips(ray_ip).values()) == {new_ip}, _replica_ips(ray_ip)
+        record_property("worker_loss_ok", load.ok)
+        record_property("worker_loss_failed", load.failed)
+        print(f"worker Pod deleted under load: {load.ok} answered, {load.failed} failed "
+              f"({sorted(set(e[:60] for e in load.errors))[:5]})")
+        assert load.ok > 20
+        assert [tokens(p) for p in prompts] == want_new
+        wait_for(lambda: _ready(k8s)[2].get("status") == "True", timeout_s=300, what="Ready again")
+
+        # delete: the finalizer removes the Serve app; then helm uninstall leaves nothing of ours
+        k8s.kubectl("delete", "moed", "tiny", "--timeout=180s")
+        apps = requests.get(f"http://{ray_ip}:8265/api/serve/applications/", timeout=30).json()
+        assert not (apps.get("applications") or {}), apps
+        k8s.helm("uninstall", "rel", "--namespace", NS, "--wait", "--timeout", "120s")
+        wait_for(lambda: not k8s.kubectl_json("-n", NS, "get", "pods")["items"], timeout_s=60, what="operator Pod gone")
+        left = k8s.kubectl("get", "all,serviceaccounts,roles,rolebindings,clusterroles,clusterrolebindings",
+                           "-A", "-l", "app.kubernetes.io/instance=rel", "-o", "name").stdout.split()
+        assert left == [], left
+        shares["total_s"] = time.monotonic() - t0
+        print("node e2e timings:", {k: round(v, 1) for k, v in shares.items()})
+    except BaseException:
+        print(_dump(k8s))
+        raise
+    finally:
+        k8s.kubectl("delete", "-f", "-", "--wait=false", check=False,
+                    input="\n---\n".join(yaml.safe_dump(d) for d in _ray_cluster(models, k8s.ray_image)))
