@@ -2,12 +2,20 @@
 
     python bench/operator.py            # 50 MoEDeployments on the render-only backend
     python bench/operator.py --quick    # 10
+    python bench/operator.py --node     # everything in Pods on a real node (needs root)
 
 A: one MoEDeployment on a local Ray head: seconds from `kubectl apply` to Ready=True, split into
    the operator's own work, Ray's (Serve config PUT -> app RUNNING), and the rest (watch latency,
    status write-back). B: N MoEDeployments reconciled with the render-only Ray backend: time until
    all are Ready, apiserver requests and operator CPU seconds per reconcile. Ends with
    `figure: value` lines.
+
+--node: on `scripts/testenv start --node` (images imported again, so the import is measured):
+   the node's start, the images' import, `helm install` -> operator Pod Ready, the Ray head and
+   worker Pods -> the dashboard answering, and `kubectl apply` -> Ready of one MoEDeployment
+   split into the operator's work, Ray's (Serve config PUT -> app RUNNING) and the rest, read
+   from the operator Pod's own metrics; side by side in the same run with A (the same apply with
+   the operator and Ray as local processes).
 """
 
 from __future__ import annotations
@@ -54,9 +62,7 @@ def apiserver_requests(cp: dict) -> float:
 
 
 def metric_sum(port: int, name: str) -> float:
-    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if re.match(rf"{name}(\{{|\s)", line))
+    return metric_sum_at("127.0.0.1", port, name)
 
 
 def manifest(name: str, namespace: str, model: Path, prefix: str) -> dict:
@@ -98,16 +104,159 @@ def wait_metrics(port: int, timeout_s: float = 60) -> None:
     raise RuntimeError("operator metrics endpoint did not come up")
 
 
+def local_apply_to_ready(cp: dict, work: Path, model: Path) -> tuple[float, float, float]:
+    """One MoEDeployment on a local Ray head with the operator as a local process: seconds from
+    apply to Ready, the operator's reconcile seconds and, of them, Ray's."""
+    from moe_operator.standalone.local_ray import LocalRayHead, free_port
+
+    head = LocalRayHead(work_dir=work / "ray", num_cpus=4).start()
+    port_a = free_port()
+    op = start_operator(cp, "default", {"MOE_RAY_ADDRESS": head.dashboard_url, "MOE_RAY_TOKEN": head.token,
+                                        "MOE_ALLOWED_ROOTS": str(work / "models"),
+                                        "MOE_SERVE_HTTP_PORT": str(head.serve_http_port),
+                                        "MOE_METRICS_PORT": str(port_a)}, work / "operator-a.log")
+    try:
+        wait_metrics(port_a)
+        t0 = time.perf_counter()
+        kubectl(cp, "apply", "-f", "-", input=json.dumps(manifest("one", "default", model, "/one")))
+        while "one" not in ready_names(cp, "default"):
+            time.sleep(0.1)
+        total = time.perf_counter() - t0
+        return (total, metric_sum(port_a, "moe_operator_reconcile_seconds_sum"),
+                metric_sum(port_a, "moe_operator_ray_apply_seconds_sum"))
+    finally:
+        stop(op)
+        head.stop()
+
+
+def wait_until(predicate, timeout_s: float = 600, interval_s: float = 0.1) -> float:
+    """Seconds until predicate() is true (polled)."""
+    t0 = time.perf_counter()
+    while not predicate():
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"not true after {timeout_s} s: {predicate}")
+        time.sleep(interval_s)
+    return time.perf_counter() - t0
+
+
+def pod_state(cp: dict, namespace: str, selector: str) -> tuple[bool, bool]:
+    """(a container of the Pod runs, the Pod is Ready) for the first Pod matching selector."""
+    items = json.loads(kubectl(cp, "-n", namespace, "get", "pods", "-l", selector, "-o", "json"))["items"]
+    if not items:
+        return False, False
+    st = items[0].get("status") or {}
+    running = any("running" in (c.get("state") or {}) for c in st.get("containerStatuses") or [])
+    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions") or [])
+    return running, ready
+
+
+def node_bench() -> int:
+    """Apply -> Ready with the operator, Ray and the model in Pods on a real node."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from node_cluster import as_yaml, helm_install_args, moedeployment, ray_cluster
+    from moe_workers.model.random_init import write_random_mixtral
+
+    subprocess.run([str(REPO / "scripts" / "testenv"), "install"], check=True)
+    work = Path(tempfile.mkdtemp(prefix="moe-bench-node-"))
+    models = work / "models"
+    write_random_mixtral(models / "tiny", num_layers=2, num_experts=4, hidden_size=32, intermediate_size=64,
+                         vocab_size=128)
+    models.chmod(0o755)
+    t0 = time.perf_counter()
+    started = subprocess.run([str(REPO / "scripts" / "testenv"), "start", str(work / "k8s"), "--node"],
+                             capture_output=True, text=True, env={**os.environ, "MOE_TESTENV_REIMPORT": "1"})
+    start_s = time.perf_counter() - t0
+    if started.returncode != 0:
+        print(started.stderr[-3000:], file=sys.stderr)
+        return 1
+    m = re.search(r"node Ready after (\d+) s; images imported in (\d+) s", started.stderr)
+    node_s, import_s = (int(m.group(1)), int(m.group(2))) if m else (float("nan"), float("nan"))
+    cp = dict(line.removeprefix("export ").split("=", 1) for line in started.stdout.splitlines()
+              if line.startswith("export ") and "PATH=" not in line)
+    cache = Path(os.environ.get("MOE_CACHE_DIR", Path.home() / ".cache" / "moe-operator"))
+    cp["KUBECTL"] = str(cache / "bin" / "kubectl")
+    helm = str(cache / "bin" / "helm")
+    env = {**os.environ, "KUBECONFIG": cp["KUBECONFIG"]}
+    try:
+        t0 = time.perf_counter()
+        kubectl(cp, "apply", "-f", "-", input=as_yaml(ray_cluster(models, cp["MOE_RAY_IMAGE"])))
+        ray_ip = kubectl(cp, "get", "svc", "ray-head", "-o", "jsonpath={.spec.clusterIP}")
+        serve_ip = kubectl(cp, "get", "svc", "ray-serve", "-o", "jsonpath={.spec.clusterIP}")
+        head = "app.kubernetes.io/component=head"
+        ray_running = wait_until(lambda: pod_state(cp, "default", head)[0])
+        ray_ready = wait_until(lambda: pod_state(cp, "default", head)[1]) + ray_running
+        worker_running = wait_until(lambda: pod_state(cp, "default", "app.kubernetes.io/component=worker")[0])
+        worker_running += ray_ready
+
+        t0 = time.perf_counter()
+        subprocess.run([helm, *helm_install_args(cp["MOE_OPERATOR_IMAGE"], serve_ip, models, "moe-system")],
+                       check=True, capture_output=True, env=env)
+        helm_s = time.perf_counter() - t0
+        sel = "app.kubernetes.io/name=moe-operator"
+        op_running = wait_until(lambda: pod_state(cp, "moe-system", sel)[0]) + helm_s
+        op_ready = wait_until(lambda: pod_state(cp, "moe-system", sel)[1]) + op_running
+        op_ip = kubectl(cp, "-n", "moe-system", "get", "pod", "rel-moe-operator-0", "-o", "jsonpath={.status.podIP}")
+
+        def ready() -> bool:
+            st = json.loads(kubectl(cp, "get", "moed", "tiny", "-o", "json")).get("status") or {}
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions") or [])
+
+        kubectl(cp, "apply", "-f", "-", input=json.dumps(moedeployment(ray_ip)))
+        total = wait_until(ready)
+        reconcile_s = metric_sum_at(op_ip, 9090, "moe_operator_reconcile_seconds_sum")
+        ray_s = metric_sum_at(op_ip, 9090, "moe_operator_ray_apply_seconds_sum")
+        # the reference, in the same run: the same apply with the operator and Ray as local processes
+        kubectl(cp, "delete", "moed", "tiny", "--timeout=180s")
+        subprocess.run([helm, "uninstall", "rel", "-n", "moe-system", "--wait"], check=True, capture_output=True, env=env)
+        local_total, local_reconcile, local_ray = local_apply_to_ready(cp, work, models / "tiny")
+    finally:
+        subprocess.run([str(REPO / "scripts" / "testenv"), "stop", str(work / "k8s")], check=False)
+    operator_s = reconcile_s - ray_s
+    print(f"\nnode: scripts/testenv start --node        {start_s:7.1f} s (node Ready {node_s} s, images imported {import_s} s)")
+    print(f"Ray Pods: apply -> head running           {ray_running:7.1f} s")
+    print(f"          -> dashboard answers (Ready)    {ray_ready:7.1f} s")
+    print(f"          -> worker running               {worker_running:7.1f} s")
+    print(f"operator: helm install                    {helm_s:7.1f} s")
+    print(f"          -> Pod running                  {op_running:7.1f} s")
+    print(f"          -> Pod Ready (kopf up)          {op_ready:7.1f} s")
+    print("MoEDeployment: kubectl apply -> Ready")
+    print(f"  total                                   {total:7.2f} s")
+    print(f"  operator (reconcile, no Ray)            {operator_s:7.2f} s")
+    print(f"  Ray (PUT -> app RUNNING)                {ray_s:7.2f} s")
+    print(f"  watch latency + status write            {total - reconcile_s:7.2f} s")
+    print(f"the same apply, operator and Ray as local processes: {local_total:.2f} s "
+          f"(operator {local_reconcile - local_ray:.2f} s, Ray {local_ray:.2f} s)")
+    print()
+    print(f"node-start-s: {start_s:.1f}")
+    print(f"image-import-s: {import_s}")
+    print(f"ray-pods-ready-s: {ray_ready:.1f}")
+    print(f"operator-pod-ready-s: {op_ready:.1f}")
+    print(f"node-apply-to-ready-s: {total:.2f}")
+    print(f"node-operator-share-of-apply-to-ready: {operator_s / total:.2f}")
+    print(f"node-ray-share-of-apply-to-ready: {ray_s / total:.2f}")
+    print(f"node-vs-local-apply-to-ready: {total / local_total:.2f}")
+    return 0
+
+
+def metric_sum_at(host: str, port: int, name: str) -> float:
+    text = requests.get(f"http://{host}:{port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if re.match(rf"{name}(\{{|\s)", line))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--count", type=int, default=None)
+    p.add_argument("--node", action="store_true", help="everything in Pods on a real node (needs root)")
     a = p.parse_args()
+    if a.node:
+        return node_bench()
     count = a.count or (10 if a.quick else 50)
     import urllib3
 
     urllib3.disable_warnings()
-    from moe_operator.standalone.local_ray import LocalRayHead, free_port
+    from moe_operator.standalone.local_ray import free_port
     from moe_workers.model.random_init import write_random_mixtral
 
     work = Path(tempfile.mkdtemp(prefix="moe-bench-op-"))
@@ -120,24 +269,7 @@ def main() -> int:
         kubectl(cp, "create", "namespace", "bench")
 
         # A: one MoEDeployment on a real local Ray
-        head = LocalRayHead(work_dir=work / "ray", num_cpus=4).start()
-        port_a = free_port()
-        op = start_operator(cp, "default", {"MOE_RAY_ADDRESS": head.dashboard_url, "MOE_RAY_TOKEN": head.token,
-                                            "MOE_ALLOWED_ROOTS": str(work / "models"),
-                                            "MOE_SERVE_HTTP_PORT": str(head.serve_http_port),
-                                            "MOE_METRICS_PORT": str(port_a)}, work / "operator-a.log")
-        try:
-            wait_metrics(port_a)
-            t0 = time.perf_counter()
-            kubectl(cp, "apply", "-f", "-", input=json.dumps(manifest("one", "default", model, "/one")))
-            while "one" not in ready_names(cp, "default"):
-                time.sleep(0.1)
-            total = time.perf_counter() - t0
-            reconcile_s = metric_sum(port_a, "moe_operator_reconcile_seconds_sum")
-            ray_s = metric_sum(port_a, "moe_operator_ray_apply_seconds_sum")
-        finally:
-            stop(op)
-            head.stop()
+        total, reconcile_s, ray_s = local_apply_to_ready(cp, work, model)
 
         # B: N MoEDeployments, render-only Ray backend
         port_b = free_port()

@@ -208,6 +208,15 @@ def _validated(raw_spec, spec, allowed_roots, result: _Outcome):
     return spec, facts, None
 
 
+def never_deployed(status: dict | None) -> bool:
+    """True when this object never had a Serve application: it was never served (no endpoint)
+    and it stopped before any Serve config was written (an invalid spec, or a Ray dashboard that
+    never answered). Deleting such an object needs nothing from Ray, which may never answer."""
+    status = status or {}
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == cond.READY), {})
+    return not status.get("endpoint") and ready.get("reason") in (cond.INVALID_SPEC, cond.RAY_UNREACHABLE)
+
+
 def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int, status: dict,
               client: RayServeClient, allowed_roots: list[str], http_port: int, endpoint_host: str = "127.0.0.1",
               wait_s: float = 600.0, spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status,

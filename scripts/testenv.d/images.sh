@@ -94,7 +94,8 @@ bud_image() { # name dockerfile inputs... -> ref: buildah bud on the base (cache
   echo "$ref"
 }
 
-import_image() { # ref: into the node's containerd, unless there already
+import_image() { # ref: into the node's containerd, unless there already (MOE_TESTENV_REIMPORT=1: again)
+  if [ "${MOE_TESTENV_REIMPORT:-0}" = 1 ] && image_present "$1"; then ctr_ images rm "$1" >/dev/null; fi
   image_present "$1" && return 0
   local tar; tar="$IMAGES/import-$$.tar"
   bah push -q "$1" "docker-archive:$tar:$1" >/dev/null

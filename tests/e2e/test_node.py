@@ -16,48 +16,18 @@ from pathlib import Path
 
 import pytest
 import requests
-import yaml
 from safetensors.torch import save_file
 
 from load_clients import Load
+from node_cluster import as_yaml, helm_install_args, moedeployment, ray_cluster
 from moe_workers.model.inprocess import InProcessModel
 from moe_workers.model.random_init import write_random_mixtral
 from moe_workers.store.versions import file_sha256
 from waiting import wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node]
-REPO = Path(__file__).resolve().parents[2]
-CHART = str(REPO / "helm" / "moe-operator")
 MOECTL = str(Path(sys.executable).with_name("moectl"))
 NS = "moe-system"
-
-
-def _ray_cluster(models: Path, image: str) -> list[dict]:
-    """examples/ray-cluster.yaml with the locally built image and this test's model directory."""
-    docs = [d for d in yaml.safe_load_all((REPO / "examples" / "ray-cluster.yaml").read_text()) if d]
-    for d in docs:
-        if d["kind"] != "Deployment":
-            continue
-        pod = d["spec"]["template"]["spec"]
-        pod["terminationGracePeriodSeconds"] = 1
-        for c in pod["containers"]:
-            c["image"], c["imagePullPolicy"] = image, "Never"
-        for v in pod["volumes"]:
-            if v["name"] == "models":
-                v["hostPath"]["path"] = str(models)
-    return docs
-
-
-def _manifest(ray_ip: str) -> dict:
-    return {
-        "apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "tiny"},
-        "spec": {"model": {"path": "/models/tiny"},
-                 "ray": {"address": f"http://{ray_ip}:8265"},
-                 "ingress": {"numCpus": 0.25, "kvCacheBudget": "16Mi", "routePrefix": "/tiny"},
-                 "experts": {"groups": 2, "numCpus": 0.25,
-                             "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"},
-                                       "cold": {"path": "/var/cache/moe-experts/tiny"}}}},
-    }
 
 
 def _ready(k8s, name="tiny"):
@@ -103,18 +73,12 @@ def test_helm_operator_ray_and_model_in_pods(k8s_node, tmp_path, record_property
     shares = {}
 
     # the Ray cluster as Pods; its Services first (the worker finds the head by env var)
-    k8s.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in _ray_cluster(models, k8s.ray_image)))
+    k8s.kubectl("apply", "-f", "-", input=as_yaml(ray_cluster(models, k8s.ray_image)))
     ray_ip = k8s.kubectl("get", "svc", "ray-head", "-o", "jsonpath={.spec.clusterIP}").stdout
     serve_ip = k8s.kubectl("get", "svc", "ray-serve", "-o", "jsonpath={.spec.clusterIP}").stdout
     try:
         # the operator, installed with helm from our chart and image
-        repo, tag = k8s.operator_image.rsplit(":", 1)
-        k8s.helm("install", "rel", CHART, "--namespace", NS, "--create-namespace", "--wait", "--timeout", "180s",
-                 "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
-                 "--set", f"ray.endpointHost={serve_ip}", "--set", "terminationGracePeriodSeconds=1",
-                 "--set", "extraVolumes[0].name=models", "--set", f"extraVolumes[0].hostPath.path={models}",
-                 "--set", "extraVolumeMounts[0].name=models", "--set", "extraVolumeMounts[0].mountPath=/models",
-                 "--set", "extraVolumeMounts[0].readOnly=true")
+        k8s.helm(*helm_install_args(k8s.operator_image, serve_ip, models, NS), "--wait", "--timeout", "180s")
         op_pod = k8s.kubectl_json("-n", NS, "get", "pod", "rel-moe-operator-0")
         assert op_pod["spec"]["containers"][0]["image"] == k8s.operator_image
         assert next(c for c in op_pod["status"]["conditions"] if c["type"] == "Ready")["status"] == "True"
@@ -126,7 +90,7 @@ def test_helm_operator_ray_and_model_in_pods(k8s_node, tmp_path, record_property
         shares["ray_ready_s"] = time.monotonic() - t0
 
         # apply -> Ready, all through the cluster
-        k8s.kubectl("apply", "-f", "-", input=json.dumps(_manifest(ray_ip)))
+        k8s.kubectl("apply", "-f", "-", input=json.dumps(moedeployment(ray_ip)))
         try:
             obj, st, ready = wait_for(lambda: (r := _ready(k8s))[2].get("status") == "True" and r,
                                       timeout_s=600, what="MoEDeployment Ready=True")
@@ -211,4 +175,58 @@ def test_helm_operator_ray_and_model_in_pods(k8s_node, tmp_path, record_property
         raise
     finally:
         k8s.kubectl("delete", "-f", "-", "--wait=false", check=False,
-                    input="\n---\n".join(yaml.safe_dump(d) for d in _ray_cluster(models, k8s.ray_image)))
+                    input=as_yaml(ray_cluster(models, k8s.ray_image)))
+
+
+def test_bad_input_on_the_node(k8s_node, tmp_path):
+    """What users get wrong when the operator runs in a Pod: a Ray address that does not answer, a
+    model path missing on the node, a namespace the operator has no RBAC for. Each is named in
+    Ready=False (or, where the operator may not write, in its log), and the operator Pod never
+    restarts."""
+    k8s = k8s_node
+    models = tmp_path / "models"
+    write_random_mixtral(models / "tiny", num_layers=2, num_experts=4, hidden_size=32, intermediate_size=64,
+                         vocab_size=128)
+    models.chmod(0o755)
+    k8s.kubectl("create", "namespace", "team-a")
+    # a Service with no Pods behind it: kube-proxy rejects connections to it
+    k8s.kubectl("create", "service", "clusterip", "nowhere", "--tcp=8265:8265")
+    nowhere = k8s.kubectl("get", "svc", "nowhere", "-o", "jsonpath={.spec.clusterIP}").stdout
+    k8s.helm(*helm_install_args(k8s.operator_image, "127.0.0.1", models, NS), "--wait", "--timeout", "180s",
+             "--set", "watchNamespaces={default,team-a}")
+    try:
+        unreachable = moedeployment(nowhere, name="unreachable")
+        missing = moedeployment(nowhere, name="missing", model="/models/absent")
+        k8s.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                          "items": [unreachable, missing]}))
+
+        def reason(name):
+            ready = _ready(k8s, name)[2]
+            return ready.get("status") == "False" and ready.get("reason") != "Pending" and ready
+
+        r = wait_for(lambda: reason("unreachable"), timeout_s=120, what="unreachable: Ready=False")
+        assert r["reason"] == "RayUnreachable" and f"http://{nowhere}:8265" in r["message"], r
+        r = wait_for(lambda: reason("missing"), timeout_s=120, what="missing: Ready=False")
+        assert r["reason"] == "InvalidSpec" and "/models/absent" in r["message"], r
+
+        # no RBAC in team-a any more: the operator cannot even read there; it says so in its log
+        k8s.kubectl("-n", "team-a", "delete", "rolebinding", "-l", "app.kubernetes.io/instance=rel")
+        k8s.kubectl("-n", "team-a", "apply", "-f", "-", input=json.dumps(moedeployment(nowhere, name="forbidden")))
+
+        def logged():
+            log = k8s.kubectl("-n", NS, "logs", "rel-moe-operator-0", check=False).stdout
+            return "forbidden" in log.lower() and "team-a" in log and log
+        wait_for(logged, timeout_s=120, what="the operator's log naming the forbidden namespace")
+        time.sleep(10)
+        pod = k8s.kubectl_json("-n", NS, "get", "pod", "rel-moe-operator-0")
+        assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+        assert next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")["status"] == "True"
+    except BaseException:
+        print(_dump(k8s))
+        raise
+    finally:
+        for name in ("unreachable", "missing"):
+            k8s.kubectl("delete", "moed", name, "--timeout=120s", check=False)
+        k8s.helm("uninstall", "rel", "--namespace", NS, "--wait", check=False)
+        k8s.kubectl("delete", "namespace", "team-a", "--wait=false", check=False)
+        k8s.kubectl("delete", "service", "nowhere", check=False)

@@ -131,3 +131,20 @@ def test_within_roots_resolves_links_and_does_not_match_name_prefixes(tmp_path):
     assert within_roots(root / "out" / "w.safetensors", [str(root)]) is None  # a link leading out
     assert within_roots(tmp_path / "models2" / "in", [str(root)]) == (root / "m").resolve()  # a link leading in
     assert within_roots(root / "m", []) is None
+
+
+@pytest.mark.parametrize("status,expected", [
+    ({"conditions": [{"type": "Ready", "status": "False", "reason": "RayUnreachable"}]}, True),
+    ({"conditions": [{"type": "Ready", "status": "False", "reason": "InvalidSpec"}]}, True),
+    # once served, the app may still be in Ray whatever the condition says now
+    ({"endpoint": "http://x:8000/v1", "conditions": [{"type": "Ready", "status": "False", "reason": "RayUnreachable"}]},
+     False),
+    # a failed deploy wrote a Serve config: Ray must confirm the removal
+    ({"conditions": [{"type": "Ready", "status": "False", "reason": "DeployFailed"}]}, False),
+    ({"conditions": [{"type": "Ready", "status": "False", "reason": "Deploying"}]}, False),
+    ({}, False), (None, False),
+])
+def test_delete_needs_nothing_from_ray_only_when_nothing_was_deployed(status, expected):
+    from moe_operator.reconcile import never_deployed
+
+    assert never_deployed(status) is expected

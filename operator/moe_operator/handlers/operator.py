@@ -34,7 +34,8 @@ from moe_operator.api.semantics import validate_semantics
 from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
 from moe_operator.autoscaling.loop import REBALANCE_ANNOTATION
 from moe_operator.reconcile import (
-    deployed_placement, observe_live, placement_from_rayservice, reconcile, reconcile_kuberay, remove_application)
+    deployed_placement, never_deployed, observe_live, placement_from_rayservice, reconcile, reconcile_kuberay,
+    remove_application)
 from moe_operator.render.serve_app import app_name
 
 RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
@@ -161,9 +162,12 @@ def _kuberay_mode(spec: dict) -> bool:
 
 
 @kopf.on.delete(*RESOURCE)
-def delete_handler(name: str, namespace: str, spec, meta, logger, **_) -> None:
+def delete_handler(name: str, namespace: str, spec, meta, status, logger, **_) -> None:
     AUTOSCALER.forget(f"{namespace}/{name}")
     spec_dict = dict(spec)
+    if never_deployed(dict(status or {})):
+        logger.info("nothing was deployed for %s/%s (never Ready); nothing to remove from Ray", namespace, name)
+        return
     if _kuberay_mode(spec_dict):
         # the owner reference lets the garbage collector do this too; deleting it here means the
         # finalizer is only released once the RayService (and with it the app) is gone
