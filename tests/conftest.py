@@ -63,6 +63,16 @@ def _cache_bin() -> Path:
     return cache / "bin"
 
 
+def _testenv_start(state: Path, *flags: str, timeout_s: float) -> dict[str, str]:
+    """`scripts/testenv start STATE FLAGS...` -> the variables it exports (PATH aside)."""
+    proc = subprocess.run([str(TESTENV), "start", str(state), *flags], capture_output=True, text=True,
+                          timeout=timeout_s)
+    if proc.returncode != 0:
+        pytest.fail(f"scripts/testenv start {' '.join(flags)} failed: {proc.stderr[-3000:]}", pytrace=False)
+    return dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.splitlines()
+                if line.startswith("export ") and "PATH=" not in line)
+
+
 @pytest.fixture(scope="session")
 def k8s(tmp_path_factory) -> KubeEnv:
     bin_dir = _cache_bin()
@@ -71,11 +81,7 @@ def k8s(tmp_path_factory) -> KubeEnv:
         pytest.fail(f"test environment not installed ({', '.join(missing)} missing in {bin_dir}); "
                     f"run: scripts/testenv install", pytrace=False)
     state = tmp_path_factory.mktemp("testenv")
-    proc = subprocess.run([str(TESTENV), "start", str(state)], capture_output=True, text=True, timeout=180)
-    if proc.returncode != 0:
-        pytest.fail(f"scripts/testenv start failed: {proc.stderr}", pytrace=False)
-    exports = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.splitlines()
-                   if line.startswith("export ") and "PATH=" not in line)
+    exports = _testenv_start(state, timeout_s=180)
     env = KubeEnv(dir=state, kubeconfig=Path(exports["KUBECONFIG"]),
                   developer_kubeconfig=Path(exports["MOE_TESTENV_DEVELOPER_KUBECONFIG"]),
                   server=exports["MOE_TESTENV_SERVER"], bin_dir=bin_dir)
@@ -104,11 +110,7 @@ def k8s_node(tmp_path_factory) -> NodeEnv:
         pytest.fail(f"node binaries not installed ({', '.join(missing)} missing in {bin_dir}); "
                     f"run: scripts/testenv install", pytrace=False)
     state = tmp_path_factory.mktemp("testenv-node")
-    proc = subprocess.run([str(TESTENV), "start", str(state), "--node"], capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"scripts/testenv start --node failed: {proc.stderr[-3000:]}", pytrace=False)
-    exports = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.splitlines()
-                   if line.startswith("export ") and "PATH=" not in line)
+    exports = _testenv_start(state, "--node", timeout_s=900)
     env = NodeEnv(dir=state, kubeconfig=Path(exports["KUBECONFIG"]),
                   developer_kubeconfig=Path(exports["MOE_TESTENV_DEVELOPER_KUBECONFIG"]),
                   server=exports["MOE_TESTENV_SERVER"], bin_dir=bin_dir,
