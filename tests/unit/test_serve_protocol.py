@@ -64,6 +64,6 @@ def test_sampling_a_row_with_nan_or_inf_falls_back_to_the_finite_argmax():
 
 
 def test_error_body_shape():
-    err = _error(json.dumps({"prompt": [1], "n": 2}).encode())
+    err = _error(json.dumps({"prompt": [1], "n": 17}).encode())
     assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": "n",
                                     "code": 400}}

@@ -44,11 +44,13 @@ def init_model(
     seed: int = typer.Option(0, help="Random seed."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing checkpoint."),
 ):
-    """Write a small random Mixtral checkpoint (config.json, safetensors, byte-level tokenizer.json)."""
+    """Write a small random Mixtral checkpoint (config.json, safetensors, byte-level tokenizer.json,
+    tokenizer_config.json with a simple chat template)."""
     import torch
 
     from moe_workers.model.random_init import write_random_mixtral
     from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
+    from moe_workers.serve.chat import write_tokenizer_config
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
@@ -69,6 +71,7 @@ def init_model(
                              max_position_embeddings=max_len, dtype=dtypes[dtype], seed=seed, router_scale=10.0,
                              progress=lambda done, total: progress.update(task, completed=done))
     write_byte_tokenizer(directory)
+    write_tokenizer_config(directory)
     size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
     out.print(f"wrote {directory} ({layers} layers x {experts} experts, top-{top_k}, {size / 2**20:.1f} MiB)")
 

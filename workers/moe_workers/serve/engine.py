@@ -42,14 +42,17 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop_at_eos: bool = True
+    logprobs: int | None = None  # also record each token's logprob and this many alternatives
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then None
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     error: Exception | None = None  # what failed the step that ended this request
-    cancelled: bool = False  # the client went away: freed at the next step
+    cancelled: str | None = None  # why it ends early ("cancelled": the client went away; "stop"): freed at the next step
     # engine state
     slot: int | None = None
     produced: list[int] = field(default_factory=list)
+    # with logprobs: per produced token (its logprob, [(token id, logprob) of the top alternatives])
+    token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     cached: int = 0
 
 
@@ -107,14 +110,15 @@ class Engine:
             self._task = asyncio.get_running_loop().create_task(self._loop())
         return req
 
-    def cancel(self, req: GenerationRequest) -> None:
-        """The client is gone: the request leaves the queue now, or its KV slot at the next step."""
-        if req.finish_reason is not None:
+    def cancel(self, req: GenerationRequest, reason: str = "cancelled") -> None:
+        """The client is gone (or a stop sequence ended the text): the request leaves the queue
+        now, or its KV slot at the next step, finishing with `reason`."""
+        if req.finish_reason is not None or req.cancelled:
             return
-        req.cancelled = True
+        req.cancelled = reason
         if req in self.waiting:
             self.waiting.remove(req)
-            self._finish(req, "cancelled")
+            self._finish(req, reason)
 
     async def _loop(self) -> None:
         while True:
@@ -150,7 +154,7 @@ class Engine:
 
     async def step(self) -> None:
         for req in [r for r in self.running if r.cancelled]:
-            self._finish(req, "cancelled")
+            self._finish(req, req.cancelled)
         self.running = [r for r in self.running if not r.cancelled]
         seqs = self.running + self._admit()
         if not seqs:
@@ -177,6 +181,8 @@ class Engine:
                 req.error = err
                 self._finish(req, f"error: {err}")
                 continue
+            if req.logprobs is not None:
+                req.token_logprobs.append(token_logprobs(logits[row], tok, req.logprobs))
             req.produced.append(tok)
             req.out.put_nowait(tok)
             if len(req.produced) >= req.max_tokens:
@@ -223,6 +229,17 @@ class Engine:
             self.routing_stats.observe_step(list(range(len(picks))), torch.stack(picks), [c.slot for c in batch.chunks],
                                             [c.start for c in batch.chunks], [len(c.tokens) for c in batch.chunks])
         return logits
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` and of its `top` most likely tokens (from the
+    logits as the model gives them: temperature and top_p shape sampling, not these)."""
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    alts = []
+    if top > 0:
+        values, ids = torch.topk(lp, min(top, lp.numel()))
+        alts = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return float(lp[token]), alts
 
 
 def split_chunks(chunks: list[Chunk], parts: int) -> list[list[Chunk]]:

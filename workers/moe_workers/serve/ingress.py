@@ -29,7 +29,9 @@ from moe_workers.serve.config import AppArgs
 from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
-from moe_workers.serve.protocol import RequestError, decode_body, parse_completion
+from moe_workers.serve.chat import ChatTemplate
+from moe_workers.serve.protocol import RequestError, decode_body, parse_chat, parse_completion
+from moe_workers.serve.textstream import TextStream
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.transport import ExpertChannel, ExpertsUnavailable, Member, Part
@@ -82,6 +84,15 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(parts)
 
 
+def _raise_failed(gen: GenerationRequest) -> None:
+    """A choice that ended in an error answers 503 (experts unavailable: retry) or 500."""
+    if not (gen.finish_reason and gen.finish_reason.startswith("error")):
+        return
+    if isinstance(gen.error, ExpertsUnavailable):
+        raise RequestError(503, f"experts unavailable: {gen.error}; retry later", err_type="unavailable")
+    raise RequestError(500, gen.finish_reason, err_type="server_error")
+
+
 @serve.deployment
 @serve.ingress(fastapi_app)
 class Ingress:
@@ -119,6 +130,7 @@ class Ingress:
             self.tokenizer = Tokenizer.from_file(str(tok_file))
         # a text of more than max_len x the longest token's characters cannot fit: refused untokenized
         self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
+        self.chat_template = ChatTemplate.from_checkpoint(self.args.model_path)
         fastapi_app.state.max_request_bytes = self.args.max_request_bytes
 
     def reconfigure(self, config: dict) -> None:
@@ -205,75 +217,184 @@ class Ingress:
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request):
-        raw = await _read_body(request, self.args.max_request_bytes, self.args.request_body_timeout_s)
-        req = parse_completion(decode_body(raw))
-        if req.model is not None and req.model != self.args.served_model_name:
-            raise RequestError(404, f"model {req.model!r} is not served here (serving {self.args.served_model_name!r})",
-                               param="model", err_type="model_not_found")
+        req = parse_completion(decode_body(await self._body(request)))
+        self._check_model(req.model)
         ids = self._prompt_ids(req.prompt)
-        if len(ids) + req.max_tokens > self.max_len:
-            raise RequestError(400, f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) "
-                               f"exceeds the context of {self.max_len} tokens", param="max_tokens")
-        gen = GenerationRequest(prompt=ids, max_tokens=req.max_tokens, temperature=req.temperature,
-                                top_p=req.top_p, seed=req.seed)
+        return await self._respond(req, ids, req.new_tokens, req.logprobs, chat=False)
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        req = parse_chat(decode_body(await self._body(request)))
+        self._check_model(req.model)
+        if self.tokenizer is None:
+            raise RequestError(400, "messages: this checkpoint has no tokenizer.json, so chat is not available; "
+                               "use /v1/completions with token ids", param="messages")
+        if self.chat_template is None:
+            raise RequestError(400, "messages: this checkpoint has no chat template (tokenizer_config.json "
+                               "chat_template or chat_template.jinja); use /v1/completions", param="messages")
+        text = self.chat_template.render(req.messages, add_generation_prompt=True)
+        ids = self._prompt_ids(text, param="messages", special_tokens=False)
+        new_tokens = req.new_tokens if req.new_tokens is not None else self.max_len - len(ids)
+        return await self._respond(req, ids, new_tokens, req.top_k_logprobs, chat=True)
+
+    async def _body(self, request: Request) -> bytes:
+        return await _read_body(request, self.args.max_request_bytes, self.args.request_body_timeout_s)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.args.served_model_name:
+            raise RequestError(404, f"model {model!r} is not served here (serving {self.args.served_model_name!r})",
+                               param="model", err_type="model_not_found")
+
+    async def _respond(self, req, ids: list[int], new_tokens: int, logprobs: int | None, chat: bool):
+        """Submit the request's n choices and answer them (whole, or as server-sent events)."""
+        param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+        if new_tokens < 1 or len(ids) + new_tokens > self.max_len:
+            raise RequestError(400, f"{param}: prompt ({len(ids)} tokens) + {param} ({new_tokens}) "
+                               f"exceeds the context of {self.max_len} tokens", param=param)
+        gens = [GenerationRequest(prompt=ids, max_tokens=new_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  seed=None if req.seed is None else req.seed + i, logprobs=logprobs)
+                for i in range(req.n)]
         try:
-            self.engine.submit(gen)
+            for gen in gens:
+                self.engine.submit(gen)
         except Overloaded as err:
+            for gen in gens:
+                self.engine.cancel(gen)
             raise RequestError(503, f"server overloaded: {err}; retry later", err_type="overloaded")
-        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                "model": self.args.served_model_name}
         if req.stream:
-            return StreamingResponse(self._stream(gen, rid, created), media_type="text/event-stream")
-        tokens = []
+            return StreamingResponse(self._stream(gens, req, head, kind, chat), media_type="text/event-stream")
         try:
-            while (tok := await gen.out.get()) is not None:
-                tokens.append(tok)
+            done = await asyncio.gather(*(self._collect(gen, req.stops) for gen in gens))
         except asyncio.CancelledError:  # the client went away (Serve cancels the request)
-            self.engine.cancel(gen)
+            for gen in gens:
+                self.engine.cancel(gen)
             raise
-        if gen.finish_reason and gen.finish_reason.startswith("error"):
-            if isinstance(gen.error, ExpertsUnavailable):
-                raise RequestError(503, f"experts unavailable: {gen.error}; retry later", err_type="unavailable")
-            raise RequestError(500, gen.finish_reason, err_type="server_error")
-        return {
-            "id": rid, "object": "text_completion", "created": created, "model": self.args.served_model_name,
-            "choices": [{"index": 0, "text": self._decode(tokens), "token_ids": tokens,
-                         "finish_reason": gen.finish_reason, "logprobs": None}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                      "total_tokens": len(ids) + len(tokens)},
-        }
+        for gen in gens:
+            _raise_failed(gen)
+        choices = []
+        for i, (gen, (text, finish)) in enumerate(zip(gens, done)):
+            lp = self._logprobs(gen, chat) if logprobs is not None else None
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "token_ids": gen.produced, "finish_reason": finish, "logprobs": lp})
+            else:
+                choices.append({"index": i, "text": text, "token_ids": gen.produced,
+                                "finish_reason": finish, "logprobs": lp})
+        completion = sum(len(g.produced) for g in gens)
+        return {**head, "object": kind, "choices": choices,
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                          "total_tokens": len(ids) + completion}}
 
-    async def _stream(self, gen: GenerationRequest, rid: str, created: int):
-        try:
-            async for chunk in self._chunks(gen, rid, created):
-                yield chunk
-        finally:  # the client went away mid-stream (or it ended): nothing keeps generating for it
-            self.engine.cancel(gen)
-
-    async def _chunks(self, gen: GenerationRequest, rid: str, created: int):
-        tokens: list[int] = []
-        text_so_far = ""
+    async def _collect(self, gen: GenerationRequest, stops: list[str]) -> tuple[str, str | None]:
+        """One choice's whole text and finish reason; a stop sequence ends it ("stop", the stop
+        not included)."""
+        stream = TextStream(self._decode, stops)
         while (tok := await gen.out.get()) is not None:
-            tokens.append(tok)
-            text = self._decode(tokens)
-            delta, text_so_far = text[len(text_so_far):], text
-            chunk = {"id": rid, "object": "text_completion", "created": created, "model": self.args.served_model_name,
-                     "choices": [{"index": 0, "text": delta, "token_ids": [tok], "finish_reason": None, "logprobs": None}]}
-            yield f"data: {json.dumps(chunk)}\n\n"
-        final = {"id": rid, "object": "text_completion", "created": created, "model": self.args.served_model_name,
-                 "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": gen.finish_reason, "logprobs": None}]}
-        yield f"data: {json.dumps(final)}\n\n"
-        yield "data: [DONE]\n\n"
+            stream.push(tok)
+            if stream.stopped:
+                self._stopped(gen)
+                break
+        stream.finish()
+        return stream.text, "stop" if stream.stopped else gen.finish_reason
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def _stopped(self, gen: GenerationRequest) -> None:
+        self.engine.cancel(gen, "stop")
+
+    async def _stream(self, gens: list[GenerationRequest], req, head: dict, kind: str, chat: bool):
+        try:
+            async for event in self._events(gens, req, head, kind + ".chunk" if chat else kind, chat):
+                yield event
+        finally:  # the client went away mid-stream (or it ended): nothing keeps generating for it
+            for gen in gens:
+                self.engine.cancel(gen)
+
+    async def _events(self, gens: list[GenerationRequest], req, head: dict, kind: str, chat: bool):
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def forward(i: int, gen: GenerationRequest):
+            while (tok := await gen.out.get()) is not None:
+                await merged.put((i, tok))
+            await merged.put((i, None))
+
+        tasks = [asyncio.create_task(forward(i, g)) for i, g in enumerate(gens)]
+        streams = [TextStream(self._decode, req.stops) for _ in gens]
+        usage = {"usage": None} if req.include_usage else {}
+
+        def event(i: int, text: str, token_ids: list[int], finish: str | None, lp=None, first=False) -> str:
+            if chat:
+                delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+                choice = {"index": i, "delta": delta, "token_ids": token_ids, "finish_reason": finish, "logprobs": lp}
+            else:
+                choice = {"index": i, "text": text, "token_ids": token_ids, "finish_reason": finish, "logprobs": lp}
+            return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **usage})}\n\n"
+
+        try:
+            if chat:
+                for i in range(len(gens)):
+                    yield event(i, "", [], None, first=True)
+            open_choices = len(gens)
+            while open_choices:
+                i, tok = await merged.get()
+                gen, stream = gens[i], streams[i]
+                if tok is None:
+                    open_choices -= 1  # (a failed choice ends with finish_reason "error: ...")
+                    yield event(i, stream.finish(), [], "stop" if stream.stopped else gen.finish_reason)
+                    continue
+                if stream.stopped:
+                    continue
+                text = stream.push(tok)
+                k = len(stream.tokens) - 1  # this token's index in the choice
+                lp = self._logprobs(gen, chat, since=k, upto=k + 1) if gen.logprobs is not None else None
+                if stream.stopped:
+                    self._stopped(gen)
+                yield event(i, text, [tok], None, lp)
+            if req.include_usage:
+                completion = sum(len(g.produced) for g in gens)
+                prompt = len(gens[0].prompt)
+                yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': {'prompt_tokens': prompt, 'completion_tokens': completion, 'total_tokens': prompt + completion}})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _token_text(self, token: int) -> str:
+        """A token as the vocabulary spells it (unique per id, unlike its decoded text, which is
+        U+FFFD for every part of a split character)."""
+        text = self.tokenizer.id_to_token(token) if self.tokenizer is not None else None
+        return text if text is not None else f"token_id:{token}"
+
+    def _token_bytes(self, token: int) -> list[int] | None:
+        text = self.tokenizer.decode([token]) if self.tokenizer is not None else ""
+        return list(text.encode("utf-8")) if text and "\ufffd" not in text else None
+
+    def _logprobs(self, gen: GenerationRequest, chat: bool, since: int = 0, upto: int | None = None) -> dict:
+        """OpenAI's logprobs object for gen's tokens [since, upto)."""
+        entries = list(zip(gen.produced[since:upto], gen.token_logprobs[since:upto]))
+        if chat:
+            def item(tok, lp):
+                return {"token": self._token_text(tok), "logprob": lp, "bytes": self._token_bytes(tok)}
+            return {"content": [{**item(tok, lp), "top_logprobs": [item(t, v) for t, v in alts]}
+                                for tok, (lp, alts) in entries]}
+        tokens = [self._token_text(tok) for tok, _ in entries]
+        offsets = [len(self._decode(gen.produced[:k])) for k in range(since, since + len(entries))]
+        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in entries],
+                "top_logprobs": [{self._token_text(t): v for t, v in alts} for _, (_, alts) in entries],
+                "text_offset": offsets}
+
+    def _prompt_ids(self, prompt: str | list[int], param: str = "prompt", special_tokens: bool = True) -> list[int]:
         vocab = self.dense.cfg.vocab_size
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(400, "prompt: this checkpoint has no tokenizer.json; send the prompt as a "
                                    "list of token ids", param="prompt")
             if len(prompt) > self.max_len * self.max_token_chars:
-                raise RequestError(400, f"prompt: {len(prompt)} characters are more than the context of "
-                                   f"{self.max_len} tokens can hold", param="prompt")
-            return self.tokenizer.encode(prompt).ids
+                raise RequestError(400, f"{param}: {len(prompt)} characters are more than the context of "
+                                   f"{self.max_len} tokens can hold", param=param)
+            # a rendered chat template carries its own special tokens (as transformers tokenizes it)
+            return self.tokenizer.encode(prompt, add_special_tokens=special_tokens).ids
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise RequestError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")

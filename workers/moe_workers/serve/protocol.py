@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import re
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_JSON_DEPTH = 32
@@ -23,18 +25,65 @@ INT64 = (-(2**63), 2**63 - 1)
 _STRUCTURE = re.compile(rb'\\.|["\[\]{}]', re.S)
 
 
-class CompletionRequest(BaseModel):
+MAX_N = 16  # choices per request
+MAX_STOPS = 4  # stop sequences per request (OpenAI's limit)
+MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 5  # alternatives per token (OpenAI's limit for completions)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What both endpoints take besides the prompt."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    prompt: str | list[int] = Field(description="Text (needs tokenizer.json) or token ids.")
-    max_tokens: int = Field(default=16, ge=1, le=2**31 - 1)
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     stream: bool = False
-    n: int = Field(default=1, ge=1, le=1, description="Only one choice per request is supported.")
-    user: str | None = None
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    user: str | None = None  # accepted and ignored
+
+    @field_validator("temperature")
+    @classmethod
+    def _usable_temperature(cls, v):
+        if 0.0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences (got {len(stops)})")
+        if any(not s for s in stops):
+            raise ValueError("a stop sequence is empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence is longer than {MAX_STOP_CHARS} characters")
+        return v
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = Field(description="Text (needs tokenizer.json) or token ids.")
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -43,12 +92,48 @@ class CompletionRequest(BaseModel):
             raise ValueError("prompt is empty")
         return v
 
-    @field_validator("temperature")
-    @classmethod
-    def _usable_temperature(cls, v):
-        if 0.0 < v < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
-        return v
+    @property
+    def new_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else 16
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @property
+    def new_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens (deprecated by OpenAI), else up to the context."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def top_k_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
 
 
 class RequestError(Exception):
@@ -131,10 +216,21 @@ def decode_body(raw: bytes) -> object:
 
 
 def parse_completion(body: object) -> CompletionRequest:
+    return _parse(CompletionRequest, body)
+
+
+def parse_chat(body: object) -> ChatCompletionRequest:
+    req = _parse(ChatCompletionRequest, body)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    return req
+
+
+def _parse(model: type[BaseModel], body: object):
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object")
     try:
-        return CompletionRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
         # union branches ("str", "list[int]") are pydantic's names, not the client's fields
@@ -145,6 +241,13 @@ def parse_completion(body: object) -> CompletionRequest:
             msg = "unknown field"
         elif field == "prompt" and first["type"] in ("string_type", "int_type", "list_type"):
             loc, msg = "prompt", "expected a string or a list of integer token ids"
+        elif field == "stop" and first["type"] in ("string_type", "list_type"):
+            loc, msg = "stop", "expected a string or a list of strings"
+        elif field == "messages" and first["type"] == "literal_error":
+            msg = f"{msg} (got {first['input']!r})"
+        elif field == "messages" and "content" in [str(p) for p in first["loc"]]:
+            loc = ".".join(str(p) for p in first["loc"][:3])
+            msg = "expected a string or a list of {\"type\": \"text\", \"text\": ...} parts"
         elif first["type"] in ("int_type", "float_type", "bool_type", "string_type"):
             got = type(first["input"]).__name__ if first["input"] is not None else "null"
             got = {"str": "a string", "bool": "a boolean", "float": "a number with a fraction", "int": "an integer",

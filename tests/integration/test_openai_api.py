@@ -1,0 +1,158 @@
+"""The OpenAI API as clients use it, with the real `openai` client against a served app on a
+real Ray: chat (plain and streamed, with usage), stop sequences, n, logprobs, and the errors the
+client raises on our 4xx. Greedy chat equals the in-process model on the rendered prompt."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import requests
+from tokenizers import Tokenizer
+
+from checkpoints import make_mixtral
+from moe_workers.model.inprocess import InProcessModel
+from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
+from moe_workers.serve.chat import ChatTemplate, write_tokenizer_config
+from moe_workers.serve.config import AppArgs, serve_application
+from moe_workers.serve.protocol import ChatMessage
+from serve_rest import delete_all, deploy
+
+pytestmark = pytest.mark.ray
+MAX_LEN = 256
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def app(ray_head, tmp_path_factory):
+    ray = ray_head.connect_driver(namespace="openai-test")
+    path = tmp_path_factory.mktemp("ckpt-openai")
+    make_mixtral(path, vocab_size=BYTE_VOCAB_SIZE, num_local_experts=4, num_hidden_layers=2,
+                 max_position_embeddings=MAX_LEN)
+    write_byte_tokenizer(path)
+    write_tokenizer_config(path)
+    args = AppArgs(model_path=str(path), served_model_name="tiny", num_groups=2, max_batch_size=8,
+                   kv_cache_budget_bytes=16 * 2**20, max_queued_requests=16)
+    placement = {"ExpertShard-0": ["0.0", "0.1", "1.0", "1.1"], "ExpertShard-1": ["0.2", "0.3", "1.2", "1.3"]}
+    deploy(ray_head, [serve_application("openai", "/", args, placement)])
+    url = f"http://127.0.0.1:{ray_head.serve_http_port}"
+    try:
+        yield url, path, InProcessModel(path, max_len=MAX_LEN)
+    finally:
+        delete_all(ray_head)
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return openai.OpenAI(base_url=app[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _prompt_ids(path, messages) -> list[int]:
+    text = ChatTemplate.from_checkpoint(path).render([ChatMessage.model_validate(m) for m in messages])
+    return Tokenizer.from_file(str(path / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+
+
+def test_chat_greedy_equals_the_in_process_model(app, client):
+    _, path, reference = app
+    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=12, temperature=0)
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and resp.object == "chat.completion"
+    ids = _prompt_ids(path, MESSAGES)
+    want = reference.generate([ids], 12, stop_at_eos=True)[0]
+    assert choice.model_extra["token_ids"] == want
+    assert choice.message.content == Tokenizer.from_file(str(path / "tokenizer.json")).decode(want)
+    assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == len(want)
+
+
+def test_streamed_chat_is_the_same_text_and_reports_usage(app, client):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_completion_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stop_sequences_cut_the_text_and_end_the_choice(app, client):
+    base = client.completions.create(model="tiny", prompt="The cat", max_tokens=24, temperature=0)
+    text = base.choices[0].text
+    # a stop that occurs inside the greedy text, not at its start
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2])
+    cut = text[:text.index(stop)]
+    got = client.completions.create(model="tiny", prompt="The cat", max_tokens=24, temperature=0, stop=[stop, "\x00"])
+    assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(model="tiny", prompt="The cat", max_tokens=24, temperature=0,
+                                              stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == cut
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_choices_are_independent_samples_and_seeded(app, client):
+    kwargs = dict(model="tiny", prompt=[5, 9, 11], max_tokens=8, temperature=1.0, n=3, seed=7)
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    ids = [tuple(c.model_extra["token_ids"]) for c in a.choices]
+    assert len(set(ids)) > 1  # different samples...
+    assert ids == [tuple(c.model_extra["token_ids"]) for c in b.choices]  # ...reproducible with a seed
+    assert a.usage.completion_tokens == sum(len(i) for i in ids)
+
+
+def test_logprobs(app, client):
+    resp = client.completions.create(model="tiny", prompt=[5, 9, 11], max_tokens=5, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and chosen <= 0 and max(top.values()) == pytest.approx(chosen)  # greedy: the top one
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(chat.choices[0].model_extra["token_ids"])
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"messages": [{"role": "bot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": MESSAGES, "n": 99}, "n"),
+    ({"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": MESSAGES, "max_completion_tokens": MAX_LEN}, "max_completion_tokens"),
+])
+def test_bad_chat_requests_are_4xx_naming_the_field(client, kwargs, field):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", **kwargs)
+    assert err.value.status_code == 400 and field in err.value.message
+    assert err.value.body["param"] == field.split(".")[0]
+
+
+def test_client_error_types(app, client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=[5], max_tokens=4, logprobs=6)
+    assert "logprobs" in err.value.message
+    # unknown fields are refused by name
+    resp = requests.post(app[0] + "/v1/chat/completions", json={"messages": MESSAGES, "frobnicate": 1}, timeout=30)
+    assert resp.status_code == 400 and "frobnicate: unknown field" in resp.json()["error"]["message"]
+
+
+def test_a_template_that_refuses_gets_a_400_and_good_requests_go_on(app, client):
+    """Malformed chats mixed with good ones never fail a good one."""
+    _, path, reference = app
+    want = reference.generate([_prompt_ids(path, MESSAGES)], 6, stop_at_eos=True)[0]
+    bad = [{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+           {"messages": "hi"}, {"messages": [{"role": "user"}], "stream": "yes"}]
+    for body in bad * 3:
+        r = requests.post(app[0] + "/v1/chat/completions", data=json.dumps(body), timeout=30,
+                          headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"]
+        good = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=6, temperature=0)
+        assert good.choices[0].model_extra["token_ids"] == want

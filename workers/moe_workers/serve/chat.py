@@ -1,0 +1,98 @@
+"""Chat prompts: the checkpoint's own chat template, rendered in a sandbox (pure; no HTTP here).
+
+The template comes from the checkpoint as Hugging Face keeps it: `chat_template.jinja`, or the
+`chat_template` field of `tokenizer_config.json` (a string, or a list of named templates of
+which "default" is used). It is rendered the way transformers' `apply_chat_template` does:
+`messages`, `add_generation_prompt`, the special tokens of tokenizer_config.json, and
+`raise_exception` for templates that refuse a conversation, in Jinja2's immutable sandbox (a
+template cannot reach Python objects, files or the network).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moe_workers.serve.protocol import ChatMessage, RequestError
+
+MAX_RENDERED_CHARS = 4 * 1024 * 1024  # a template that loops cannot grow the prompt without bound
+
+
+class TemplateError(Exception):
+    """The template itself is broken (raised at load, so the replica says so at start)."""
+
+
+def _special(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special: dict[str, str | None]):
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        # as transformers renders them (templates test `if tools` and the like on undefined names)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        try:
+            self.template = env.from_string(source)
+        except TemplateSyntaxError as err:
+            raise TemplateError(f"the chat template does not parse: {err}") from None
+        self.special = special
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path) -> "ChatTemplate | None":
+        directory = Path(directory)
+        config_file = directory / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        special = {k: _special(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        jinja = directory / "chat_template.jinja"
+        if jinja.is_file():
+            return cls(jinja.read_text(), special)
+        source = config.get("chat_template")
+        if isinstance(source, list):  # named templates
+            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
+                          None)
+        return cls(source, special) if isinstance(source, str) and source else None
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
+                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in messages]
+        try:
+            text = self.template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                        **{k: v for k, v in self.special.items() if v is not None})
+        except _Refused as err:
+            raise RequestError(400, f"messages: the chat template refuses this conversation: {err}",
+                               param="messages") from None
+        except Exception as err:  # whatever a template raises is about this conversation, not the server
+            raise RequestError(400, f"messages: the chat template cannot render this conversation: "
+                               f"{type(err).__name__}: {err}", param="messages") from None
+        if len(text) > MAX_RENDERED_CHARS:
+            raise RequestError(400, f"messages: the rendered prompt has {len(text)} characters, more than "
+                               f"{MAX_RENDERED_CHARS}", param="messages")
+        return text
+
+
+class _Refused(Exception):
+    pass
+
+
+def _raise(message: str):
+    raise _Refused(message)
+
+
+# The template `moectl init-model` writes (tokenizer_config.json), so the quickstart can chat.
+SIMPLE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def write_tokenizer_config(directory: str | Path, template: str = SIMPLE_TEMPLATE) -> Path:
+    path = Path(directory) / "tokenizer_config.json"
+    path.write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                                "chat_template": template}, indent=2))
+    return path
