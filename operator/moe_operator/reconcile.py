@@ -220,7 +220,7 @@ def never_deployed(status: dict | None) -> bool:
 def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int, status: dict,
               client: RayServeClient, allowed_roots: list[str], http_port: int, endpoint_host: str = "127.0.0.1",
               wait_s: float = 600.0, spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status,
-              http_host: str = "127.0.0.1") -> Result:
+              http_host: str = "127.0.0.1", api_key_digests: list[str] | None = None) -> Result:
     result = _Outcome(status, generation)
     status = result.status
     spec, facts, failed = _validated(raw_spec, spec, allowed_roots, result)
@@ -236,7 +236,8 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
     try:
         step = placement_step(facts, spec, status, ingress_now, shards_now,
                               lambda: (fetch(base_url) or {}).get("replicas"), time.time())
-        ours = render_application(namespace, name, spec, step.ingress, allowed_roots, shard_experts=step.shards)
+        ours = render_application(namespace, name, spec, step.ingress, allowed_roots, shard_experts=step.shards,
+                                  api_key_digests=api_key_digests)
     except UNRENDERABLE as err:
         return result(False, cond.INVALID_SPEC, f"cannot plan or render this spec: {err}", "Warning")
     try:

@@ -5,6 +5,7 @@ client raises on our 4xx. Greedy chat equals the in-process model on the rendere
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -14,6 +15,7 @@ from tokenizers import Tokenizer
 from checkpoints import make_mixtral
 from moe_workers.model.inprocess import InProcessModel
 from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
+from moe_workers.serve.auth import digests
 from moe_workers.serve.chat import ChatTemplate, write_tokenizer_config
 from moe_workers.serve.config import AppArgs, serve_application
 from moe_workers.serve.protocol import ChatMessage
@@ -156,3 +158,38 @@ def test_a_template_that_refuses_gets_a_400_and_good_requests_go_on(app, client)
         assert r.status_code == 400 and r.json()["error"]["message"]
         good = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=6, temperature=0)
         assert good.choices[0].model_extra["token_ids"] == want
+
+
+def test_api_keys_apply_in_place_and_refuse_wrong_keys(ray_head, app, client):
+    """Keys reach the ingress as digests in user_config: no restart; a wrong or missing key is a
+    401 the client raises as AuthenticationError; /moe/v1/status stays open."""
+    url, path, reference = app
+    pid = requests.get(url + "/moe/v1/status", timeout=30).json()["ingress"]["pid"]
+    args = AppArgs(model_path=str(path), served_model_name="tiny", num_groups=2, max_batch_size=8,
+                   kv_cache_budget_bytes=16 * 2**20, max_queued_requests=16)
+    placement = {"ExpertShard-0": ["0.0", "0.1", "1.0", "1.1"], "ExpertShard-1": ["0.2", "0.3", "1.2", "1.3"]}
+    config = serve_application("openai", "/", args, placement, api_key_digests=digests("k-one\n# old\nk-two\n"))
+    assert "k-one" not in json.dumps(config)  # only digests travel
+    try:
+        deploy(ray_head, [config])
+        keyed = openai.OpenAI(base_url=url + "/v1", api_key="k-two", max_retries=0, timeout=120)
+
+        def refused():
+            try:
+                client.completions.create(model="tiny", prompt=[5], max_tokens=1)
+            except openai.AuthenticationError as err:
+                return err
+            return None
+        err = next(e for _ in range(120) if (e := refused()) is not None or time.sleep(0.5))
+        assert err.status_code == 401 and "API key" in err.message and "unused" not in err.message
+        got = keyed.completions.create(model="tiny", prompt=[5, 9, 11], max_tokens=4, temperature=0)
+        assert got.choices[0].model_extra["token_ids"] == reference.generate([[5, 9, 11]], 4, stop_at_eos=True)[0]
+        r = requests.get(url + "/v1/models", headers={"Authorization": "Basic k-two"}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert requests.get(url + "/moe/v1/status", timeout=30).json()["ingress"]["pid"] == pid  # not restarted
+    finally:
+        deploy(ray_head, [serve_application("openai", "/", args, placement)])
+    wait = time.monotonic() + 60
+    while refused() is not None and time.monotonic() < wait:
+        time.sleep(0.5)
+    assert client.models.list().data[0].id == "tiny"

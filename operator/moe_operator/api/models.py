@@ -189,6 +189,12 @@ class IngressSpec(ApiModel):
         default="4Mi",
         description="Largest HTTP request body the API accepts; a larger one gets 413 before it is read.",
     )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="API keys for /v1/*: a Secret key holding one key per line. With keys set, every "
+        "request needs Authorization: Bearer <key> (401 otherwise). The replicas get only SHA-256 "
+        "digests, applied in place (no restart). Needs the chart's readTokenSecrets.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------

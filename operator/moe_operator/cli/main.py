@@ -89,6 +89,9 @@ def up(
                                              "default: the manifest's directory."),
     num_cpus: Optional[int] = typer.Option(None, "--num-cpus", min=1, help="Logical CPUs of the local Ray head."),
     once: bool = typer.Option(False, "--once", help="Reconcile once and exit (leaves a given cluster's app running)."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", exists=True, dir_okay=False,
+                                                help="File with API keys, one per line: /v1/* then needs "
+                                                "Authorization: Bearer <key> (re-read at every pass)."),
 ):
     """Run a MoEDeployment in the foreground without Kubernetes (standalone mode)."""
     from moe_operator.backends.ray_rest import RayServeClient
@@ -113,7 +116,8 @@ def up(
             address, token = head.dashboard_url, head.token
             err.print(f"local Ray head: dashboard {address} (token in {head.token_path})")
         runner = StandaloneRunner(file, RayServeClient(address, token), port, roots, log=lambda m: err.print(m, markup=False),
-                                  metrics_urls=[head.metrics_url] if head is not None else [])
+                                  metrics_urls=[head.metrics_url] if head is not None else [],
+                                  api_key_file=api_key_file)
         runner.changed()
         with err.status(f"deploying {manifest.name or file} ..."):
             ok = runner.reconcile()

@@ -37,6 +37,7 @@ from moe_operator.reconcile import (
     deployed_placement, never_deployed, observe_live, placement_from_rayservice, reconcile, reconcile_kuberay,
     remove_application)
 from moe_operator.render.serve_app import app_name
+from moe_workers.serve.auth import digests
 
 RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
 PREFIX = models.GROUP
@@ -78,19 +79,39 @@ def _kuberay() -> KubeRayClient:
     return KubeRayClient(kubernetes.client.CustomObjectsApi())
 
 
+def _secret_value(ref: dict, namespace: str, field: str) -> str:
+    import base64
+
+    import kubernetes
+
+    _load_kube_config()
+    try:
+        secret = kubernetes.client.CoreV1Api().read_namespaced_secret(ref["name"], namespace)
+    except kubernetes.client.ApiException as err:
+        if err.status in (403, 404):
+            raise kopf.PermanentError(f"{field}: secret {namespace}/{ref['name']} "
+                                      f"{'not found' if err.status == 404 else 'not readable (the chart: readTokenSecrets)'}")
+        raise
+    value = (secret.data or {}).get(ref.get("key", "token"))
+    if value is None:
+        raise kopf.PermanentError(f"{field}: secret {namespace}/{ref['name']} has no key {ref.get('key', 'token')}")
+    return base64.b64decode(value).decode()
+
+
+def _api_key_digests(spec: dict, namespace: str) -> list[str] | None:
+    ref = ((spec.get("ingress") or {}).get("apiKeySecretRef")) or None
+    if not ref:
+        return None
+    keys = digests(_secret_value(ref, namespace, "spec.ingress.apiKeySecretRef"))
+    if not keys:
+        raise kopf.PermanentError(f"spec.ingress.apiKeySecretRef: secret {namespace}/{ref['name']} holds no key")
+    return keys
+
+
 def _token(spec: dict, namespace: str) -> str | None:
     ref = ((spec.get("ray") or {}).get("authTokenSecretRef")) or None
     if ref:
-        import base64
-
-        import kubernetes
-
-        _load_kube_config()
-        secret = kubernetes.client.CoreV1Api().read_namespaced_secret(ref["name"], namespace)
-        value = (secret.data or {}).get(ref.get("key", "token"))
-        if value is None:
-            raise kopf.PermanentError(f"secret {namespace}/{ref['name']} has no key {ref.get('key', 'token')}")
-        return base64.b64decode(value).decode().strip()
+        return _secret_value(ref, namespace, "spec.ray.authTokenSecretRef").strip()
     path = _setting("MOE_RAY_TOKEN_FILE")
     if path:
         return open(path).read().strip()
@@ -135,7 +156,8 @@ def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict):
     return reconcile(namespace, name, spec_dict, meta.get("generation", 0), status,
                      _client(spec_dict, namespace), _roots(), int(_setting("MOE_SERVE_HTTP_PORT", "8000")),
                      endpoint_host=_setting("MOE_ENDPOINT_HOST", "127.0.0.1"),
-                     http_host=_setting("MOE_SERVE_HTTP_HOST", "127.0.0.1"))
+                     http_host=_setting("MOE_SERVE_HTTP_HOST", "127.0.0.1"),
+                     api_key_digests=_api_key_digests(spec_dict, namespace))
 
 
 @kopf.on.resume(*RESOURCE)

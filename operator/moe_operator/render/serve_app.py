@@ -59,7 +59,8 @@ def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None
 
 def render_application(namespace: str, name: str, spec: MoEDeploymentSpec, placement: dict[str, list[str]],
                        allowed_roots: list[str] | None = None,
-                       shard_experts: dict[str, list[str]] | None = None) -> dict:
+                       shard_experts: dict[str, list[str]] | None = None,
+                       api_key_digests: list[str] | None = None) -> dict:
     """One entry of the Serve config's `applications` for this MoEDeployment. Tiers, overrides
     and prefetch go into user_config (applied in place); allowed roots into the static args.
     `shard_experts`: what the groups host when it differs from the routing placement (a
@@ -70,7 +71,7 @@ def render_application(namespace: str, name: str, spec: MoEDeploymentSpec, place
                              spec.experts.replicas_per_group,
                              tiers=tier_config(spec), overrides=overrides_config(spec),
                              prefetch_lookahead=prefetch.lookahead_layers if prefetch.enabled else 0,
-                             shard_experts=shard_experts)
+                             shard_experts=shard_experts, api_key_digests=api_key_digests)
 
 
 def merge_applications(current: list[dict], ours: dict) -> list[dict]:

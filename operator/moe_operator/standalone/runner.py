@@ -25,6 +25,7 @@ from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_r
 from moe_operator.backends.ray_rest import RayServeClient
 from moe_operator.reconcile import observe_live, reconcile, remove_application
 from moe_operator.render.serve_app import app_name
+from moe_workers.serve.auth import digests
 
 
 def default_state_dir() -> Path:
@@ -95,6 +96,7 @@ class StandaloneRunner:
     generation: int = 0
     status: dict = field(default_factory=dict)
     metrics_urls: list[str] = field(default_factory=list)  # the local Ray's metrics export
+    api_key_file: Path | None = None  # API keys, one per line (moectl up --api-key-file)
     _mtime: float = 0.0
     _app: str | None = None
     _name: str = ""
@@ -142,8 +144,11 @@ class StandaloneRunner:
             self.log(f"invalid manifest: {message}")
             return False
         self._name = m.name
+        keys = digests(self.api_key_file.read_text()) if self.api_key_file is not None else None
+        if self.api_key_file is not None and not keys:
+            self.log(f"warning: {self.api_key_file} holds no API key; the API stays open")
         res = reconcile(m.namespace, m.name, m.raw_spec, self.generation, self.status, self.client,
-                        self.allowed_roots, self.http_port, spec=self._spec(m))
+                        self.allowed_roots, self.http_port, spec=self._spec(m), api_key_digests=keys)
         self.status = res.status
         self._write_status(m)
         for _, reason, message in res.events:

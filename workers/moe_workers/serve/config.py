@@ -66,13 +66,15 @@ class AppArgs(BaseModel):
 def serve_application(name: str, route_prefix: str, args: AppArgs, placement: dict[str, list[str]],
                       replicas_per_group: dict[str, int] | int = 1, tiers: dict | None = None,
                       overrides: dict[str, dict] | None = None, prefetch_lookahead: int = 0,
-                      shard_experts: dict[str, list[str]] | None = None) -> dict:
+                      shard_experts: dict[str, list[str]] | None = None,
+                      api_key_digests: list[str] | None = None) -> dict:
     """One entry of a Serve config's `applications`. Placement, replicas, tier budgets, expert
     overrides (hot-swaps: expert -> {"path", "sha256"}) and prefetch are in-place options: Serve
     applies them through reconfigure() / num_replicas without restarting replicas.
 
     `placement` is what the ingress routes by; `shard_experts` (default: the placement) what each
-    group hosts, a superset while a new placement is applied make-before-break."""
+    group hosts, a superset while a new placement is applied make-before-break.
+    `api_key_digests`: SHA-256 digests of the API keys /v1/* requires (none: open)."""
     static = args.model_copy(update={"placement": None}).model_dump(exclude_none=True)
     hosts = shard_experts if shard_experts is not None else placement
     unknown = sorted((set(placement) | set(hosts)) - set(args.group_names()))
@@ -81,6 +83,8 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
     ingress_config: dict = {"placement": {g: list(placement.get(g, [])) for g in args.group_names()}}
     if prefetch_lookahead:
         ingress_config["prefetch_lookahead"] = prefetch_lookahead
+    if api_key_digests:
+        ingress_config["api_keys_sha256"] = sorted(api_key_digests)
     deployments = [{"name": INGRESS, "user_config": ingress_config}]
     for g in args.group_names():
         n = replicas_per_group if isinstance(replicas_per_group, int) else replicas_per_group.get(g, 1)

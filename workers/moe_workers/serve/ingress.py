@@ -29,6 +29,7 @@ from moe_workers.serve.config import AppArgs
 from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
+from moe_workers.serve.auth import authorized
 from moe_workers.serve.chat import ChatTemplate
 from moe_workers.serve.protocol import RequestError, decode_body, parse_chat, parse_completion
 from moe_workers.serve.textstream import TextStream
@@ -55,6 +56,23 @@ async def _body_limit(request: Request, call_next):
             return JSONResponse(RequestError(400, "Content-Length is not a number").body(), status_code=400)
         if int(length) > limit:
             return JSONResponse(_too_large(limit).body(), status_code=413)
+    return await call_next(request)
+
+
+@fastapi_app.middleware("http")
+async def _api_keys(request: Request, call_next):
+    """/v1/* needs `Authorization: Bearer <key>` when keys are configured (user_config);
+    /moe/v1/status stays open, for in-cluster use (the operator, moectl)."""
+    keys = getattr(request.app.state, "api_keys_sha256", None)
+    path, root = request.scope["path"], request.scope.get("root_path", "").rstrip("/")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    if keys and path.startswith("/v1/") and not authorized(request.headers.get("authorization"), keys):
+        err = RequestError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                           err_type="invalid_request_error")
+        body = err.body()
+        body["error"]["code"] = "invalid_api_key"
+        return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
     return await call_next(request)
 
 
@@ -146,6 +164,7 @@ class Ingress:
                              + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
         self.router = router
         self.prefetch_lookahead = int(config.get("prefetch_lookahead", 0))
+        fastapi_app.state.api_keys_sha256 = list(config.get("api_keys_sha256") or [])
 
     def _members(self) -> tuple[list[Member], str]:
         """The channel's membership, from the StatusBoard (called by the channel's poller thread)."""
