@@ -7,6 +7,7 @@ restarted operator converges to the same result and never deploys twice.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -208,6 +209,14 @@ def _validated(raw_spec, spec, allowed_roots, result: _Outcome):
     return spec, facts, None
 
 
+def keys_fingerprint(digests: list[str] | None) -> str | None:
+    """A short fingerprint of the API keys in force (of their digests: it reveals no key), so a
+    changed Secret is noticed between reconcile passes."""
+    if not digests:
+        return None
+    return hashlib.sha256("\n".join(sorted(digests)).encode()).hexdigest()[:16]
+
+
 def never_deployed(status: dict | None) -> bool:
     """True when this object never had a Serve application: it was never served (no endpoint)
     and it stopped before any Serve config was written (an invalid spec, or a Ray dashboard that
@@ -248,6 +257,10 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
     except (RayServeError, OSError) as err:
         return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
     status["endpoint"] = base_url + "/v1"
+    if api_key_digests:
+        status["apiKeys"] = {"count": len(api_key_digests), "fingerprint": keys_fingerprint(api_key_digests)}
+    else:
+        status.pop("apiKeys", None)
     events = record_step(status, step, ingress_now)
     live, swap_events = observe_live(spec, status, fetch)
     status.update(live)

@@ -121,6 +121,31 @@ def _hot_swap_through_the_spec(k8s, model, endpoint, reference):
         assert r.returncode == 1 and r.stderr.strip() == "error: moedeployment default/nope not found", (cmd, r.stderr)
 
 
+def _api_keys_from_a_secret(k8s, endpoint):
+    """spec.ingress.apiKeySecretRef: /v1/* needs a key from the Secret; a changed Secret applies
+    without a spec change (the observe timer notices it); removing the reference opens the API."""
+    def status_code(key=None):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return requests.get(endpoint + "/models", headers=headers, timeout=30).status_code
+
+    k8s.kubectl("create", "secret", "generic", "tiny-keys", "--from-literal=keys=first-key\nsecond-key")
+    k8s.kubectl("patch", "moed", "tiny", "--type=merge", "-p",
+                json.dumps({"spec": {"ingress": {"apiKeySecretRef": {"name": "tiny-keys", "key": "keys"}}}}))
+    wait_for(lambda: status_code() == 401, timeout_s=180, what="the API to need a key")
+    assert status_code("second-key") == 200 and status_code("wrong") == 401
+    st = k8s.kubectl_json("get", "moed", "tiny")["status"]
+    assert st["apiKeys"]["count"] == 2 and "first-key" not in json.dumps(st)
+    # rotate: the Secret alone changes
+    k8s.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tiny-keys"},
+                                                      "stringData": {"keys": "rotated-key"}}))
+    wait_for(lambda: status_code("rotated-key") == 200, timeout_s=120, what="the rotated key to apply")
+    assert status_code("first-key") == 401
+    k8s.kubectl("patch", "moed", "tiny", "--type=json", "-p", json.dumps([{"op": "remove", "path": "/spec/ingress/apiKeySecretRef"}]))
+    wait_for(lambda: status_code() == 200, timeout_s=180, what="the API open again")
+    wait_for(lambda: "apiKeys" not in k8s.kubectl_json("get", "moed", "tiny")["status"], timeout_s=60,
+             what="status.apiKeys gone")  # (the app opens before the pass writes its status)
+
+
 def _ready(k8s, name):
     obj = k8s.kubectl_json("get", "moed", name)
     st = obj.get("status") or {}
@@ -161,6 +186,7 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
         assert row[:4] == ["tiny", "True", "2", "1"]
 
         _hot_swap_through_the_spec(k8s, model, endpoint, reference)
+        _api_keys_from_a_secret(k8s, endpoint)
 
         # change the number of groups: re-planned, re-rendered, still serving the same tokens
         k8s.kubectl("patch", "moed", "tiny", "--type=merge", "-p", json.dumps({"spec": {"experts": {"groups": 3}}}))

@@ -480,6 +480,13 @@ class AutoscalingStatus(ApiModel):
         default=None, description="Expert slots every shard group has per layer: (experts + redundantExpertSlots) / groups.")
 
 
+class ApiKeysStatus(ApiModel):
+    """The API keys in force (never the keys: a count and a fingerprint of their digests)."""
+
+    count: int = Field(description="Keys accepted.")
+    fingerprint: str = Field(description="First 16 hex digits of the SHA-256 of the keys' sorted SHA-256 digests.")
+
+
 class MoEDeploymentStatus(ApiModel):
     """Observed state, written by the operator."""
 
@@ -503,6 +510,7 @@ class MoEDeploymentStatus(ApiModel):
     worst_layer: LayerImbalance | None = Field(default=None, description="The least balanced layer.")
     last_swaps: list[SwapRecord] = Field(default_factory=list, max_length=20, description="Most recent hot-swaps, newest first.")
     autoscaling: AutoscalingStatus | None = Field(default=None, description="Last autoscaling decision.")
+    api_keys: ApiKeysStatus | None = Field(default=None, description="API keys in force (spec.ingress.apiKeySecretRef).")
 
 
 class MoEDeployment(ApiModel):

@@ -34,8 +34,8 @@ from moe_operator.api.semantics import validate_semantics
 from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
 from moe_operator.autoscaling.loop import REBALANCE_ANNOTATION
 from moe_operator.reconcile import (
-    deployed_placement, never_deployed, observe_live, placement_from_rayservice, reconcile, reconcile_kuberay,
-    remove_application)
+    deployed_placement, keys_fingerprint, never_deployed, observe_live, placement_from_rayservice, reconcile,
+    reconcile_kuberay, remove_application)
 from moe_operator.render.serve_app import app_name
 from moe_workers.serve.auth import digests
 
@@ -210,14 +210,27 @@ def delete_handler(name: str, namespace: str, spec, meta, status, logger, **_) -
 
 
 @kopf.timer(*RESOURCE, interval=5.0, initial_delay=5.0)
-def observe_handler(spec, status, meta, patch, body, **_) -> None:
+def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, **_) -> None:
     """Between reconciles: read the live app's report and update tiers, overridden experts and
-    hot-swap outcomes (written only when they changed; events on each outcome)."""
+    hot-swap outcomes (written only when they changed; events on each outcome). A changed API-key
+    Secret runs the reconcile pass again (the keys apply in place)."""
     status = dict(status or {})
     if status.get("observedGeneration") != meta.get("generation"):
         return  # the reconcile handler owns this generation until it has applied it
     if not cond.is_true(status.get("conditions") or [], cond.READY):
         return
+    spec_dict = dict(spec)
+    if (spec_dict.get("ingress") or {}).get("apiKeySecretRef") or status.get("apiKeys"):
+        try:
+            current = keys_fingerprint(_api_key_digests(spec_dict, namespace))
+        except kopf.PermanentError:
+            current = "unreadable"  # the pass says why
+        if current != (status.get("apiKeys") or {}).get("fingerprint"):
+            res = _reconcile(name, namespace, spec_dict, meta, status)
+            patch.status.update(merge_patch(status, res.status))
+            if res.event:
+                kopf.event(body, type=res.event[0], reason="ApiKeysChanged", message="API keys changed; " + res.event[2][:900])
+            return
     try:
         parsed = parse_spec(dict(spec))
     except SpecError:
