@@ -88,6 +88,8 @@ def test_namespaced_kuberay_ha_render(k8s):
     dash = by_kind(docs, "ConfigMap")[0]
     panels = json.loads(dash["data"]["moe-operator.json"])["panels"]
     assert any("ray_moe_expert_tokens" in t["expr"] for p in panels for t in p["targets"])
+    exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
+    assert "ray_moe_time_to_first_token_seconds_bucket" in exprs and "ray_moe_inter_token_latency_seconds_bucket" in exprs
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
 
 

@@ -193,3 +193,30 @@ def test_api_keys_apply_in_place_and_refuse_wrong_keys(ray_head, app, client):
     while refused() is not None and time.monotonic() < wait:
         time.sleep(0.5)
     assert client.models.list().data[0].id == "tiny"
+
+
+def test_serving_metrics_reach_rays_prometheus_export(ray_head, app, client):
+    """TTFT, inter-token and request latency histograms, token counters, load and KV gauges, and
+    rejections (the 401s of the test before) on Ray's metrics export."""
+    for _ in range(3):
+        client.completions.create(model="tiny", prompt=[5, 9, 11], max_tokens=6, temperature=0)
+    want = ["ray_moe_time_to_first_token_seconds_bucket", "ray_moe_inter_token_latency_seconds_bucket",
+            "ray_moe_request_latency_seconds_bucket", "ray_moe_prompt_tokens_total", "ray_moe_generation_tokens_total",
+            "ray_moe_requests_running", "ray_moe_requests_waiting", "ray_moe_kv_cache_used_bytes",
+            "ray_moe_kv_cache_budget_bytes", "ray_moe_requests_rejected_total"]
+    found: dict[str, list[str]] = {}
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        text = requests.get(ray_head.metrics_url, timeout=10).text
+        found = {n: [l for l in text.splitlines() if l.startswith(n + "{") and 'app="openai"' in l] for n in want}
+        if all(found.values()):
+            break
+        time.sleep(2)
+    assert all(found.values()), [n for n, v in found.items() if not v]
+
+    def total(name, needle=""):
+        return sum(float(l.rsplit(" ", 1)[1]) for l in found[name] if needle in l)
+    assert total("ray_moe_generation_tokens_total") >= 18 and total("ray_moe_prompt_tokens_total") >= 9
+    assert total("ray_moe_requests_rejected_total", 'code="401"') >= 1
+    assert total("ray_moe_kv_cache_budget_bytes") > 0
+    assert total("ray_moe_request_latency_seconds_bucket", 'le="+Inf"') >= 3

@@ -112,6 +112,8 @@ def test_moectl_up_serves_reconciles_and_stops(tmp_path):
         result = json.loads(_moectl("bench", "tiny", "--local", "--duration", "2", "--concurrency", "2",
                                     "--prompt-len", "4", "--max-tokens", "3", "-o", "json", env=env).stdout)
         assert result["requests"] > 0 and result["failed"] == 0 and result["latency_s"]["p50"] > 0
+        # streamed: time to first token within the request, gaps between its 3 tokens measured
+        assert 0 < result["ttft_s"]["p50"] <= result["latency_s"]["p99"] and result["itl_s"]["p50"] > 0
         assert _moectl("experts", "tiny", "--local", "-o", "xml", env=env, check=False).returncode == 2
         down = _moectl("bench", "--endpoint", "http://127.0.0.1:9", "--duration", "1", env=env, check=False)
         assert down.returncode == 1 and len(down.stderr.strip().splitlines()) == 1 and "cannot reach" in down.stderr

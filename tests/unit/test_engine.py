@@ -191,3 +191,46 @@ def test_compute_rows_writes_each_experts_rows_in_place(tmp_path):
     w0, w3 = experts.weights[(1, 0)], experts.weights[(1, 3)]
     assert torch.equal(out[:2], expert_mlp(x[:2], w0["w1"], w0["w2"], w0["w3"]))
     assert torch.equal(out[2:], expert_mlp(x[2:], w3["w1"], w3["w2"], w3["w3"]))
+
+
+def test_observer_sees_each_sequences_latencies_and_logprobs_are_the_models(tmp_path):
+    """First token once, inter-token for the rest, finished once with the reason; a stop ends a
+    sequence with that reason; logprobs are the log-softmax of the model's logits."""
+    from moe_workers.serve.engine import Observer
+
+    make_mixtral(tmp_path, num_local_experts=4, num_hidden_layers=2)
+    reference = InProcessModel(tmp_path)
+
+    class Seen(Observer):
+        def __init__(self):
+            self.first, self.inter, self.done = [], [], []
+
+        def first_token(self, s):
+            self.first.append(s)
+
+        def inter_token(self, s):
+            self.inter.append(s)
+
+        def finished(self, req, s):
+            self.done.append((req.finish_reason, len(req.produced), s))
+
+    async def main():
+        engine = _engine(tmp_path)
+        engine.observer = seen = Seen()
+        a = engine.submit(GenerationRequest(prompt=[5, 9, 11], max_tokens=4, stop_at_eos=False, logprobs=2))
+        b = engine.submit(GenerationRequest(prompt=[7, 8], max_tokens=50, stop_at_eos=False))
+        out_a = await _collect(a)
+        await b.out.get()
+        engine.cancel(b, "stop")
+        while await b.out.get() is not None:
+            pass
+        return seen, a, out_a, b
+
+    seen, a, out_a, b = asyncio.run(main())
+    assert len(seen.first) == 2 and all(s >= 0 for s in seen.first)
+    assert len(seen.inter) == len(a.produced) + len(b.produced) - 2
+    assert sorted(r for r, _, _ in seen.done) == ["length", "stop"] and b.finish_reason == "stop"
+    # logprobs: the chosen token's and the two best, from the model's own distribution (greedy: the best)
+    assert out_a == reference.generate([[5, 9, 11]], 4)[0]
+    for tok, (lp, alts) in zip(a.produced, a.token_logprobs):
+        assert len(alts) == 2 and alts[0][0] == tok and alts[0][1] == pytest.approx(lp) and lp <= 0

@@ -54,6 +54,17 @@ class GenerationRequest:
     # with logprobs: per produced token (its logprob, [(token id, logprob) of the top alternatives])
     token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     cached: int = 0
+    # latency (time.perf_counter): submitted, the latest token
+    t_submit: float = 0.0
+    t_last: float = 0.0
+
+
+class Observer:
+    """What the engine reports per request (the Ingress exports it as metrics); no-ops here."""
+
+    def first_token(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float) -> None: ...
+    def finished(self, req: "GenerationRequest", seconds: float) -> None: ...
 
 
 @dataclass
@@ -71,9 +82,10 @@ class StepTimings:
 class Engine:
     def __init__(self, dense: DenseModel, cache: KVCache, dispatch: Dispatcher, max_batch_size: int,
                  max_queued: int, micro_batches: int = 1, micro_batch_min_tokens: int = 256,
-                 routing_stats=None):
+                 routing_stats=None, observer: Observer | None = None):
         self.dense = dense
         self.routing_stats = routing_stats  # RoutingStats, or None
+        self.observer = observer or Observer()
         self.cache = cache
         self.dispatch = dispatch
         self.max_batch_size = max_batch_size
@@ -104,6 +116,7 @@ class Engine:
             raise Overloaded(f"{len(self.waiting)} requests already waiting for KV cache space")
         if req.seed is not None:
             req.generator = torch.Generator().manual_seed(req.seed)
+        req.t_submit = time.perf_counter()
         self.waiting.append(req)
         self._wake.set()
         if self._task is None or self._task.done():
@@ -147,6 +160,7 @@ class Engine:
 
     def _finish(self, req: GenerationRequest, reason: str) -> None:
         req.finish_reason = reason
+        self.observer.finished(req, time.perf_counter() - req.t_submit)
         if req.slot is not None:
             self.cache.release(req.slot)
             req.slot = None
@@ -184,6 +198,12 @@ class Engine:
             if req.logprobs is not None:
                 req.token_logprobs.append(token_logprobs(logits[row], tok, req.logprobs))
             req.produced.append(tok)
+            now = time.perf_counter()
+            if len(req.produced) == 1:
+                self.observer.first_token(now - req.t_submit)
+            else:
+                self.observer.inter_token(now - req.t_last)
+            req.t_last = now
             req.out.put_nowait(tok)
             if len(req.produced) >= req.max_tokens:
                 self._finish(req, "length")

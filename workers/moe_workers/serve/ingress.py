@@ -72,6 +72,9 @@ async def _api_keys(request: Request, call_next):
                            err_type="invalid_request_error")
         body = err.body()
         body["error"]["code"] = "invalid_api_key"
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            metrics.reject(401)
         return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
     return await call_next(request)
 
@@ -139,7 +142,8 @@ class Ingress:
         self.metrics = IngressMetrics(ctx.replica_id.deployment_id.app_name, ctx.replica_id.unique_id)
         self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
                              self.args.max_queued_requests, self.args.micro_batches,
-                             self.args.micro_batch_min_tokens, routing_stats=self.routing_stats)
+                             self.args.micro_batch_min_tokens, routing_stats=self.routing_stats,
+                             observer=self.metrics)
         threading.Thread(target=self._export_routing, name="routing-metrics", daemon=True).start()
         tok_file = Path(self.args.model_path) / "tokenizer.json"
         self.tokenizer = None
@@ -150,6 +154,7 @@ class Ingress:
         self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
         self.chat_template = ChatTemplate.from_checkpoint(self.args.model_path)
         fastapi_app.state.max_request_bytes = self.args.max_request_bytes
+        fastapi_app.state.metrics = self.metrics
 
     def reconfigure(self, config: dict) -> None:
         """user_config {"placement": {group: [L.E, ...]}} re-points routing without a restart."""
@@ -175,6 +180,10 @@ class Ingress:
         while True:
             time.sleep(every_s)
             try:
+                kv = self.engine_stats()
+                slot_bytes = kv["kv_cache_bytes"] // max(kv["kv_slots"], 1)
+                self.metrics.load(kv["running"], kv["waiting"], (kv["kv_slots"] - kv["kv_free"]) * slot_bytes,
+                                  kv["kv_cache_bytes"])
                 window = self.routing_stats.take()
                 if any(t for t in window["tokens"]):
                     self.routing_window = window  # status shows the last window that saw traffic
@@ -279,6 +288,7 @@ class Ingress:
         except Overloaded as err:
             for gen in gens:
                 self.engine.cancel(gen)
+            self.metrics.reject(503)
             raise RequestError(503, f"server overloaded: {err}; retry later", err_type="overloaded")
         kind = "chat.completion" if chat else "text_completion"
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),

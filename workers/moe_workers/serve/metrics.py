@@ -93,19 +93,38 @@ class ShardMetrics:
         self._last[name] = total
 
 
+LATENCY_BOUNDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+
+
 class IngressMetrics:
-    """The router's behaviour per ingress replica (see routing_stats): gauges over the last
-    export window, plus load per shard group as the ingress dispatched it."""
+    """Serving latency and load per ingress replica (the engine's Observer), and the router's
+    behaviour (see routing_stats): gauges over the last export window, plus load per shard group
+    as the ingress dispatched it."""
 
     def __init__(self, app: str, replica: str):
         self.app, self.replica = app, replica
         try:
-            from ray.util.metrics import Counter, Gauge
+            from ray.util.metrics import Counter, Gauge, Histogram
         except Exception:
             self.enabled = False
             return
         self.enabled = True
         tags = ("app", "replica")
+        self.ttft = Histogram("moe_time_to_first_token_seconds", description="Submission to first generated token.",
+                              boundaries=LATENCY_BOUNDS, tag_keys=tags)
+        self.itl = Histogram("moe_inter_token_latency_seconds", description="Between consecutive tokens of a sequence.",
+                             boundaries=LATENCY_BOUNDS, tag_keys=tags)
+        self.e2e = Histogram("moe_request_latency_seconds", description="Submission to the end of a sequence.",
+                             boundaries=LATENCY_BOUNDS, tag_keys=tags + ("finish_reason",))
+        self.prompt_tokens = Counter("moe_prompt_tokens", description="Prompt tokens of finished sequences.",
+                                     tag_keys=tags)
+        self.generation_tokens = Counter("moe_generation_tokens", description="Tokens generated.", tag_keys=tags)
+        self.running = Gauge("moe_requests_running", description="Sequences in the running batch.", tag_keys=tags)
+        self.waiting = Gauge("moe_requests_waiting", description="Sequences waiting for KV cache space.", tag_keys=tags)
+        self.kv_used = Gauge("moe_kv_cache_used_bytes", description="KV cache bytes held by sequences.", tag_keys=tags)
+        self.kv_budget = Gauge("moe_kv_cache_budget_bytes", description="KV cache bytes of this replica.", tag_keys=tags)
+        self.rejected = Counter("moe_requests_rejected", description="Requests refused before work: 503 (queue full), "
+                                "401 (API key).", tag_keys=tags + ("code",))
         self.entropy = Gauge("moe_routing_entropy", description="Entropy of expert selection / log(experts), per layer "
                              "(1: uniform).", tag_keys=tags + ("layer",))
         self.activation = Gauge("moe_activation_rate", description="Experts a step activates over all experts "
@@ -127,6 +146,39 @@ class IngressMetrics:
                 self.switching.set(v, tags={**base, "layer": str(layer)})
         if window.get("activation_rate") is not None:
             self.activation.set(window["activation_rate"], tags=base)
+
+    # -- the engine's Observer ----------------------------------------------------------------
+    def first_token(self, seconds: float) -> None:
+        if self.enabled:
+            self.ttft.observe(seconds, tags=self._base())
+
+    def inter_token(self, seconds: float) -> None:
+        if self.enabled:
+            self.itl.observe(seconds, tags=self._base())
+
+    def finished(self, req, seconds: float) -> None:
+        if not self.enabled:
+            return
+        reason = (req.finish_reason or "").split(":")[0]  # "error: ..." -> "error"
+        self.e2e.observe(seconds, tags={**self._base(), "finish_reason": reason})
+        self.prompt_tokens.inc(len(req.prompt), tags=self._base())
+        if req.produced:
+            self.generation_tokens.inc(len(req.produced), tags=self._base())
+
+    def load(self, running: int, waiting: int, kv_used: int, kv_budget: int) -> None:
+        if not self.enabled:
+            return
+        self.running.set(running, tags=self._base())
+        self.waiting.set(waiting, tags=self._base())
+        self.kv_used.set(kv_used, tags=self._base())
+        self.kv_budget.set(kv_budget, tags=self._base())
+
+    def reject(self, code: int) -> None:
+        if self.enabled:
+            self.rejected.inc(1, tags={**self._base(), "code": str(code)})
+
+    def _base(self) -> dict:
+        return {"app": self.app, "replica": self.replica}
 
     def dispatched(self, group: str, tokens: int) -> None:
         if self.enabled and tokens:
