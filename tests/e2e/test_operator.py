@@ -133,7 +133,9 @@ def _api_keys_from_a_secret(k8s, endpoint):
                 json.dumps({"spec": {"ingress": {"apiKeySecretRef": {"name": "tiny-keys", "key": "keys"}}}}))
     wait_for(lambda: status_code() == 401, timeout_s=180, what="the API to need a key")
     assert status_code("second-key") == 200 and status_code("wrong") == 401
-    st = k8s.kubectl_json("get", "moed", "tiny")["status"]
+    # (the app needs keys before the pass writes its status)
+    st = wait_for(lambda: (s := k8s.kubectl_json("get", "moed", "tiny")["status"]).get("apiKeys") and s,
+                  timeout_s=60, what="status.apiKeys")
     assert st["apiKeys"]["count"] == 2 and "first-key" not in json.dumps(st)
     # rotate: the Secret alone changes
     k8s.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tiny-keys"},

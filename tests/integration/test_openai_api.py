@@ -220,3 +220,26 @@ def test_serving_metrics_reach_rays_prometheus_export(ray_head, app, client):
     assert total("ray_moe_requests_rejected_total", 'code="401"') >= 1
     assert total("ray_moe_kv_cache_budget_bytes") > 0
     assert total("ray_moe_request_latency_seconds_bucket", 'le="+Inf"') >= 3
+
+
+def test_a_full_queue_is_a_503_the_client_raises_with_retry_after(app):
+    """More requests than the batch and the wait queue hold: the rest get 503 + Retry-After,
+    which the openai client raises as InternalServerError (status 503); the others finish."""
+    import concurrent.futures
+
+    flood = openai.OpenAI(base_url=app[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def one(i):
+        try:
+            r = flood.completions.with_raw_response.create(model="tiny", prompt=[5 + i % 50, 9], max_tokens=120,
+                                                           temperature=0)
+            return r.http_response.status_code, None
+        except openai.APIStatusError as err:
+            return err.status_code, err
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        results = list(pool.map(one, range(48)))
+    codes = [c for c, _ in results]
+    assert set(codes) <= {200, 503} and codes.count(200) >= 8 and codes.count(503) >= 1, codes
+    err = next(e for c, e in results if c == 503)
+    assert isinstance(err, openai.InternalServerError) and err.response.headers["retry-after"] == "1"
+    assert "overloaded" in err.message
