@@ -320,6 +320,10 @@ class Ingress:
     async def _collect(self, gen: GenerationRequest, stops: list[str]) -> tuple[str, str | None]:
         """One choice's whole text and finish reason; a stop sequence ends it ("stop", the stop
         not included)."""
+        if not stops:  # nothing to watch for: decode once at the end, not at every token
+            while await gen.out.get() is not None:
+                pass
+            return self._decode(gen.produced), gen.finish_reason
         stream = TextStream(self._decode, stops)
         while (tok := await gen.out.get()) is not None:
             stream.push(tok)
