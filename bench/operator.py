@@ -6,7 +6,8 @@
 
 A: one MoEDeployment on a local Ray head: seconds from `kubectl apply` to Ready=True, split into
    the operator's own work, Ray's (Serve config PUT -> app RUNNING), and the rest (watch latency,
-   status write-back). B: N MoEDeployments reconciled with the render-only Ray backend: time until
+   status write-back). C: passes over an unchanged spec, both backends (Ray REST on that head;
+   KubeRay on a RayService CRD with KubeRay's structure): writes per pass (target 0). B: N MoEDeployments reconciled with the render-only Ray backend: time until
    all are Ready, apiserver requests and operator CPU seconds per reconcile. Ends with
    `figure: value` lines.
 
@@ -104,9 +105,65 @@ def wait_metrics(port: int, timeout_s: float = 60) -> None:
     raise RuntimeError("operator metrics endpoint did not come up")
 
 
-def local_apply_to_ready(cp: dict, work: Path, model: Path) -> tuple[float, float, float]:
+STEADY_PASSES = 5
+
+
+def steady_rest_passes(head, cp: dict, model: Path, name: str) -> tuple[float, float, float]:
+    """Passes of the Ray REST backend over an application already serving (the operator's own
+    object, read back): Serve config PUTs per steady pass, seconds per steady pass, and seconds of
+    one pass with a change (a PUT and the wait for RUNNING), side by side."""
+    from moe_operator.backends.ray_rest import RayServeClient
+    from moe_operator.reconcile import reconcile
+
+    obj = json.loads(kubectl(cp, "get", "moed", name, "-o", "json"))
+    spec, status = obj["spec"], obj["status"]
+    client = RayServeClient(head.dashboard_url, head.token)
+    args = ("default", name)
+    kw = dict(allowed_roots=[str(model.parent)], http_port=head.serve_http_port)
+    t0 = time.perf_counter()
+    for _ in range(STEADY_PASSES):
+        assert reconcile(*args, spec, obj["metadata"]["generation"], status, client, **kw).ready
+    steady_s = (time.perf_counter() - t0) / STEADY_PASSES
+    steady_puts = client.puts / STEADY_PASSES
+    changed = {**spec, "ingress": {**spec.get("ingress", {}), "maxBatchSize": 4}}
+    t0 = time.perf_counter()
+    assert reconcile(*args, changed, obj["metadata"]["generation"] + 1, status, client, **kw).ready
+    return steady_puts, steady_s, time.perf_counter() - t0
+
+
+def steady_kuberay_passes(cp: dict, model: Path) -> tuple[float, float, float]:
+    """The KubeRay backend against a RayService CRD with KubeRay's structure (tests/kuberay_crd.py:
+    its defaults are what made every pass write before): RayService writes per steady pass and
+    seconds per steady pass, side by side with the first pass (which creates it)."""
+    import kubernetes
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from kuberay_crd import RAYSERVICE_CRD
+    from moe_operator.backends.kuberay import KubeRayClient
+    from moe_operator.reconcile import reconcile_kuberay
+
+    kubectl(cp, "apply", "-f", "-", input=json.dumps(RAYSERVICE_CRD))
+    kubectl(cp, "wait", "--for=condition=Established", "crd/rayservices.ray.io")
+    kubernetes.config.load_kube_config(cp["KUBECONFIG"])
+    client = KubeRayClient(kubernetes.client.CustomObjectsApi())
+    spec = {"model": {"path": str(model), "shape": {"numLayers": 2, "numExperts": 4, "topK": 2, "hiddenSize": 32,
+                                                     "intermediateSize": 64, "dtype": "float32"}},
+            "ray": {"mode": "KubeRay", "kubeRay": {"image": "registry.example/moe-worker:0.1", "workerReplicas": 2}},
+            "experts": {"groups": 2}}
+    kw = dict(allowed_roots=[str(model.parent)])
+    t0 = time.perf_counter()
+    status = reconcile_kuberay("default", "kr", "uid-bench", spec, 1, {}, client, **kw).status
+    first_s = time.perf_counter() - t0
+    writes0 = client.writes
+    t0 = time.perf_counter()
+    for _ in range(STEADY_PASSES):
+        status = reconcile_kuberay("default", "kr", "uid-bench", spec, 1, status, client, **kw).status
+    return (client.writes - writes0) / STEADY_PASSES, (time.perf_counter() - t0) / STEADY_PASSES, first_s
+
+
+def local_apply_to_ready(cp: dict, work: Path, model: Path) -> tuple[float, float, float, tuple]:
     """One MoEDeployment on a local Ray head with the operator as a local process: seconds from
-    apply to Ready, the operator's reconcile seconds and, of them, Ray's."""
+    apply to Ready, the operator's reconcile seconds and, of them, Ray's; then the steady passes."""
     from moe_operator.standalone.local_ray import LocalRayHead, free_port
 
     head = LocalRayHead(work_dir=work / "ray", num_cpus=4).start()
@@ -122,8 +179,9 @@ def local_apply_to_ready(cp: dict, work: Path, model: Path) -> tuple[float, floa
         while "one" not in ready_names(cp, "default"):
             time.sleep(0.1)
         total = time.perf_counter() - t0
-        return (total, metric_sum(port_a, "moe_operator_reconcile_seconds_sum"),
-                metric_sum(port_a, "moe_operator_ray_apply_seconds_sum"))
+        figures = (total, metric_sum(port_a, "moe_operator_reconcile_seconds_sum"),
+                   metric_sum(port_a, "moe_operator_ray_apply_seconds_sum"))
+        return (*figures, steady_rest_passes(head, cp, model, "one"))
     finally:
         stop(op)
         head.stop()
@@ -269,7 +327,8 @@ def main() -> int:
         kubectl(cp, "create", "namespace", "bench")
 
         # A: one MoEDeployment on a real local Ray
-        total, reconcile_s, ray_s = local_apply_to_ready(cp, work, model)
+        total, reconcile_s, ray_s, rest_steady = local_apply_to_ready(cp, work, model)
+        kuberay_steady = steady_kuberay_passes(cp, model)
 
         # B: N MoEDeployments, render-only Ray backend
         port_b = free_port()
@@ -313,6 +372,11 @@ def main() -> int:
     print(f"  operator (reconcile, no Ray)  {operator_s:7.2f} s")
     print(f"  Ray (PUT -> app RUNNING)      {ray_s:7.2f} s")
     print(f"  watch latency + status write  {total - reconcile_s:7.2f} s")
+    print(f"\nC: {STEADY_PASSES} reconcile passes over an unchanged spec (in-process, against the same cluster)")
+    print(f"  Ray REST: Serve config PUTs per pass {rest_steady[0]:.1f}; {rest_steady[1]:.3f} s a pass, against "
+          f"{rest_steady[2]:.2f} s for a pass with a change (PUT + wait for RUNNING): {rest_steady[1] / rest_steady[2]:.3f}")
+    print(f"  KubeRay: RayService writes per pass {kuberay_steady[0]:.1f}; {kuberay_steady[1]:.3f} s a pass, against "
+          f"{kuberay_steady[2]:.3f} s for the first pass (creates it)")
     print(f"\nB: {count} MoEDeployments, render-only Ray backend ({apps} applications rendered)")
     print(f"  all Ready after               {all_ready:7.2f} s")
     print(f"  reconciles                    {reconciles:7.0f}")
@@ -325,6 +389,9 @@ def main() -> int:
     print(f"ray-share-of-apply-to-ready: {ray_s / total:.2f}")
     print(f"all-ready-{count}-s: {all_ready:.2f}")
     print(f"cpu-seconds-per-reconcile: {cpu / reconciles:.3f}")
+    print(f"steady-writes-per-pass-rest: {rest_steady[0]:.1f}")
+    print(f"steady-writes-per-pass-kuberay: {kuberay_steady[0]:.1f}")
+    print(f"steady-pass-s-rest: {rest_steady[1]:.3f}")
     print(f"api-requests-per-reconcile: {operator_requests / reconciles:.1f}")
     return 0
 

@@ -133,16 +133,29 @@ def cluster_lock(client) -> threading.Lock:
         return _cluster_locks.setdefault(client.dashboard_url, threading.Lock())
 
 
+def same_config(deployed: dict | None, ours: dict) -> bool:
+    """Whether the cluster's deployed config of an application is the one we render. Ray reports
+    it as it was submitted (only the fields set), so equality is the test; numbers compare by value
+    (Ray may turn 1 into 1.0)."""
+    return deployed is not None and deployed == ours
+
+
 def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: float, attempts: int = 3,
                       host: str = "127.0.0.1") -> dict:
     """Read-merge-write under the cluster lock, then wait outside it; if another writer (another
-    process) replaced the config meanwhile and ours is gone, write again."""
+    process) replaced the config meanwhile and ours is gone, write again. When the cluster already
+    runs our config, nothing is written (a steady pass makes no PUT)."""
     for _ in range(attempts):
         with cluster_lock(client):
             current = client.get()
-            apps = [a["deployed_app_config"] for a in current.get("applications", {}).values()
-                    if a.get("deployed_app_config")]
-            client.put({"http_options": http_options(port, host), "applications": merge_applications(apps, ours)})
+            mine = current.get("applications", {}).get(ours["name"]) or {}
+            if same_config(mine.get("deployed_app_config"), ours):
+                if mine.get("status") == "RUNNING":
+                    return current  # the cluster runs exactly this: nothing to write, nothing to wait for
+            else:
+                apps = [a["deployed_app_config"] for a in current.get("applications", {}).values()
+                        if a.get("deployed_app_config")]
+                client.put({"http_options": http_options(port, host), "applications": merge_applications(apps, ours)})
         client.wait_running([ours["name"]], timeout_s=wait_s)
         cluster = client.get()
         if (cluster.get("applications", {}).get(ours["name"]) or {}).get("deployed_app_config") is not None:
@@ -209,6 +222,12 @@ def _validated(raw_spec, spec, allowed_roots, result: _Outcome):
     return spec, facts, None
 
 
+def unconfigured(status: dict, generation: int, reason: str, message: str, retry: float | None) -> Result:
+    """The pass could not start: something it needs from outside the spec (a Secret, the Ray
+    address) is missing or unreadable. Ready=False with the reason, a Warning Event."""
+    return _Outcome(status, generation)(False, reason, message, "Warning", retry=retry)
+
+
 def keys_fingerprint(digests: list[str] | None) -> str | None:
     """A short fingerprint of the API keys in force (of their digests: it reveals no key), so a
     changed Secret is noticed between reconcile passes."""
@@ -223,7 +242,8 @@ def never_deployed(status: dict | None) -> bool:
     never answered). Deleting such an object needs nothing from Ray, which may never answer."""
     status = status or {}
     ready = next((c for c in status.get("conditions") or [] if c.get("type") == cond.READY), {})
-    return not status.get("endpoint") and ready.get("reason") in (cond.INVALID_SPEC, cond.RAY_UNREACHABLE)
+    return not status.get("endpoint") and ready.get("reason") in (cond.INVALID_SPEC, cond.RAY_UNREACHABLE,
+                                                                   cond.RAY_NOT_CONFIGURED, cond.SECRET_UNAVAILABLE)
 
 
 def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int, status: dict,
@@ -266,7 +286,7 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
     status.update(live)
     status["groups"] = observed_groups(cluster, app, step.shards, spec.experts.replicas_per_group, status.get("groups"))
     status["replicas"] = min((g["readyReplicas"] for g in status["groups"]), default=0)
-    status["selector"] = f"serving.moe.io/app={app}"
+    status.pop("selector", None)  # the replicas are Ray actors in Pods we do not own: no Pod label to select
     short = [g for g in status["groups"] if g["readyReplicas"] < g["replicas"]]
     result.set(cond.DEGRADED, bool(short), "ReplicasNotReady" if short else "AllReplicasReady",
                ", ".join(f"{g['name']}: {g['readyReplicas']}/{g['replicas']} ready" for g in short)
@@ -329,16 +349,21 @@ def placement_from_rayservice(rayservice: dict | None) -> dict[str, list[str]] |
 def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None, generation: int, status: dict,
                       kuberay: "KubeRayClient", allowed_roots: list[str], http_port: int = 8000,
                       spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status) -> Result:
-    """ray.mode KubeRay: own a RayService whose serveConfigV2 is the rendered app; Ready follows
-    the RayService's own readiness (KubeRay deploys the app on the cluster it runs)."""
+    """ray.mode KubeRay: own a RayService whose serveConfigV2 is the rendered app. Ready follows
+    the application's own state in the RayService's status, for the generation we wrote
+    (moe_operator.backends.kuberay_status); the RayService is written only when it changes."""
     from moe_operator.backends.kuberay import KubeRayError
-    from moe_operator.render.rayservice import rayservice_ready, render_rayservice
+    from moe_operator.backends.kuberay_status import service_state
+    from moe_operator.render.rayservice import name_problem, render_rayservice
 
     result = _Outcome(status, generation)
     status = result.status
     spec, facts, failed = _validated(raw_spec, spec, allowed_roots, result)
     if failed:
         return failed
+    problem = name_problem(name)
+    if problem:
+        return result(False, cond.INVALID_SPEC, problem, "Warning")
     prefix = spec.ingress.route_prefix.rstrip("/")
     base_url = f"http://{name}-serve-svc.{namespace}.svc:{http_port}{prefix}"
     try:
@@ -354,15 +379,23 @@ def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None
         return result(False, cond.INVALID_SPEC, f"cannot plan or render this spec: {err}", "Warning")
     status["endpoint"] = base_url + "/v1"
     status["rayService"] = name
-    ready, why = rayservice_ready(observed)
+    state = service_state(observed, app["name"])
+    healthy = _healthy_deployments(observed, app["name"]) if state.ready or state.degraded else set()
     desired = spec.experts.replicas_per_group
-    status["groups"] = [{"name": g, "replicas": desired, "readyReplicas": desired if ready else 0,
+    status["groups"] = [{"name": g, "replicas": desired, "readyReplicas": desired if g in healthy else 0,
                          "experts": len(experts)} for g, experts in sorted(step.shards.items())]
-    status["replicas"] = desired if ready else 0
-    status["selector"] = f"{GROUP}/moedeployment={name}"
-    if not ready:
-        return result(False, "RayServiceNotReady", f"RayService {namespace}/{name}: {why}", retry=15,
-                      placement=step.ingress)
+    status["replicas"] = min((g["readyReplicas"] for g in status["groups"]), default=0)
+    status["selector"] = f"{GROUP}/moedeployment={name},ray.io/node-type=worker"  # KubeRay's worker Pods
+    result.set(cond.DEGRADED, bool(state.degraded), cond.DEPLOYMENT_UNHEALTHY if state.degraded else "AllReplicasReady",
+               state.degraded or "no deployment reported unhealthy")
+    if not state.ready:
+        warn = state.reason in (cond.DEPLOY_FAILED, cond.UNHEALTHY)
+        res = result(False, state.reason, f"RayService {namespace}/{name}: {state.message}",
+                     "Warning" if warn else "Normal", retry=None if state.terminal else (30 if warn else 5),
+                     placement=step.ingress)
+        if state.progressing:
+            result.set(cond.PROGRESSING, True, state.reason, state.message)
+        return res
     events = record_step(status, step, ingress_now)
     live, swap_events = observe_live(spec, status, fetch)
     status.update(live)
@@ -372,3 +405,9 @@ def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None
         res.retry_after_s = step.retry_after_s
     res.events = swap_events + events
     return res
+
+
+def _healthy_deployments(rayservice: dict, app: str) -> set[str]:
+    apps = ((rayservice.get("status") or {}).get("activeServiceStatus") or {}).get("applicationStatuses") or {}
+    return {n for n, d in ((apps.get(app) or {}).get("serveDeploymentStatuses") or {}).items()
+            if d.get("status") == "HEALTHY"}

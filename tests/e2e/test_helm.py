@@ -171,6 +171,20 @@ def test_install_upgrade_uninstall_and_rbac(k8s, tmp_path):
             events = k8s.kubectl_json("get", "events", "--field-selector", "involvedObject.name=rbac")["items"]
             assert any(e["reason"] == "Serving" for e in events)
             k8s.kubectl("delete", "moed", "rbac", "--wait=true", "--timeout=60s")
+            # a Secret the chart does not let the operator read: a condition that names the Helm value
+            k8s.kubectl("apply", "-f", "-", input=json.dumps({
+                "apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "keys"},
+                "spec": {"model": {"path": str(model)}, "ingress": {"apiKeySecretRef": {"name": "k", "key": "keys"}},
+                         "experts": {"groups": 2, "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}}}}))
+
+            def refused():
+                st = k8s.kubectl_json("get", "moed", "keys").get("status") or {}
+                return next((c for c in st.get("conditions", []) if c["type"] == "Ready"
+                             and c["reason"] == "SecretUnavailable"), None)
+
+            c = wait_for(refused, timeout_s=60, what="SecretUnavailable without RBAC on Secrets")
+            assert c["status"] == "False" and "not readable by the operator (Helm value readTokenSecrets)" in c["message"]
+            k8s.kubectl("delete", "moed", "keys", "--wait=true", "--timeout=60s")
             log.seek(0)
             forbidden = [l for l in log.read().splitlines() if "Forbidden" in l or "forbidden" in l]
             assert not forbidden, forbidden[:3]

@@ -1,10 +1,10 @@
 """ray.mode KubeRay on the real apiserver: the operator owns a RayService and maps its status.
 
-KubeRay's own CRD cannot be fetched on these machines, so the test installs a stand-in with
-KubeRay's group, version, kind and plural (ray.io/v1 RayService, status subresource, fields
-preserved). No KubeRay controller and no Pods run here: the test plays KubeRay's part by writing
-the RayService's status, and checks the object the operator writes, its ownership, and the
-status mapping both ways.
+KubeRay's own CRD cannot be fetched on these machines, so the test installs one with KubeRay's
+structure written by us (tests/kuberay_crd.py: required fields, defaults, pruning, the status
+shape). No KubeRay controller and no Pods run here: the test plays KubeRay's part by writing the
+RayService's status as KubeRay writes it, and checks the object the operator writes, that a steady
+state writes nothing, and the status mapping through each stage of a RayService's life.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import signal
 import pytest
 import yaml
 
+from kuberay_crd import MINIMAL_SPEC, RAYSERVICE_CRD
 from moe_workers.model.random_init import write_random_mixtral
 from moe_workers.serve.config import IMPORT_PATH
 from operator_proc import Operator
@@ -22,21 +23,10 @@ from waiting import wait_for
 
 pytestmark = pytest.mark.k8s
 
-RAYSERVICE_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-    "metadata": {"name": "rayservices.ray.io"},
-    "spec": {"group": "ray.io", "scope": "Namespaced",
-             "names": {"kind": "RayService", "plural": "rayservices", "singular": "rayservice", "listKind": "RayServiceList"},
-             "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
-                           "schema": {"openAPIV3Schema": {"type": "object", "properties": {
-                               "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-                               "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}}}]},
-}
-
-
 def manifest(name, model_path, groups=2, shape=None):
     spec = {"model": {"path": str(model_path)},
-            "ray": {"mode": "KubeRay", "kubeRay": {"image": "registry.example/moe-worker:0.1", "workerReplicas": 2}},
+            "ray": {"mode": "KubeRay", "kubeRay": {"image": "registry.example/moe-worker:0.1", "workerReplicas": 2},
+                    "authTokenSecretRef": {"name": "ray-auth", "key": "auth_token"}},
             "experts": {"groups": groups, "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}}}
     if shape:
         spec["model"]["shape"] = shape
@@ -49,13 +39,47 @@ def condition(k8s, name, type_="Ready"):
     return obj, c
 
 
-def play_kuberay_ready(k8s, name):
-    """What KubeRay writes once the app serves."""
-    k8s.kubectl("patch", "rayservice", name, "--subresource=status", "--type=merge", "-p", json.dumps({"status": {
-        "serviceStatus": "Running",
-        "conditions": [{"type": "Ready", "status": "True", "reason": "NonZeroServeEndpoints",
-                        "message": "Number of serve endpoints is greater than 0",
-                        "lastTransitionTime": "2026-11-29T00:00:00Z"}]}}))
+def rs_condition(type_, status, reason, message, generation):
+    # (an empty message would reach this v1.20 apiserver as null, which the schema refuses)
+    return {"type": type_, "status": status, "reason": reason, "message": message or reason,
+            "observedGeneration": generation, "lastTransitionTime": "2026-11-30T00:00:00Z"}
+
+
+def app_status(state, deployments, message=""):
+    """omitempty, as KubeRay's Go types serialise: no empty strings"""
+    return {"applicationStatuses": {"default.kr": {"status": state, **({"message": message} if message else {}),
+                                                   "serveDeploymentStatuses": {
+        d: {"status": s, **({"message": m} if m else {})} for d, (s, m) in deployments.items()}}},
+            "rayClusterName": "kr-x7k2p"}
+
+
+def play_kuberay(k8s, name, generation, ready, app=None, upgrade=("False", "NoPendingCluster"), pending=None):
+    """Write the RayService's status as KubeRay does (a whole status, as its Status().Update)."""
+    status = {"observedGeneration": generation,
+              "conditions": [rs_condition("Ready", *ready, generation),
+                             rs_condition("UpgradeInProgress", *upgrade, "", generation)],
+              **({"serviceStatus": "Running", "numServeEndpoints": 1} if ready[0] == "True" else {}),
+              "activeServiceStatus": app or {}, "pendingServiceStatus": pending or {}}
+    k8s.kubectl("patch", "rayservice", name, "--subresource=status", "--type=json", "-p",
+                json.dumps([{"op": "add", "path": "/status", "value": status}]))
+
+
+HEALTHY = {"Ingress": ("HEALTHY", ""), "ExpertShard-0": ("HEALTHY", ""), "ExpertShard-1": ("HEALTHY", "")}
+
+
+def rayservice_writes(k8s) -> float:
+    """Creates and updates of RayServices the apiserver has served (its own request counter; our
+    status writes go to the status subresource and are not counted)."""
+    total = 0.0
+    for line in k8s.kubectl("get", "--raw", "/metrics").stdout.splitlines():
+        if line.startswith("apiserver_request_total{") and 'resource="rayservices"' in line and \
+                'subresource=""' in line and any(f'verb="{v}"' in line for v in ("POST", "PUT", "PATCH")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def reason_is(k8s, name, reason, type_="Ready"):
+    return lambda: (r := condition(k8s, name, type_))[1] and r[1]["reason"] == reason and r
 
 
 def test_operator_owns_a_rayservice_and_maps_its_status(crd_installed, tmp_path):
@@ -86,16 +110,56 @@ def test_operator_owns_a_rayservice_and_maps_its_status(crd_installed, tmp_path)
         workers = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
         assert workers["replicas"] == 2 and workers["template"]["spec"]["containers"][0]["image"] == \
             "registry.example/moe-worker:0.1"
-        # KubeRay has not reported it serving yet: Ready=False with its reason, and retried
-        _, ready = wait_for(lambda: (r := condition(k8s, "kr"))[1] and r, what="a Ready condition")
-        assert ready["status"] == "False" and ready["reason"] == "RayServiceNotReady"
-        play_kuberay_ready(k8s, "kr")
-        obj, ready = wait_for(lambda: (r := condition(k8s, "kr"))[1]["status"] == "True" and r, timeout_s=120,
-                              what="Ready=True after the RayService is")
+        # the CRD's defaults are in the live object, and nothing we render was pruned
+        assert workers["numOfHosts"] == 1 and workers["minReplicas"] == 2
+        head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+        assert {p["protocol"] for p in head["ports"]} == {"TCP"}
+        assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": "ray-auth"}
+        assert rs["metadata"]["generation"] == 1
+
+        writes = rayservice_writes(k8s)
+        assert writes >= 1
+        # KubeRay has not observed it yet (no status): not concluded from
+        _, ready = wait_for(reason_is(k8s, "kr", "WaitingForKubeRay"), what="WaitingForKubeRay")
+        assert ready["status"] == "False" and "generation 1" in ready["message"]
+        # the cluster starts, the app deploys
+        play_kuberay(k8s, "kr", 1, ("False", "Initializing", "Waiting for the RayCluster"), upgrade=(
+            "False", "Initializing"), app=app_status("DEPLOYING", {**HEALTHY, "ExpertShard-1": ("UPDATING", "")}))
+        _, ready = wait_for(reason_is(k8s, "kr", "Deploying"), what="Deploying")
+        assert "ExpertShard-1" in ready["message"]
+        assert condition(k8s, "kr", "Progressing")[1]["status"] == "True"
+        play_kuberay(k8s, "kr", 1, ("True", "NonZeroServeEndpoints", "Number of serve endpoints is greater than 0"),
+                     app=app_status("RUNNING", HEALTHY))
+        obj, ready = wait_for(reason_is(k8s, "kr", "Serving"), timeout_s=120, what="Ready=True once the app runs")
         st = obj["status"]
-        assert ready["reason"] == "Serving" and st["rayService"] == "kr"
+        assert ready["status"] == "True" and st["rayService"] == "kr"
         assert st["endpoint"] == "http://kr-serve-svc.default.svc:8000/v1"
         assert [(g["name"], g["readyReplicas"]) for g in st["groups"]] == [("ExpertShard-0", 1), ("ExpertShard-1", 1)]
+        assert st["selector"] == "serving.moe.io/moedeployment=kr,ray.io/node-type=worker"
+        # every pass above (the retries while not Ready, the observe timer's) read the RayService
+        # and wrote nothing, despite the defaults the CRD added
+        passes = open(tmp_path / "operator.log").read().count("KubeRay has not observed generation 1")
+        assert passes >= 1 and rayservice_writes(k8s) == writes
+        assert k8s.kubectl_json("get", "rayservice", "kr")["metadata"]["generation"] == 1
+
+        # the app turns unhealthy while KubeRay's Ready stays True (endpoints alone): not Ready,
+        # Degraded names the deployment
+        play_kuberay(k8s, "kr", 1, ("True", "NonZeroServeEndpoints", "Number of serve endpoints is greater than 0"),
+                     app=app_status("UNHEALTHY", {**HEALTHY, "ExpertShard-0": ("UNHEALTHY", "health check failed")}))
+        _, ready = wait_for(reason_is(k8s, "kr", "Unhealthy"), what="Unhealthy")
+        degraded = condition(k8s, "kr", "Degraded")[1]
+        assert ready["status"] == "False" and degraded["status"] == "True"
+        assert degraded["message"] == "ExpertShard-0 UNHEALTHY: health check failed"
+        # an upgrade to a new Ray cluster is Progressing, not Ready
+        play_kuberay(k8s, "kr", 1, ("True", "NonZeroServeEndpoints", "Number of serve endpoints is greater than 0"),
+                     app=app_status("RUNNING", HEALTHY), upgrade=("True", "BothActivePendingClustersExist"),
+                     pending={"rayClusterName": "kr-9fz2q", "applicationStatuses": {"default.kr": {"status": "DEPLOYING"}}})
+        _, ready = wait_for(reason_is(k8s, "kr", "Upgrading"), what="Upgrading")
+        assert "kr-9fz2q" in ready["message"] and condition(k8s, "kr", "Progressing")[1]["reason"] == "Upgrading"
+        play_kuberay(k8s, "kr", 1, ("True", "NonZeroServeEndpoints", "Number of serve endpoints is greater than 0"),
+                     app=app_status("RUNNING", HEALTHY))
+        wait_for(reason_is(k8s, "kr", "Serving"), what="Serving again")
+        assert condition(k8s, "kr", "Degraded")[1]["status"] == "False"
 
         # a spec change re-renders the owned RayService in place (same object, new serveConfigV2)
         uid = rs["metadata"]["uid"]
@@ -106,15 +170,39 @@ def test_operator_owns_a_rayservice_and_maps_its_status(crd_installed, tmp_path)
             names = [d["name"] for d in yaml.safe_load(r["spec"]["serveConfigV2"])["applications"][0]["deployments"]]
             return r if len(names) == 4 else None
 
-        assert wait_for(three_groups, what="3 groups in serveConfigV2")["metadata"]["uid"] == uid
+        rs = wait_for(three_groups, what="3 groups in serveConfigV2")
+        assert rs["metadata"]["uid"] == uid and rs["metadata"]["generation"] == 2
+        # KubeRay's status is still generation 1's, RUNNING with two groups: not Ready
+        _, ready = wait_for(reason_is(k8s, "kr", "WaitingForKubeRay"), what="WaitingForKubeRay after the change")
+        assert "generation 2" in ready["message"]
+        # the in-place update fails (KubeRay's Ready stays True on endpoints): DeployFailed, with Serve's message
+        play_kuberay(k8s, "kr", 2, ("True", "NonZeroServeEndpoints", "Number of serve endpoints is greater than 0"),
+                     app=app_status("DEPLOY_FAILED", HEALTHY, "Deploying ExpertShard-2 failed: ModuleNotFoundError"))
+        _, ready = wait_for(reason_is(k8s, "kr", "DeployFailed"), what="DeployFailed")
+        assert "ModuleNotFoundError" in ready["message"]
+        # KubeRay gives up (its initializing timeout): reported as terminal
+        play_kuberay(k8s, "kr", 2, ("False", "InitializingTimeout", "RayService failed to become ready within the "
+                                    "configured timeout of 10m0s"))
+        _, ready = wait_for(lambda: (r := condition(k8s, "kr"))[1] and "InitializingTimeout" in r[1]["message"] and r,
+                            what="the terminal timeout")
+        assert ready["reason"] == "DeployFailed" and "change the MoEDeployment" in ready["message"]
+        assert k8s.kubectl_json("get", "rayservice", "kr")["metadata"]["generation"] == 2
+
+        # names KubeRay refuses are refused here first
+        for bad in ("kr.v2", "k" * 48):
+            k8s.kubectl("apply", "-f", "-", input=json.dumps(manifest(bad, model)))
+            _, c = wait_for(reason_is(k8s, bad, "InvalidSpec"), what=f"{bad}: InvalidSpec")
+            assert "metadata.name" in c["message"]
+            assert k8s.kubectl("get", "rayservice", bad, check=False).returncode != 0
+            k8s.kubectl("delete", "moed", bad, "--wait=true", "--timeout=60s")
 
         # a RayService of the same name that someone else owns is not taken over
         k8s.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "ray.io/v1", "kind": "RayService",
-                                                           "metadata": {"name": "taken"}, "spec": {}}))
+                                                           "metadata": {"name": "taken"}, "spec": MINIMAL_SPEC}))
         k8s.kubectl("apply", "-f", "-", input=json.dumps(manifest("taken", model)))
         _, bad = wait_for(lambda: (r := condition(k8s, "taken"))[1] and r, what="taken: a Ready condition")
         assert bad["status"] == "False" and bad["reason"] == "DeployFailed" and "not owned by this MoEDeployment" in bad["message"]
-        assert k8s.kubectl_json("get", "rayservice", "taken")["spec"] == {}
+        assert "serveConfigV2" not in k8s.kubectl_json("get", "rayservice", "taken")["spec"]
 
         # the operator cannot read config.json on the Ray Pods: spec.model.shape says what it needs
         elsewhere = roots / "on-the-ray-pods"

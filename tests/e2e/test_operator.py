@@ -128,9 +128,15 @@ def _api_keys_from_a_secret(k8s, endpoint):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return requests.get(endpoint + "/models", headers=headers, timeout=30).status_code
 
-    k8s.kubectl("create", "secret", "generic", "tiny-keys", "--from-literal=keys=first-key\nsecond-key")
+    # a Secret that does not exist yet: Ready=False naming it, the app keeps serving; then it appears
     k8s.kubectl("patch", "moed", "tiny", "--type=merge", "-p",
                 json.dumps({"spec": {"ingress": {"apiKeySecretRef": {"name": "tiny-keys", "key": "keys"}}}}))
+    _, _, ready = wait_for(lambda: (r := _ready(k8s, "tiny"))[2]["reason"] == "SecretUnavailable" and r,
+                           timeout_s=60, what="SecretUnavailable")
+    assert ready["status"] == "False" and ready["message"] == \
+        "spec.ingress.apiKeySecretRef: Secret default/tiny-keys not found"
+    assert status_code() == 200
+    k8s.kubectl("create", "secret", "generic", "tiny-keys", "--from-literal=keys=first-key\nsecond-key")
     wait_for(lambda: status_code() == 401, timeout_s=180, what="the API to need a key")
     assert status_code("second-key") == 200 and status_code("wrong") == 401
     # (the app needs keys before the pass writes its status)

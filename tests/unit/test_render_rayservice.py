@@ -7,7 +7,10 @@ import yaml
 
 from moe_operator.api.validation import parse_spec
 from moe_operator.planner.initial import initial_placement
-from moe_operator.render.rayservice import rayservice_ready, render_rayservice
+from moe_operator.api.validation import SpecError
+from moe_operator.backends.kuberay import contains, needs_write
+from moe_operator.reconcile import same_config
+from moe_operator.render.rayservice import RENDERED_SPEC_ANNOTATION, name_problem, render_rayservice
 from moe_operator.render.serve_app import render_application
 
 KUBERAY_EXAMPLE = "examples/moedeployment-kuberay.yaml"
@@ -43,14 +46,66 @@ def test_existing_mode_is_refused():
         render_rayservice("ns", "n", "u", spec, {})
 
 
-@pytest.mark.parametrize("status,expected", [
-    ({}, (False, "RayService has no status yet")),
-    ({"serviceStatus": "Running"}, (True, "RayService serviceStatus Running")),
-    ({"serviceStatus": "WaitForServeDeploymentReady"}, (False, "RayService serviceStatus WaitForServeDeploymentReady")),
-    ({"conditions": [{"type": "Ready", "status": "False", "reason": "Initializing", "message": "cluster starting"}]},
-     (False, "cluster starting")),
-    ({"conditions": [{"type": "Ready", "status": "True", "reason": "NonZeroServeEndpoints"}]},
-     (True, "NonZeroServeEndpoints")),
-])
-def test_status_mapping(status, expected):
-    assert rayservice_ready({"status": status}) == expected
+def _rendered(spec=None, groups=None):
+    spec = spec or _spec()
+    if groups:
+        spec.experts.groups = groups
+    app = render_application("prod", "mixtral-8x7b", spec, initial_placement(32, 8, spec.experts.groups))
+    return render_rayservice("prod", "mixtral-8x7b", "uid-123", spec, app)
+
+
+@pytest.mark.parametrize("name,ok", [("mixtral-8x7b", True), ("a" * 47, True), ("a" * 48, False),
+                                     ("mixtral.8x7b", False), ("8x7b", False), ("mixtral-", False)])
+def test_names_kuberay_refuses(name, ok):
+    problem = name_problem(name)
+    assert (problem is None) == ok
+    if not ok:
+        assert problem.startswith("metadata.name") and ("47" in problem or "DNS-1035" in problem)
+
+
+def test_auth_token_secret_becomes_kuberays_auth_options():
+    raw = yaml.safe_load(open(KUBERAY_EXAMPLE))["spec"]
+    raw["ray"].pop("authTokenSecretRef")
+    assert "authOptions" not in _rendered(parse_spec(raw))["spec"]["rayClusterConfig"]
+    raw["ray"]["authTokenSecretRef"] = {"name": "ray-token", "key": "auth_token"}
+    cluster = _rendered(parse_spec(raw))["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+    raw["ray"]["authTokenSecretRef"] = {"name": "ray-token"}  # our default key, "token", is not what KubeRay reads
+    with pytest.raises(SpecError, match="key auth_token"):
+        parse_spec(raw)
+
+
+def test_a_steady_state_needs_no_write_despite_crd_defaults():
+    desired = _rendered()
+    live = yaml.safe_load(yaml.safe_dump(desired))  # what the apiserver returns, with KubeRay's defaults filled in
+    live["metadata"].update(resourceVersion="7", finalizers=["ray.io/rayservice-finalizer"])
+    worker = live["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    worker.update(numOfHosts=1, priority=0)
+    for port in live["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]:
+        port["protocol"] = "TCP"
+    assert live["spec"] != desired["spec"] and contains(live["spec"], desired["spec"])
+    assert needs_write(live, desired) is None
+    # a real change: a new digest
+    assert needs_write(live, _rendered(groups=2)) == "the rendered spec changed"
+    # someone edited what we own
+    worker["replicas"] = 9
+    assert needs_write(live, desired) == "the live spec differs from what was written"
+
+
+def test_removing_a_field_changes_the_digest():
+    raw = yaml.safe_load(open(KUBERAY_EXAMPLE))["spec"]
+    with_auth = _rendered()  # the example sets spec.ray.authTokenSecretRef
+    raw["ray"].pop("authTokenSecretRef")
+    without = _rendered(parse_spec(raw))
+    # the live object still holds everything `without` sets, but its digest says authOptions must go
+    assert contains(with_auth["spec"], without["spec"])
+    assert needs_write(with_auth, without) == "the rendered spec changed"
+    assert with_auth["metadata"]["annotations"][RENDERED_SPEC_ANNOTATION] != \
+        without["metadata"]["annotations"][RENDERED_SPEC_ANNOTATION]
+
+
+def test_same_config_is_value_equality():
+    ours = {"name": "a", "deployments": [{"name": "Ingress", "ray_actor_options": {"num_cpus": 1}}]}
+    assert same_config({"deployments": [{"ray_actor_options": {"num_cpus": 1.0}, "name": "Ingress"}], "name": "a"}, ours)
+    assert not same_config(None, ours)
+    assert not same_config({"name": "a", "deployments": [{"name": "Ingress", "ray_actor_options": {}}]}, ours)

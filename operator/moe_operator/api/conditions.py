@@ -13,6 +13,14 @@ SERVING = "Serving"
 DEPLOY_FAILED = "DeployFailed"
 RAY_UNREACHABLE = "RayUnreachable"
 RECONCILED = "Reconciled"
+SECRET_UNAVAILABLE = "SecretUnavailable"  # a Secret the spec names is missing, unreadable or lacks the key
+RAY_NOT_CONFIGURED = "RayNotConfigured"  # no Ray address in the spec nor in the operator's settings
+# KubeRay mode (moe_operator.backends.kuberay_status)
+WAITING_FOR_KUBERAY = "WaitingForKubeRay"  # KubeRay has not observed the RayService we wrote
+UPGRADING = "Upgrading"  # KubeRay is moving the app to a new Ray cluster
+UNHEALTHY = "Unhealthy"  # the application or one of its deployments is UNHEALTHY
+NO_SERVE_ENDPOINTS = "NoServeEndpoints"  # the app runs but KubeRay's Service has no endpoint
+DEPLOYMENT_UNHEALTHY = "DeploymentUnhealthy"  # Degraded: names the deployments
 
 
 def now_rfc3339() -> str:

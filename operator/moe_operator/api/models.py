@@ -140,8 +140,10 @@ class RayTarget(ApiModel):
     )
     auth_token_secret_ref: SecretKeyRef | None = Field(
         default=None,
-        description="Secret holding the Ray dashboard token (sent as x-ray-authorization: "
-        "Bearer <token>). Ray enables token authentication by default.",
+        description="Secret holding the Ray token. Mode Existing: sent to the dashboard as "
+        "x-ray-authorization: Bearer <token> (Ray enables token authentication by default). Mode "
+        "KubeRay: rendered as rayClusterConfig.authOptions (mode token, this Secret), so every Ray "
+        "Pod uses it; KubeRay reads the key auth_token, so key must be auth_token there.",
     )
     kube_ray: KubeRayCluster | None = Field(
         default=None, description="Cluster settings used with mode KubeRay (required there)."
@@ -151,6 +153,10 @@ class RayTarget(ApiModel):
     def _kuberay_needs_cluster(self) -> "RayTarget":
         if self.mode == "KubeRay" and self.kube_ray is None:
             raise ValueError("ray.kubeRay is required when ray.mode is KubeRay")
+        ref = self.auth_token_secret_ref
+        if self.mode == "KubeRay" and ref is not None and ref.key != "auth_token":
+            raise ValueError(f"ray.authTokenSecretRef.key: KubeRay reads the Ray token from the key auth_token of "
+                             f"Secret {ref.name}, not {ref.key!r}; store it there and set key: auth_token")
         return self
 
 
@@ -500,7 +506,9 @@ class MoEDeploymentStatus(ApiModel):
     endpoint: str | None = Field(default=None, description="Base URL of the OpenAI-compatible API.")
     ray_service: str | None = Field(default=None, description="Name of the RayService this object owns (ray.mode KubeRay).")
     replicas: int = Field(default=0, description="Ready replicas per shard group (the least across groups); the scale subresource reads it.")
-    selector: str = Field(default="", description="Label selector of the application's Pods (scale subresource).")
+    selector: str = Field(default="", description="Label selector of the Ray worker Pods (scale subresource) with mode "
+                          "KubeRay; unset with mode Existing, whose replicas run as Ray actors in Pods the operator "
+                          "does not own or label.")
     groups: list[GroupStatus] = Field(default_factory=list, description="Per shard group.")
     tiers: dict[str, TierSummary] = Field(default_factory=dict, description="Residency per tier (hot, warm, cold).")
     overridden_experts: int = Field(default=0, description="Experts serving an override.")

@@ -8,7 +8,33 @@ from dataclasses import dataclass
 
 import kubernetes
 
+from moe_operator.render.rayservice import RENDERED_SPEC_ANNOTATION
+
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayservices"
+
+
+def contains(live, ours) -> bool:
+    """Whether `live` holds everything `ours` sets: maps may have more keys (defaults the CRD
+    fills in, such as a port's protocol or a worker group's numOfHosts), lists match item by item."""
+    if isinstance(ours, dict):
+        return isinstance(live, dict) and all(k in live and contains(live[k], v) for k, v in ours.items())
+    if isinstance(ours, list):
+        return isinstance(live, list) and len(live) == len(ours) and all(map(contains, live, ours))
+    return live == ours
+
+
+def needs_write(current: dict, desired: dict) -> str | None:
+    """Why the live RayService must be written again, or None when it already is what we render:
+    the digest of the spec we last wrote differs from this pass's, or the live object lost something
+    we set (someone edited it), or our labels or owner reference are not there."""
+    meta, want = current.get("metadata") or {}, desired["metadata"]
+    if (meta.get("annotations") or {}).get(RENDERED_SPEC_ANNOTATION) != want["annotations"][RENDERED_SPEC_ANNOTATION]:
+        return "the rendered spec changed"
+    if not contains(current.get("spec"), desired["spec"]):
+        return "the live spec differs from what was written"
+    if not contains(meta.get("labels") or {}, want["labels"]) or meta.get("ownerReferences") != want["ownerReferences"]:
+        return "labels or owner reference differ"
+    return None
 
 
 class KubeRayError(RuntimeError):
@@ -27,22 +53,30 @@ class KubeRayClient:
                 return None
             raise KubeRayError(f"reading RayService {namespace}/{name}: {e.status} {e.reason}") from None
 
+    writes: int = 0  # creates and replaces made (bench/operator.py counts them per pass)
+
     def apply(self, obj: dict) -> dict:
-        """Create the RayService, or replace its spec (labels and owner too) when it differs."""
+        """Create the RayService, or replace its spec when `needs_write` says so; a steady state
+        writes nothing. What others keep in the metadata (KubeRay's finalizer, their labels and
+        annotations) is kept."""
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         current = self.get(ns, name)
         try:
             if current is None:
+                self.writes += 1
                 return self.api.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, obj, _request_timeout=30)
             meta = current["metadata"]
-            if (current.get("spec") == obj["spec"] and meta.get("labels") == obj["metadata"]["labels"]
-                    and meta.get("ownerReferences") == obj["metadata"]["ownerReferences"]):
-                return current  # nothing to write
             if not any(r.get("uid") == obj["metadata"]["ownerReferences"][0]["uid"]
                        for r in meta.get("ownerReferences") or []):
                 raise KubeRayError(f"RayService {ns}/{name} exists and is not owned by this MoEDeployment; "
                                    "rename one of them")
-            body = {**obj, "metadata": {**obj["metadata"], "resourceVersion": meta["resourceVersion"]}}
+            if needs_write(current, obj) is None:
+                return current
+            body = {**obj, "metadata": {
+                **meta, "labels": {**(meta.get("labels") or {}), **obj["metadata"]["labels"]},
+                "annotations": {**(meta.get("annotations") or {}), **obj["metadata"]["annotations"]},
+                "ownerReferences": obj["metadata"]["ownerReferences"]}}
+            self.writes += 1
             return self.api.replace_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, body,
                                                              _request_timeout=30)
         except kubernetes.client.ApiException as e:

@@ -21,6 +21,7 @@ class RayServeClient:
     dashboard_url: str
     token: str | None = None
     timeout_s: float = 30.0
+    puts: int = 0  # config writes made (bench/operator.py counts them per pass)
 
     def _headers(self) -> dict[str, str]:
         return {"x-ray-authorization": f"Bearer {self.token}"} if self.token else {}
@@ -36,6 +37,7 @@ class RayServeClient:
 
     def put(self, config: dict) -> None:
         """Replace the cluster's whole Serve config (every application)."""
+        self.puts += 1
         resp = requests.put(self._url(), json=config, headers=self._headers(), timeout=self.timeout_s * 2)
         if resp.status_code != 200:
             raise RayServeError(f"PUT {self._url()}: {resp.status_code} {resp.text[:500]}")

@@ -35,7 +35,7 @@ from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_r
 from moe_operator.autoscaling.loop import REBALANCE_ANNOTATION
 from moe_operator.reconcile import (
     deployed_placement, keys_fingerprint, never_deployed, observe_live, placement_from_rayservice, reconcile,
-    reconcile_kuberay, remove_application)
+    reconcile_kuberay, remove_application, unconfigured)
 from moe_operator.render.serve_app import app_name
 from moe_workers.serve.auth import digests
 
@@ -79,22 +79,34 @@ def _kuberay() -> KubeRayClient:
     return KubeRayClient(kubernetes.client.CustomObjectsApi())
 
 
+class Unconfigured(Exception):
+    """What the pass needs from outside the spec is missing or unreadable (a Secret, the Ray
+    address): the object shows Ready=False with `reason` and the message, never an exception out
+    of a handler."""
+
+    def __init__(self, reason: str, message: str, retry_s: float | None = 10):
+        super().__init__(message)
+        self.reason, self.retry_s = reason, retry_s
+
+
 def _secret_value(ref: dict, namespace: str, field: str) -> str:
     import base64
 
     import kubernetes
 
     _load_kube_config()
+    where = f"{field}: Secret {namespace}/{ref['name']}"
     try:
-        secret = kubernetes.client.CoreV1Api().read_namespaced_secret(ref["name"], namespace)
+        secret = kubernetes.client.CoreV1Api().read_namespaced_secret(ref["name"], namespace, _request_timeout=30)
     except kubernetes.client.ApiException as err:
-        if err.status in (403, 404):
-            raise kopf.PermanentError(f"{field}: secret {namespace}/{ref['name']} "
-                                      f"{'not found' if err.status == 404 else 'not readable (the chart: readTokenSecrets)'}")
-        raise
-    value = (secret.data or {}).get(ref.get("key", "token"))
+        why = {404: "not found", 403: "not readable by the operator (Helm value readTokenSecrets)"}
+        raise Unconfigured(cond.SECRET_UNAVAILABLE, f"{where} {why.get(err.status, f'unreadable: {err.status} {err.reason}')}")
+    except (OSError, kubernetes.client.exceptions.OpenApiException) as err:
+        raise Unconfigured(cond.SECRET_UNAVAILABLE, f"{where} unreadable: {err}")
+    key = ref.get("key", "token")
+    value = (secret.data or {}).get(key)
     if value is None:
-        raise kopf.PermanentError(f"{field}: secret {namespace}/{ref['name']} has no key {ref.get('key', 'token')}")
+        raise Unconfigured(cond.SECRET_UNAVAILABLE, f"{where} has no key {key}")
     return base64.b64decode(value).decode()
 
 
@@ -104,7 +116,8 @@ def _api_key_digests(spec: dict, namespace: str) -> list[str] | None:
         return None
     keys = digests(_secret_value(ref, namespace, "spec.ingress.apiKeySecretRef"))
     if not keys:
-        raise kopf.PermanentError(f"spec.ingress.apiKeySecretRef: secret {namespace}/{ref['name']} holds no key")
+        raise Unconfigured(cond.SECRET_UNAVAILABLE, f"spec.ingress.apiKeySecretRef: Secret {namespace}/{ref['name']} "
+                           "holds no key")
     return keys
 
 
@@ -114,7 +127,10 @@ def _token(spec: dict, namespace: str) -> str | None:
         return _secret_value(ref, namespace, "spec.ray.authTokenSecretRef").strip()
     path = _setting("MOE_RAY_TOKEN_FILE")
     if path:
-        return open(path).read().strip()
+        try:
+            return open(path).read().strip()
+        except OSError as err:
+            raise Unconfigured(cond.SECRET_UNAVAILABLE, f"MOE_RAY_TOKEN_FILE {path}: {err}")
     return _setting("MOE_RAY_TOKEN") or None
 
 
@@ -123,7 +139,8 @@ def _client(spec: dict, namespace: str) -> RayServeClient | RenderOnlyClient:
         return RenderOnlyClient(_setting("MOE_RENDER_ONLY_DIR", "/tmp/moe-render-only"))
     address = (spec.get("ray") or {}).get("address") or _setting("MOE_RAY_ADDRESS")
     if not address:
-        raise kopf.PermanentError("no Ray address: set spec.ray.address or the operator's MOE_RAY_ADDRESS")
+        raise Unconfigured(cond.RAY_NOT_CONFIGURED, "no Ray address: set spec.ray.address, or the operator's "
+                           "MOE_RAY_ADDRESS (Helm value ray.address)", retry_s=None)
     return RayServeClient(address, _token(spec, namespace))
 
 
@@ -150,14 +167,17 @@ def _roots() -> list[str]:
 
 
 def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict):
-    if _kuberay_mode(spec_dict):
-        return reconcile_kuberay(namespace, name, meta["uid"], spec_dict, meta.get("generation", 0),
-                                 status, _kuberay(), _roots())
+    try:
+        if _kuberay_mode(spec_dict):
+            return reconcile_kuberay(namespace, name, meta["uid"], spec_dict, meta.get("generation", 0),
+                                     status, _kuberay(), _roots())
+        client, keys = _client(spec_dict, namespace), _api_key_digests(spec_dict, namespace)
+    except Unconfigured as err:
+        return unconfigured(status, meta.get("generation", 0), err.reason, str(err), err.retry_s)
     return reconcile(namespace, name, spec_dict, meta.get("generation", 0), status,
-                     _client(spec_dict, namespace), _roots(), int(_setting("MOE_SERVE_HTTP_PORT", "8000")),
+                     client, _roots(), int(_setting("MOE_SERVE_HTTP_PORT", "8000")),
                      endpoint_host=_setting("MOE_ENDPOINT_HOST", "127.0.0.1"),
-                     http_host=_setting("MOE_SERVE_HTTP_HOST", "127.0.0.1"),
-                     api_key_digests=_api_key_digests(spec_dict, namespace))
+                     http_host=_setting("MOE_SERVE_HTTP_HOST", "127.0.0.1"), api_key_digests=keys)
 
 
 @kopf.on.resume(*RESOURCE)
@@ -213,17 +233,30 @@ def delete_handler(name: str, namespace: str, spec, meta, status, logger, **_) -
 def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, **_) -> None:
     """Between reconciles: read the live app's report and update tiers, overridden experts and
     hot-swap outcomes (written only when they changed; events on each outcome). A changed API-key
-    Secret runs the reconcile pass again (the keys apply in place)."""
+    Secret runs the reconcile pass again (the keys apply in place). With ray.mode KubeRay the pass
+    runs every time: it maps the RayService's status, which KubeRay changes on its own."""
     status = dict(status or {})
     if status.get("observedGeneration") != meta.get("generation"):
         return  # the reconcile handler owns this generation until it has applied it
+    spec_dict = dict(spec)
+    if _kuberay_mode(spec_dict) and (status.get("autoscaling") or {}).get("target") is None:
+        # (a rebalance in progress is the autoscale timer's: it runs the same pass)
+        # the application's state lives in the RayService's status, which KubeRay changes on its
+        # own (an app turning UNHEALTHY, an upgrade): map it again; a steady pass writes nothing
+        res = _reconcile(name, namespace, spec_dict, meta, status)
+        before, after = (cond.get_condition(c.get("conditions") or [], cond.READY) or {} for c in (status, res.status))
+        patch.status.update(merge_patch(status, res.status))
+        if res.event and (before.get("status"), before.get("reason")) != (after.get("status"), after.get("reason")):
+            kopf.event(body, type=res.event[0], reason=res.event[1], message=res.event[2][:1000])
+        for event_type, reason, message in res.events:
+            kopf.event(body, type=event_type, reason=reason, message=message[:1000])
+        return
     if not cond.is_true(status.get("conditions") or [], cond.READY):
         return
-    spec_dict = dict(spec)
     if (spec_dict.get("ingress") or {}).get("apiKeySecretRef") or status.get("apiKeys"):
         try:
             current = keys_fingerprint(_api_key_digests(spec_dict, namespace))
-        except kopf.PermanentError:
+        except Unconfigured:
             current = "unreadable"  # the pass says why
         if current != (status.get("apiKeys") or {}).get("fingerprint"):
             res = _reconcile(name, namespace, spec_dict, meta, status)
@@ -279,7 +312,7 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
             placement = placement_from_rayservice(_kuberay().get(namespace, name))
         else:
             placement = deployed_placement(_client(spec_dict, namespace).get(), app_name(namespace, name))
-    except (RayServeError, KubeRayError, OSError) as err:
+    except (RayServeError, KubeRayError, OSError, Unconfigured) as err:
         logger.info("autoscaler: cannot read the deployed placement: %s", err)
         return
     if not placement:

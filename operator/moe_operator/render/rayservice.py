@@ -6,6 +6,10 @@ backend would PUT it, so both backends serve the same thing.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+
 import yaml
 
 from moe_operator.api import models
@@ -13,6 +17,31 @@ from moe_operator.api.models import MoEDeploymentSpec
 
 RAYSERVICE_API_VERSION = "ray.io/v1"
 MANAGED_BY = "moe-operator"
+# the digest of the spec we rendered, kept on the RayService: a pass writes only when it changes
+# (or when the live object lost something we set), never because KubeRay's CRD filled in defaults
+RENDERED_SPEC_ANNOTATION = f"{models.GROUP}/rendered-spec"
+# KubeRay refuses a RayService whose name is not a DNS-1035 label of at most 47 characters: its
+# RayCluster adds 6 characters, and "<cluster>-serve-svc" must still fit in 63
+MAX_RAYSERVICE_NAME = 47
+DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# the Secret key KubeRay reads the Ray token from (rayClusterConfig.authOptions.secretName)
+KUBERAY_TOKEN_KEY = "auth_token"
+
+
+def name_problem(name: str) -> str | None:
+    """Why KubeRay would refuse `name` as a RayService name, or None."""
+    if len(name) > MAX_RAYSERVICE_NAME:
+        return (f"metadata.name: {name!r} is {len(name)} characters; with ray.mode KubeRay the name becomes the "
+                f"RayService's, which KubeRay limits to {MAX_RAYSERVICE_NAME}")
+    if not DNS1035_LABEL.match(name):
+        return (f"metadata.name: {name!r} is not a DNS-1035 label (lower-case letters, digits and '-', starting "
+                "with a letter, ending with a letter or digit); with ray.mode KubeRay the name becomes the "
+                "RayService's, which KubeRay requires to be one")
+    return None
+
+
+def spec_digest(spec: dict) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _resources(cpu, memory, gpus: int) -> dict:
@@ -46,28 +75,18 @@ def render_rayservice(namespace: str, name: str, uid: str, spec: MoEDeploymentSp
             **container, "resources": _resources(kr.worker_cpu, kr.worker_memory, kr.worker_gpus)}]}},
     }
     serve_config = {"http_options": {"host": "0.0.0.0", "port": http_port}, "applications": [application]}
+    cluster = {"rayVersion": kr.ray_version, "headGroupSpec": head, "workerGroupSpecs": [workers]}
+    if spec.ray.auth_token_secret_ref is not None:  # Ray token auth on every Pod, from the user's Secret
+        cluster["authOptions"] = {"mode": "token", "secretName": spec.ray.auth_token_secret_ref.name}
+    rs_spec = {"serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False), "rayClusterConfig": cluster}
     return {
         "apiVersion": RAYSERVICE_API_VERSION,
         "kind": "RayService",
         "metadata": {
             "name": name, "namespace": namespace, "labels": labels,
+            "annotations": {RENDERED_SPEC_ANNOTATION: spec_digest(rs_spec)},
             "ownerReferences": [{"apiVersion": models.API_VERSION, "kind": models.KIND, "name": name, "uid": uid,
                                  "controller": True, "blockOwnerDeletion": True}],
         },
-        "spec": {
-            "serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False),
-            "rayClusterConfig": {"rayVersion": kr.ray_version, "headGroupSpec": head, "workerGroupSpecs": [workers]},
-        },
+        "spec": rs_spec,
     }
-
-
-def rayservice_ready(rayservice: dict) -> tuple[bool, str]:
-    """(serving, why) from a RayService's status, for the MoEDeployment's Ready condition."""
-    status = rayservice.get("status") or {}
-    for c in status.get("conditions") or []:
-        if c.get("type") == "Ready":
-            return c.get("status") == "True", c.get("message") or c.get("reason") or ""
-    service = status.get("serviceStatus")
-    if service:
-        return service == "Running", f"RayService serviceStatus {service}"
-    return False, "RayService has no status yet"

@@ -1,0 +1,43 @@
+"""The Ray REST backend writes only on a change: on a real local Ray, a second reconcile pass of an
+unchanged spec makes no Serve config PUT and does not wait; a changed spec makes exactly one."""
+
+from __future__ import annotations
+
+import pytest
+
+from manifests import small_deployment
+from moe_operator.backends.ray_rest import RayServeClient
+from moe_operator.reconcile import reconcile, remove_application
+from moe_operator.render.serve_app import app_name
+from moe_workers.model.random_init import write_random_mixtral
+
+pytestmark = pytest.mark.ray
+
+
+def test_steady_passes_make_no_put(ray_head, tmp_path):
+    model = write_random_mixtral(tmp_path / "tiny", num_layers=2, num_experts=4, hidden_size=32,
+                                 intermediate_size=64, vocab_size=128)
+    spec = small_deployment("steady", str(model), groups=2, num_cpus=0.1, autoscaling={"mode": "Off"},
+                            route_prefix="/steady")["spec"]
+    client = RayServeClient(ray_head.dashboard_url, ray_head.token)
+    port, roots = ray_head.serve_http_port, [str(tmp_path)]
+    try:
+        first = reconcile("default", "steady", spec, 1, {}, client, roots, port, wait_s=300)
+        assert first.ready, first.event
+        assert client.puts == 1
+        cluster_before = client.get()["applications"][app_name("default", "steady")]
+        for _ in range(3):
+            again = reconcile("default", "steady", spec, 1, first.status, client, roots, port, wait_s=300)
+            assert again.ready, again.event
+        assert client.puts == 1  # the cluster already ran exactly this config
+        cluster_after = client.get()["applications"][app_name("default", "steady")]
+        assert cluster_after["last_deployed_time_s"] == cluster_before["last_deployed_time_s"]
+
+        changed = {**spec, "ingress": {**spec["ingress"], "maxBatchSize": 4}}
+        res = reconcile("default", "steady", changed, 2, first.status, client, roots, port, wait_s=300)
+        assert res.ready, res.event
+        assert client.puts == 2
+        deployed = client.get()["applications"][app_name("default", "steady")]["deployed_app_config"]
+        assert deployed["args"]["max_batch_size"] == 4
+    finally:
+        remove_application(client, app_name("default", "steady"), port)

@@ -1,0 +1,151 @@
+"""The RayService status mapped to the MoEDeployment's conditions (no cluster).
+
+Each status below is written the way KubeRay (1.3 and later) writes it: conditions with its
+reasons, `observedGeneration`, and the Serve applications per cluster under
+`activeServiceStatus` / `pendingServiceStatus` as the Ray dashboard reports them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_operator.api import conditions as cond
+from moe_operator.backends.kuberay_status import service_state
+
+APP = "default.kr"
+HEALTHY = {"Ingress": {"status": "HEALTHY"}, "ExpertShard-0": {"status": "HEALTHY"},
+           "ExpertShard-1": {"status": "HEALTHY"}}
+
+
+def rs(status: dict, generation: int = 2) -> dict:
+    return {"metadata": {"name": "kr", "namespace": "default", "generation": generation}, "status": status}
+
+
+def ready(status: str, reason: str, message: str = "") -> dict:
+    return {"type": "Ready", "status": status, "reason": reason, "message": message, "observedGeneration": 2,
+            "lastTransitionTime": "2026-11-30T00:00:00Z"}
+
+
+def upgrade(status: str, reason: str) -> dict:
+    return {"type": "UpgradeInProgress", "status": status, "reason": reason, "message": "",
+            "observedGeneration": 2, "lastTransitionTime": "2026-11-30T00:00:00Z"}
+
+
+def active(app_status: str, deployments: dict | None = None, message: str = "", cluster: str = "kr-x7k2p") -> dict:
+    return {"rayClusterName": cluster, "applicationStatuses": {APP: {
+        "status": app_status, "message": message, "serveDeploymentStatuses": deployments or {}}}}
+
+
+def running_status(**overrides) -> dict:
+    status = {"observedGeneration": 2, "serviceStatus": "Running", "numServeEndpoints": 1,
+              "conditions": [ready("True", "NonZeroServeEndpoints", "Number of serve endpoints is greater than 0"),
+                             upgrade("False", "NoPendingCluster")],
+              "activeServiceStatus": active("RUNNING", HEALTHY)}
+    status.update(overrides)
+    return status
+
+
+def test_running_with_every_deployment_healthy_is_ready():
+    s = service_state(rs(running_status()), APP)
+    assert s.ready and s.reason == cond.SERVING and not s.degraded and not s.progressing
+
+
+def test_fresh_rayservice_without_status_waits_for_kuberay():
+    s = service_state(rs({}, generation=1), APP)
+    assert not s.ready and s.reason == cond.WAITING_FOR_KUBERAY and s.progressing
+    assert "generation 1" in s.message
+
+
+def test_initializing_cluster_before_the_app_is_reported_is_deploying():
+    status = {"observedGeneration": 2, "conditions": [
+        ready("False", "Initializing", "Waiting for the RayCluster to become ready"), upgrade("False", "Initializing")],
+        "activeServiceStatus": {}, "pendingServiceStatus": {}}
+    s = service_state(rs(status), APP)
+    assert not s.ready and s.reason == cond.DEPLOYING and s.progressing
+    assert "Initializing" in s.message
+
+
+def test_deploying_app_with_updating_deployments_is_deploying():
+    status = running_status(conditions=[ready("False", "Initializing"), upgrade("False", "Initializing")],
+                            activeServiceStatus=active("DEPLOYING", {**HEALTHY, "ExpertShard-1": {"status": "UPDATING"}}))
+    s = service_state(rs(status), APP)
+    assert not s.ready and s.reason == cond.DEPLOYING and "ExpertShard-1" in s.message and not s.degraded
+
+
+def test_failed_first_deploy_keeps_serves_message():
+    msg = "Failed to import: ModuleNotFoundError: No module named 'moe_workers'"
+    status = running_status(conditions=[ready("False", "Initializing", "Waiting for applications"),
+                                        upgrade("False", "Initializing")],
+                            activeServiceStatus=active("DEPLOY_FAILED", {}, msg))
+    s = service_state(rs(status), APP)
+    assert not s.ready and s.reason == cond.DEPLOY_FAILED and "ModuleNotFoundError" in s.message
+    assert not s.terminal  # KubeRay keeps trying; so do we
+
+
+def test_failed_in_place_update_is_not_ready_although_kuberay_says_ready():
+    # once the cluster has served, KubeRay's Ready stays True on endpoints alone
+    status = running_status(activeServiceStatus=active("DEPLOY_FAILED", {**HEALTHY, "ExpertShard-1": {
+        "status": "UNHEALTHY", "message": "replica failed its health check"}}, "Deploying ExpertShard-1 failed"))
+    s = service_state(rs(status), APP)
+    assert not s.ready and s.reason == cond.DEPLOY_FAILED and "Deploying ExpertShard-1 failed" in s.message
+    assert s.degraded.startswith("ExpertShard-1 UNHEALTHY")
+
+
+def test_unhealthy_app_names_the_deployment():
+    status = running_status(activeServiceStatus=active("UNHEALTHY", {**HEALTHY, "ExpertShard-0": {
+        "status": "UNHEALTHY", "message": "The deployment failed to start 3 times in a row"}}))
+    s = service_state(rs(status), APP)
+    assert not s.ready and s.reason == cond.UNHEALTHY
+    assert s.degraded == "ExpertShard-0 UNHEALTHY: The deployment failed to start 3 times in a row"
+
+
+def test_unhealthy_deployment_of_a_running_app_is_not_ready():
+    status = running_status(activeServiceStatus=active("RUNNING", {**HEALTHY, "Ingress": {"status": "UNHEALTHY"}}))
+    s = service_state(rs(status), APP)
+    assert not s.ready and s.reason == cond.UNHEALTHY and s.degraded == "Ingress UNHEALTHY"
+
+
+def test_upgrade_in_progress_is_progressing_not_ready():
+    status = running_status(conditions=[ready("True", "NonZeroServeEndpoints"),
+                                        upgrade("True", "BothActivePendingClustersExist")],
+                            pendingServiceStatus=active("DEPLOYING", {}, cluster="kr-9fz2q"))
+    s = service_state(rs(status), APP)
+    assert not s.ready and s.reason == cond.UPGRADING and s.progressing
+    assert "kr-9fz2q" in s.message and "DEPLOYING" in s.message
+
+
+def test_pending_cluster_without_the_condition_is_an_upgrade_too():
+    status = running_status(pendingServiceStatus={"rayClusterName": "kr-9fz2q"})
+    assert service_state(rs(status), APP).reason == cond.UPGRADING
+
+
+def test_status_of_an_older_generation_is_not_concluded_from():
+    s = service_state(rs(running_status(observedGeneration=2), generation=3), APP)
+    assert not s.ready and s.reason == cond.WAITING_FOR_KUBERAY
+    assert "generation 3" in s.message and "generation 2" in s.message
+
+
+@pytest.mark.parametrize("reason", ["InitializingTimeout", "ValidationFailed"])
+def test_terminal_kuberay_reasons_are_terminal(reason):
+    msg = "RayService failed to become ready within the configured timeout of 10m0s"
+    status = {"observedGeneration": 2, "conditions": [ready("False", reason, msg)],
+              "activeServiceStatus": {}, "pendingServiceStatus": {}}
+    s = service_state(rs(status), APP)
+    assert not s.ready and s.terminal and s.reason == cond.DEPLOY_FAILED
+    assert reason in s.message and msg in s.message
+    # terminal even when a newer generation was written: KubeRay keeps it until the RayService changes
+    assert service_state(rs(status, generation=5), APP).terminal
+
+
+def test_running_app_without_serve_endpoints_is_not_ready():
+    status = running_status(conditions=[ready("False", "ZeroServeEndpoints", "Number of serve endpoints dropped to 0"),
+                                        upgrade("False", "NoPendingCluster")])
+    s = service_state(rs(status), APP)
+    assert not s.ready and s.reason == cond.NO_SERVE_ENDPOINTS and "dropped to 0" in s.message
+
+
+def test_another_apps_status_does_not_count_for_ours():
+    status = running_status(activeServiceStatus={"rayClusterName": "kr-x", "applicationStatuses": {
+        "other.app": {"status": "RUNNING", "serveDeploymentStatuses": HEALTHY}}})
+    s = service_state(rs(status), APP)
+    assert not s.ready and s.reason == cond.DEPLOYING and APP in s.message
