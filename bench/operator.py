@@ -149,15 +149,16 @@ def steady_kuberay_passes(cp: dict, model: Path) -> tuple[float, float, float]:
     spec = {"model": {"path": str(model), "shape": {"numLayers": 2, "numExperts": 4, "topK": 2, "hiddenSize": 32,
                                                      "intermediateSize": 64, "dtype": "float32"}},
             "ray": {"mode": "KubeRay", "kubeRay": {"image": "registry.example/moe-worker:0.1", "workerReplicas": 2}},
-            "experts": {"groups": 2}}
+            "experts": {"groups": 2, "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}}}
     kw = dict(allowed_roots=[str(model.parent)])
     t0 = time.perf_counter()
-    status = reconcile_kuberay("default", "kr", "uid-bench", spec, 1, {}, client, **kw).status
+    res = reconcile_kuberay("default", "kr", "uid-bench", spec, 1, {}, client, **kw)
     first_s = time.perf_counter() - t0
+    assert client.writes == 1 and res.event[1] == "WaitingForKubeRay", res.event  # created; no KubeRay here
     writes0 = client.writes
     t0 = time.perf_counter()
     for _ in range(STEADY_PASSES):
-        status = reconcile_kuberay("default", "kr", "uid-bench", spec, 1, status, client, **kw).status
+        res = reconcile_kuberay("default", "kr", "uid-bench", spec, 1, res.status, client, **kw)
     return (client.writes - writes0) / STEADY_PASSES, (time.perf_counter() - t0) / STEADY_PASSES, first_s
 
 
