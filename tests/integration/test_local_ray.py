@@ -33,7 +33,7 @@ def test_dashboard_requires_token(ray_head: LocalRayHead):
 
 def test_dashboard_listens_on_loopback_only(ray_head: LocalRayHead):
     # The dashboard carries the Serve REST API we deploy through. (Ray 2.60's GCS binds every
-    # interface whatever --node-ip-address says; see README, Security.)
+    # interface whatever --node-ip-address says; see docs/security.md.)
     ports = {ray_head.dashboard_port}
     listening = [c for c in psutil.net_connections(kind="tcp")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port in ports]
