@@ -27,12 +27,14 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.config import MoEConfig
 
+from .cold import ColdCache, safetensors_header as _safetensors_header
+from .config import TierConfig, TierConfigError
 from .policy import Policy, make_policy
+from .slots import SlotPool
 from .versions import CHECKPOINT, SwapError, Version, content_digest
 
 HOT, WARM, COLD, SOURCE = "hot", "warm", "cold", "source"
@@ -40,53 +42,13 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float
 _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-def _safetensors_header(path: Path) -> tuple[int, dict]:
-    """(header length, header) of a safetensors file: JSON only, no tensor is loaded."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if n <= 0 or n > 100 << 20:
-            raise TierConfigError(f"{path}: not a safetensors file (header length {n})")
-        return n, json.loads(f.read(n))
 TIERS = (HOT, WARM, COLD)
 
 Key = tuple[int, int]  # (layer, expert)
 
 
-class TierConfigError(ValueError):
-    """Budgets that cannot work (for example, a hot tier smaller than one batch's experts)."""
-
-
 class StoreFull(RuntimeError):
     """No room could be made in a tier in time (every resident expert is in use)."""
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """Budgets in bytes (None: unbounded) and policy; from the shard's user_config["tiers"]."""
-
-    hot_budget: int | None = None
-    warm_budget: int | None = None
-    cold_dir: str | None = None
-    cold_budget: int | None = None
-    policy: str = "RecencyFrequency"
-    idle_demotion_s: float = 0.0
-    prefetch: bool = True
-    pinned: bool = True
-
-    @classmethod
-    def from_dict(cls, raw: dict | None) -> "TierConfig":
-        raw = raw or {}
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise TierConfigError(f"tiers: unknown field(s) {', '.join(unknown)}")
-        cfg = cls(**raw)
-        for name in ("hot_budget", "warm_budget", "cold_budget"):
-            v = getattr(cfg, name)
-            if v is not None and (not isinstance(v, int) or v < 0):
-                raise TierConfigError(f"tiers.{name}: must be a byte count >= 0, got {v!r}")
-        make_policy(cfg.policy)  # raises on an unknown name
-        return cfg
 
 
 @dataclass
@@ -124,92 +86,6 @@ class StoreStats:
 
 
 MoveHook = Callable[[str, str, float, int], None]  # (from tier, to tier, seconds, bytes)
-
-
-class SlotPool:
-    """Fixed-size buffers of one expert each, for one tier. Reusing them keeps a replica's memory
-    at its budgets: freshly allocated and freed 100 MB tensors fragment the host heap (and each
-    thread's malloc arena) until RSS is several times the weights it holds."""
-
-    def __init__(self, slot_bytes: int, device: torch.device, pin: bool, capacity: int | None):
-        self.slot_bytes, self.device, self.pin = slot_bytes, device, pin
-        self.capacity = capacity  # slots; None: unbounded (then only a couple of free ones are kept)
-        self.free: list[torch.Tensor] = []
-        self.allocated = 0
-
-    def take(self) -> torch.Tensor:
-        if self.free:
-            return self.free.pop()
-        self.allocated += 1
-        return torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
-
-    def give(self, buf: torch.Tensor) -> None:
-        if self.capacity is None and len(self.free) >= 2 or \
-                self.capacity is not None and self.allocated > self.capacity:
-            self.allocated -= 1  # dropped: its memory goes back
-            return
-        self.free.append(buf)
-
-    def resize(self, capacity: int | None) -> None:
-        self.capacity = capacity
-        while self.free and (capacity is None and len(self.free) > 2 or
-                             capacity is not None and self.allocated > capacity):
-            self.free.pop()
-            self.allocated -= 1
-
-
-class ColdCache:
-    """Per-expert safetensors files under one directory, bounded in bytes.
-
-    Files are named by expert and content digest and written atomically (temp + rename), so
-    replicas sharing a node's directory never read a torn file."""
-
-    def __init__(self, root: Path, model_path: Path, budget: int | None):
-        tag = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:12]
-        self.dir = root / tag
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.budget = budget
-        self.files: dict[Key, tuple[Path, str, int]] = {}  # key -> (file, digest, bytes)
-
-    def used(self) -> int:
-        return sum(n for _, _, n in self.files.values())
-
-    def path_for(self, key: Key, digest: str) -> Path:
-        return self.dir / f"{key[0]}.{key[1]}-{digest.removeprefix('sha256:')[:16]}.safetensors"
-
-    def get(self, key: Key, digest: str) -> Path | None:
-        f = self.files.get(key)
-        return f[0] if f is not None and f[1] == digest and f[0].is_file() else None
-
-    def put(self, key: Key, digest: str, tensors: dict[str, torch.Tensor], evict: Callable[[int], bool]) -> bool:
-        """Write the file if the budget allows (after `evict(bytes needed)` made room)."""
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self.drop(key)
-        if self.budget is not None and self.used() + nbytes > self.budget and not evict(nbytes):
-            return False
-        path = self.path_for(key, digest)
-        if not path.is_file():
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"digest": digest})
-            os.replace(tmp, path)
-        self.files[key] = (path, digest, nbytes)
-        return True
-
-    def adopt(self, key: Key, digest: str, tmp: Path, nbytes: int, evict: Callable[[int], bool]) -> bool:
-        """Take a fully written temp file as the cache file of (key, digest), budget allowing."""
-        self.drop(key)
-        if self.budget is not None and self.used() + nbytes > self.budget and not evict(nbytes):
-            return False
-        path = self.path_for(key, digest)
-        os.replace(tmp, path)
-        self.files[key] = (path, digest, nbytes)
-        return True
-
-    def drop(self, key: Key) -> None:
-        f = self.files.pop(key, None)
-        if f is not None:
-            with contextlib.suppress(FileNotFoundError):
-                f[0].unlink()
 
 
 class TieredExpertStore:
