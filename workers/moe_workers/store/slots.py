@@ -19,8 +19,9 @@ class SlotPool:
     def take(self) -> torch.Tensor:
         if self.free:
             return self.free.pop()
-        self.allocated += 1
-        return torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+        buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+        self.allocated += 1  # counted once it exists: a failed allocation changes nothing
+        return buf
 
     def give(self, buf: torch.Tensor) -> None:
         if self.capacity is None and len(self.free) >= 2 or \

@@ -64,6 +64,7 @@ class Entry:
     swap_pending: bool = False
     prefetched: bool = False  # promoted by a hint and not yet used
     last_used: float = field(default_factory=time.monotonic)
+    removed: bool = False  # no longer hosted; its memory goes back at its last unpin / the end of its move
 
 
 @dataclass
@@ -117,6 +118,13 @@ class TieredExpertStore:
         self._prefetch_q: queue.SimpleQueue = queue.SimpleQueue()  # keys, drain events, None to stop
         self._prefetch_thread: threading.Thread | None = None
         self.wait_timeout_s = 60.0
+        # entries released while pinned or being moved: they keep their memory (and its count)
+        # until their last unpin or the end of their move, so no batch or copy loses its weights
+        self._retiring: list[Entry] = []
+        # calls that must promote experts before computing are admitted one at a time: a call
+        # holds pins only while it promotes or computes, never while it waits for another call
+        # that holds pins (no hold-and-wait between batches)
+        self._admission = threading.Lock()
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -301,43 +309,89 @@ class TieredExpertStore:
                 tmp.unlink()
 
     def _release(self, key: Key) -> None:
+        """Stop hosting `key` (lock held). An entry a batch has pinned, or one being moved, keeps
+        its memory until its last unpin or the end of the move (`_retire_if_done`)."""
         e = self.entries.pop(key)
-        if e.tier in (HOT, WARM):
-            self.used[e.tier] -= e.nbytes
-        self._free_slot(e)
         if self.cold is not None:
             self.cold.drop(key)
         self.policy.forget(key)
+        e.removed = True
+        if e.pins or e.busy:
+            self._retiring.append(e)
+        else:
+            self._retire(e)
+
+    def _retire(self, e: Entry) -> None:
+        """Give a removed entry's memory back (lock held)."""
+        if e.tier in (HOT, WARM):
+            self.used[e.tier] -= e.nbytes
+        self._free_slot(e)
+        e.tier = COLD
+
+    def _retire_if_done(self, e: Entry) -> None:
+        if e.removed and not e.pins and not e.busy and e in self._retiring:
+            self._retiring.remove(e)
+            self._retire(e)
+            self._cv.notify_all()
 
     # -- reading weights for a batch ----------------------------------------------------------
 
     @contextlib.contextmanager
     def use(self, keys: list[Key]) -> Iterator[dict[Key, dict[str, torch.Tensor]]]:
-        """Weights (compute layout) of `keys`, pinned for the duration of a batch."""
+        """Weights (compute layout) of `keys`, pinned for the duration of a batch.
+
+        A call whose experts are all hot pins them and computes at once. A call that must promote
+        some first is admitted as a unit: it takes the admission lock before pinning anything, so
+        the only pins it can wait on belong to calls that are computing (and will unpin), never
+        to a call waiting in turn for its pins."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        entries = self._pin(keys, deadline, fast_only=True)
+        admitted = False
+        try:
+            if entries is None:
+                if not self._admission.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    raise StoreFull("timed out waiting to load this batch's experts (other batches are loading theirs)")
+                admitted = True
+                entries = self._pin(keys, deadline, fast_only=False)
+            out = {}
+            for e in entries:
+                out[e.key] = self._promote(e.key, HOT, mode="demand", entry=e)
+            if admitted:
+                self._admission.release()
+                admitted = False
+            yield out
+        finally:
+            if admitted:
+                self._admission.release()
+            if entries:
+                now = time.monotonic()
+                with self._cv:
+                    for e in entries:
+                        e.pins -= 1
+                        e.last_used = now
+                        self._retire_if_done(e)
+                    self._settle()
+                    self._cv.notify_all()
+
+    def _pin(self, keys: list[Key], deadline: float, fast_only: bool) -> list[Entry] | None:
+        """Pin `keys` once no swap of theirs is committing. fast_only: only when every one is
+        hot and still (None otherwise: the call must be admitted to promote)."""
         with self._cv:
-            missing = [k for k in keys if k not in self.entries]
-            if missing:
-                raise KeyError(f"this replica does not host expert(s) {', '.join(f'{l}.{e}' for l, e in missing)}")
-            deadline = time.monotonic() + self.wait_timeout_s
-            while any(self.entries[k].swap_pending for k in keys):  # a swap commits between batches
+            while True:
+                missing = [k for k in keys if k not in self.entries]
+                if missing:
+                    raise KeyError(f"this replica does not host expert(s) {', '.join(f'{l}.{e}' for l, e in missing)}")
+                if not any(self.entries[k].swap_pending for k in keys):  # a swap commits between batches
+                    break
                 if not self._cv.wait(max(0.0, deadline - time.monotonic())):
                     raise StoreFull("timed out waiting for a hot-swap to commit")
             entries = [self.entries[k] for k in keys]
+            if fast_only and not all(e.tier == HOT and not e.busy for e in entries):
+                return None
             for e in entries:
                 e.pins += 1
                 self.policy.access(e.key)
-        try:
-            out = {}
-            for e in entries:
-                out[e.key] = self._promote(e.key, HOT, mode="demand")
-            yield out
-        finally:
-            now = time.monotonic()
-            with self._cv:
-                for e in entries:
-                    e.pins -= 1
-                    e.last_used = now
-                self._cv.notify_all()
+            return entries
 
     def promote(self, key: Key, tier: str = HOT) -> bool:
         """Move one expert up to `tier` now, evicting by policy (experts in use are never
@@ -385,17 +439,18 @@ class TieredExpertStore:
 
     # -- moves --------------------------------------------------------------------------------
 
-    def _promote(self, key: Key, target: str, mode: str) -> dict[str, torch.Tensor] | None:
+    def _promote(self, key: Key, target: str, mode: str, entry: Entry | None = None) -> dict[str, torch.Tensor] | None:
         """Move `key` up to `target`; returns its tensors when it ends there. mode: "demand" (a
         batch needs it: waits and evicts, or raises), "prefetch" (a hint: evicts by policy, never
-        waits), "preload" (fills free room only)."""
+        waits), "preload" (fills free room only). `entry`: the one a batch pinned (it stays that
+        batch's even if the expert is removed from the replica meanwhile)."""
         demand = mode == "demand"
         evict = mode != "preload"
         with self._cv:
             deadline = time.monotonic() + self.wait_timeout_s
             while True:
-                e = self.entries.get(key)
-                if e is None:
+                e = entry if entry is not None else self.entries.get(key)
+                if e is None or (entry is None and e.removed):
                     if demand:
                         raise KeyError(f"expert {key[0]}.{key[1]} was removed from this replica")
                     return None
@@ -464,6 +519,7 @@ class TieredExpertStore:
             self.stats.promotions += 1
             move = f"{source if source != COLD or self._has_cold(e) else SOURCE}->{target}"
             self.stats.bytes_moved[move] = self.stats.bytes_moved.get(move, 0) + e.nbytes
+            self._retire_if_done(e)  # released while it moved, and no batch holds it
             self._cv.notify_all()
         if self.on_move is not None:
             self.on_move(move.split("->")[0], target, seconds, e.nbytes)
@@ -508,6 +564,21 @@ class TieredExpertStore:
                 continue
             self._demote(self.entries[victim])
         return True
+
+    def _settle(self) -> None:
+        """Back within the budgets (lock held). A batch may have gone over a budget by a swap's
+        staged copy (see _make_room); once no swap is staged there, evict by policy what no batch
+        holds until the tier fits again."""
+        for tier in (HOT, WARM):
+            budget = self._budget(tier)
+            if budget is None or self.staging[tier]:
+                continue
+            while self.used[tier] + self.reserved[tier] > budget:
+                victim = self.policy.victim([k for k, e in self.entries.items()
+                                             if e.tier == tier and not e.busy and e.pins == 0])
+                if victim is None:
+                    break  # the batches holding them will settle it when they end
+                self._demote(self.entries[victim])
 
     def _demote(self, e: Entry) -> None:
         """One tier down (hot -> warm when warm has room without waiting, else to disk). Lock held."""
@@ -697,6 +768,13 @@ class TieredExpertStore:
                         self._cv.notify_all()
                         raise SwapError(f"expert {key[0]}.{key[1]} stayed in use for {self.wait_timeout_s:.0f} s; "
                                         "swap not committed")
+                if e.removed:  # configure() dropped the expert while the swap waited for its batches
+                    e.swap_pending = False
+                    self.pools[stage].give(slot)
+                    self.reserved[stage] -= e.nbytes
+                    self.staging[stage] -= e.nbytes
+                    self._cv.notify_all()
+                    raise SwapError(f"expert {key[0]}.{key[1]} was removed from this replica; swap not committed")
                 old_tier = e.tier
                 if old_tier in (HOT, WARM):
                     self.used[old_tier] -= e.nbytes
@@ -707,6 +785,7 @@ class TieredExpertStore:
                 e.tensors, e.slot, e.tier, e.version = staged, slot, stage, version
                 e.swap_pending = False
                 e.prefetched = False
+                self._settle()
                 self._cv.notify_all()
             # the cold file after the commit, off the swap's path (until it exists, a demoted
             # expert is read back from the version's own source file)
