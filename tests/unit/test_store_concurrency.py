@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.random_init import write_random_mixtral
+from moe_workers.store.device import CpuOps, DeviceOps
 from moe_workers.store.slots import SlotPool
 from moe_workers.store.store import HOT, WARM, StoreFull, TierConfig, TieredExpertStore
 from moe_workers.store.versions import CHECKPOINT, SwapError, content_digest
@@ -52,7 +53,8 @@ def accounting_holds(s: TieredExpertStore) -> None:
         for tier in (HOT, WARM):
             assert s.used[tier] == sum(e.nbytes for e in live if e.tier == tier), tier
             held = sum(1 for e in live if e.tier == tier and e.slot is not None)
-            assert s.pools[tier].allocated == held + len(s.pools[tier].free), tier
+            pool = s.pools[tier]
+            assert pool.allocated == held + len(pool.free) + len(pool.dropping), tier
 
 
 class Gate:
@@ -110,9 +112,10 @@ def test_release_during_a_prefetch_copy_waits_for_the_copy(model_dir, tmp_path, 
     gate = Gate()
     real_fill = s._fill
 
-    def slow_fill(tier, src):  # the warm -> hot copy (hot and warm differ: copied, not moved)
-        gate.wait_here()
-        return real_fill(tier, src)
+    def slow_fill(tier, src, after=None):  # the warm -> hot copy (hot and warm differ: copied, not moved)
+        if tier == HOT:
+            gate.wait_here()
+        return real_fill(tier, src, after=after)
 
     monkeypatch.setattr(s, "_fill", slow_fill)
     monkeypatch.setattr(s, "_same_memory", lambda: False)
@@ -176,23 +179,23 @@ def test_two_batches_needing_each_others_room_both_finish(model_dir, tmp_path):
 def test_a_failed_allocation_leaves_the_pool_count_right():
     """Reproduction: SlotPool.take() counted a slot before allocating it; an allocation error
     left the count one too high for good."""
-    pool = SlotPool(1 << 10, torch.device("cpu"), pin=False, capacity=2)
-    real_empty = torch.empty
+    ops = CpuOps()
+    pool = SlotPool(1 << 10, ops, host=True, capacity=2)
     calls = []
 
-    def failing_empty(*args, **kwargs):
+    def failing_alloc(nbytes, host):
         calls.append(1)
         raise RuntimeError("out of memory")
 
-    torch.empty = failing_empty
+    real_alloc, ops.alloc = ops.alloc, failing_alloc
     try:
         with pytest.raises(RuntimeError, match="out of memory"):
             pool.take()
     finally:
-        torch.empty = real_empty
+        ops.alloc = real_alloc
     assert calls and pool.allocated == 0
-    buf = pool.take()
-    assert pool.allocated == 1 and buf.numel() == 1 << 10
+    buf, after = pool.take()
+    assert pool.allocated == 1 and buf.numel() == 1 << 10 and after == []
 
 
 def test_a_swap_of_an_expert_removed_meanwhile_is_refused_and_frees_its_stage(model_dir, tmp_path):
@@ -371,3 +374,155 @@ TestConcurrentStore.settings = settings(max_examples=25, stateful_step_count=12,
 def _machine_paths(model_dir, tmp_path):
     ConcurrentStore.model_dir = model_dir
     ConcurrentStore.tmp = tmp_path
+
+
+# -- the GPU path, up to the device calls ---------------------------------------------------------
+
+
+class Ev:
+    """A recorded device event (completes when the test says so)."""
+
+    def __init__(self, n: int, what: str):
+        self.n, self.what, self.done = n, what, True
+
+    def query(self) -> bool:
+        return self.done
+
+    def __repr__(self):
+        return f"Ev{self.n}({self.what})"
+
+
+class RecordingOps(DeviceOps):
+    """A stand-in for CudaOps: the hot tier on a "device" (host memory behind it, so the weights
+    can still be checked), pinned warm memory, and every device operation logged in order with
+    whether the store's lock was held."""
+
+    def __init__(self):
+        self.device = torch.device("meta")  # anything but the CPU: hot and warm are different memory
+        self.log: list[tuple] = []
+        self.store = None
+        self._n = 0
+
+    @property
+    def pinned_host(self) -> bool:
+        return True
+
+    def _event(self, what):
+        self._n += 1
+        return Ev(self._n, what)
+
+    def _locked(self) -> bool:
+        return self.store is not None and self.store._cv._is_owned()
+
+    def alloc(self, nbytes: int, host: bool) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.log.append(("alloc", buf.untyped_storage().data_ptr(), "host" if host else "device"))
+        return buf
+
+    def copy(self, dst, src, after=()):
+        assert src.dtype == dst.dtype, "dtype converted during the DMA"
+        dst.copy_(src)
+        ev = self._event("copy")
+        self.log.append(("copy", dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr(),
+                         [e for e in after if e is not None], ev, self._locked()))
+        return ev
+
+    def wait(self, event) -> None:
+        self.log.append(("wait", event, self._locked()))
+
+    def host_wait(self, events) -> None:
+        self.log.append(("host_wait", list(events or []), self._locked()))
+
+    def record(self):
+        ev = self._event("batch")
+        self.log.append(("record", ev, self._locked()))
+        return ev
+
+
+def test_device_is_what_ray_assigned():
+    from moe_workers.store.device import assigned_device
+
+    assert assigned_device([], True) == torch.device("cpu")  # asked Ray for no GPU: never touches one
+    assert assigned_device([3], False) == torch.device("cpu")
+    assert assigned_device(["3"], True) == torch.device("cuda", 0)  # Ray's CUDA_VISIBLE_DEVICES: first visible
+
+
+def test_cpu_store_pins_nothing(model_dir):
+    s = make_store(model_dir, pinned=True)
+    assert s.device.type == "cpu" and not s.ops.pinned_host
+    assert s.pools[WARM].host and s.pools[HOT].host
+
+
+def test_pinned_warm_memory_is_registered_at_its_exact_size(monkeypatch):
+    from moe_workers.store import device as dev
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", size, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister",))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    ops = object.__new__(dev.CudaOps)  # no CUDA here: the stream is not created
+    ops.device, ops._pin = torch.device("cuda", 0), True
+    nbytes = 336 * 2**20 + 12345  # not a power of two
+    buf = ops.alloc(nbytes, host=True)
+    assert buf.device.type == "cpu" and buf.numel() == nbytes
+    assert calls == [("register", nbytes, 0)]  # exactly the slot, no caching allocator rounding
+    ops.free(buf, host=True)
+    assert calls[-1] == ("unregister",)
+
+
+def test_gpu_path_orders_copies_and_batches_without_blocking_under_the_lock(model_dir, tmp_path):
+    """Copies are enqueued with the events they must wait for; a batch's kernels wait for the
+    copies of its experts; a slot is written again only after the batch that read it and the copy
+    that read out of it; the host never waits on the device while the store's lock is held; dtype
+    conversion happens before the copy (the checkpoint is float32, compute bfloat16)."""
+    ops = RecordingOps()
+    n = TieredExpertStore(Checkpoint(model_dir), torch.bfloat16, TierConfig()).expert_bytes
+    s = TieredExpertStore(Checkpoint(model_dir), torch.bfloat16,
+                          TierConfig(hot_budget=2 * n, warm_budget=2 * n, cold_dir=str(tmp_path / "cold")), ops=ops)
+    ops.store = s
+    ref = Checkpoint(model_dir)
+    keys = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    s.configure(keys)  # 2 hot (device), 2 warm (pinned host)
+    assert {e.tier for e in s.entries.values()} == {HOT, WARM}
+    for round_ in range(3):
+        for layer in (0, 1):
+            batch = [(layer, 0), (layer, 1)]
+            start = len(ops.log)
+            with s.use(batch) as w:
+                for k in batch:
+                    assert torch.equal(w[k]["w1"], ref.expert(*k)["w1"].to(torch.bfloat16)), (round_, k)
+                waits = [op[1] for op in ops.log[start:] if op[0] == "wait"]
+                # the compute stream waits for the copy that brought each expert in
+                assert [s.entries[k].ready for k in batch if s.entries[k].ready is not None] == \
+                    [e for e in waits if e is not None]
+            assert ops.log[-1][0] == "record"
+    # a slot written again waited for the last batch that read it, or the copy out of it
+    reused = 0
+    readers: dict[int, set] = {}  # slot -> events of the copies that read out of it
+    slots: set[int] = set()
+    batch_events = {op[1].n for op in ops.log if op[0] == "record"}
+    for op in ops.log:
+        if op[0] == "alloc":  # a fresh slot (possibly at a freed one's address): no reader yet
+            slots.add(op[1])
+            readers.pop(op[1], None)
+        if op[0] != "copy":
+            continue
+        dst, src, after, ev, locked = op[1:]
+        if dst in readers:  # the first copy into a slot that was read: ordered after its readers
+            reused += 1
+            assert {e.n for e in after} & (readers.pop(dst) | batch_events), (dst, after)
+            # (the fill's next copies into the same slot follow on the same stream)
+        if src in slots:
+            readers.setdefault(src, set()).add(ev.n)
+    assert reused > 0
+    assert not [op for op in ops.log if op[0] == "host_wait" and op[2]], "the host waited under the lock"
+    assert not [op for op in ops.log if op[0] == "wait" and op[2]], "a stream wait under the lock"
+    s.close()

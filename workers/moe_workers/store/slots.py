@@ -4,35 +4,59 @@ from __future__ import annotations
 
 import torch
 
+from .device import DeviceOps
+
 
 class SlotPool:
     """Fixed-size buffers of one expert each, for one tier. Reusing them keeps a replica's memory
     at its budgets: freshly allocated and freed 100 MB tensors fragment the host heap (and each
-    thread's malloc arena) until RSS is several times the weights it holds."""
+    thread's malloc arena) until RSS is several times the weights it holds.
 
-    def __init__(self, slot_bytes: int, device: torch.device, pin: bool, capacity: int | None):
-        self.slot_bytes, self.device, self.pin = slot_bytes, device, pin
+    A slot is given back with the event of the last device work that reads it (a batch, or a copy
+    out of it); whoever takes it next orders its copy after that event (`take()` returns it), so a
+    recycled slot is never overwritten under a kernel still reading it. A dropped slot whose
+    reader has not finished is kept until it has (its memory is still in use)."""
+
+    def __init__(self, slot_bytes: int, ops: DeviceOps, host: bool, capacity: int | None):
+        self.slot_bytes, self.ops, self.host = slot_bytes, ops, host
+        self.device = torch.device("cpu") if host else ops.device
         self.capacity = capacity  # slots; None: unbounded (then only a couple of free ones are kept)
-        self.free: list[torch.Tensor] = []
+        self.free: list[tuple[torch.Tensor, list]] = []  # (slot, events its last readers recorded)
+        self.dropping: list[tuple[torch.Tensor, list]] = []  # over capacity, waiting for their readers
         self.allocated = 0
 
-    def take(self) -> torch.Tensor:
+    def take(self) -> tuple[torch.Tensor, list]:
+        """A slot, and the events a copy into it must wait for."""
+        self._reap()
         if self.free:
             return self.free.pop()
-        buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+        buf = self.ops.alloc(self.slot_bytes, self.host)
         self.allocated += 1  # counted once it exists: a failed allocation changes nothing
-        return buf
+        return buf, []
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, buf: torch.Tensor, after: list | None = None) -> None:
+        after = [e for e in (after or []) if e is not None]
         if self.capacity is None and len(self.free) >= 2 or \
                 self.capacity is not None and self.allocated > self.capacity:
-            self.allocated -= 1  # dropped: its memory goes back
+            self._drop(buf, after)
             return
-        self.free.append(buf)
+        self.free.append((buf, after))
 
     def resize(self, capacity: int | None) -> None:
         self.capacity = capacity
         while self.free and (capacity is None and len(self.free) > 2 or
                              capacity is not None and self.allocated > capacity):
-            self.free.pop()
-            self.allocated -= 1
+            self._drop(*self.free.pop())
+
+    def _drop(self, buf: torch.Tensor, after: list) -> None:
+        if any(not e.query() for e in after):
+            self.dropping.append((buf, after))  # still read: freed once its readers are done
+            return
+        self.ops.free(buf, self.host)
+        self.allocated -= 1  # dropped: its memory goes back
+
+    def _reap(self) -> None:
+        if self.dropping:
+            pending, self.dropping = self.dropping, []
+            for buf, after in pending:
+                self._drop(buf, after)

@@ -33,6 +33,7 @@ from moe_workers.model.config import MoEConfig
 
 from .cold import ColdCache, safetensors_header as _safetensors_header
 from .config import TierConfig, TierConfigError
+from .device import DeviceOps, ops_for
 from .policy import Policy, make_policy
 from .slots import SlotPool
 from .versions import CHECKPOINT, SwapError, Version, content_digest
@@ -65,6 +66,8 @@ class Entry:
     prefetched: bool = False  # promoted by a hint and not yet used
     last_used: float = field(default_factory=time.monotonic)
     removed: bool = False  # no longer hosted; its memory goes back at its last unpin / the end of its move
+    ready: object = None  # device event: the copy into `slot` is complete (None: nothing pending)
+    read_done: object = None  # device event: the last batch that read `slot` is complete
 
 
 @dataclass
@@ -93,21 +96,24 @@ class TieredExpertStore:
     """Experts of one replica across hot / warm / cold, moved by use and by prefetch hints."""
 
     def __init__(self, checkpoint: Checkpoint, compute_dtype: torch.dtype, config: TierConfig | None = None,
-                 device: torch.device | str | None = None, on_move: MoveHook | None = None):
+                 device: torch.device | str | None = None, on_move: MoveHook | None = None,
+                 ops: DeviceOps | None = None):
+        """`device`: the hot tier's (the CPU unless given: a replica's device comes from what Ray
+        assigned it, see moe_workers.store.device.assigned_device); `ops`: its operations (tests
+        pass a recording one)."""
         self.ckpt = checkpoint
         self.model: MoEConfig = checkpoint.config
         self.dtype = compute_dtype
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
         self.config = config or TierConfig()
+        self.ops = ops or ops_for(device, pinned=self.config.pinned)
+        self.device = self.ops.device
         self.policy: Policy = make_policy(self.config.policy)
         self.cold_error: str | None = None
         self.cold = self._open_cold(self.config)
         self.on_move = on_move
         self.entries: dict[Key, Entry] = {}
-        pin = self.config.pinned and torch.cuda.is_available()
-        self.pools = {HOT: SlotPool(self.expert_bytes, self.device, False, self._slots(self.config.hot_budget)),
-                      WARM: SlotPool(self.expert_bytes, torch.device("cpu"), pin, self._slots(self.config.warm_budget))}
+        self.pools = {HOT: SlotPool(self.expert_bytes, self.ops, self.device.type == "cpu", self._slots(self.config.hot_budget)),
+                      WARM: SlotPool(self.expert_bytes, self.ops, True, self._slots(self.config.warm_budget))}
         self.used = {HOT: 0, WARM: 0}
         self.reserved = {HOT: 0, WARM: 0}
         # the part of `reserved` that holds hot-swaps' staged versions (each released at its commit)
@@ -203,38 +209,45 @@ class TieredExpertStore:
             offset += n
         return out
 
-    def _fill(self, tier: str, src: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Copy an expert into a slot of `tier` (room already reserved): (views, slot)."""
+    def _fill(self, tier: str, src: dict[str, torch.Tensor], after=None) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
+        """Copy an expert into a slot of `tier` (room already reserved): (views, slot, the event
+        the copy completes with). The copy waits for the slot's last readers and for `after`
+        (the source's own copy); nothing here blocks the host on the device. A dtype conversion
+        happens on the source's side first, so a DMA never allocates a converted temporary."""
         with self._cv:
-            buf = self.pools[tier].take()
+            buf, slot_after = self.pools[tier].take()
         try:
             views = self._layout(buf)
-            asynchronous = buf.device.type == "cuda" or self.pools[tier].pin
+            waits = [*slot_after, after]
+            ready = None
             for name, dst in views.items():
-                dst.copy_(src[name], non_blocking=asynchronous)  # converts dtype, and host<->device
-            if asynchronous:
-                torch.cuda.current_stream().synchronize()
+                s = src[name]
+                if s.dtype != dst.dtype:
+                    s = s.to(dst.dtype)
+                ready = self.ops.copy(dst, s, after=waits)
+                waits = []  # one stream: later copies are ordered after the first
         except BaseException:
             with self._cv:
-                self.pools[tier].give(buf)
+                self.pools[tier].give(buf, slot_after)
             raise
-        return views, buf
+        return views, buf, ready
 
     def _same_memory(self) -> bool:
         """Hot and warm are both plain host memory in the compute layout (no accelerator, no
         pinning): moving between them is bookkeeping, and copying would only waste memory."""
-        return self.pools[HOT].device.type == "cpu" and not self.pools[WARM].pin
+        return self.device.type == "cpu"
 
     def _move_slot(self, src: str, dst: str) -> None:
         """A slot changes pools with its expert (lock held); both stay within their budgets."""
         self.pools[src].allocated -= 1
         self.pools[dst].allocated += 1
 
-    def _free_slot(self, e: Entry) -> None:
-        """Give e's slot back to the pool of its tier (lock held)."""
+    def _free_slot(self, e: Entry, after=None) -> None:
+        """Give e's slot back to the pool of its tier (lock held), once its last batch and `after`
+        (a copy out of it) are done on the device."""
         if e.slot is not None and e.tier in (HOT, WARM):
-            self.pools[e.tier].give(e.slot)
-        e.slot, e.tensors = None, None
+            self.pools[e.tier].give(e.slot, [e.read_done, after])
+        e.slot, e.tensors, e.read_done = None, None, None
 
     def _fits(self, tier: str) -> bool:
         budget = self._budget(tier)
@@ -359,16 +372,21 @@ class TieredExpertStore:
             if admitted:
                 self._admission.release()
                 admitted = False
+            for e in entries:  # the batch's kernels run after the copies that brought its experts
+                self.ops.wait(e.ready)
             yield out
         finally:
             if admitted:
                 self._admission.release()
             if entries:
                 now = time.monotonic()
+                read_done = self.ops.record()  # after the batch's kernels: its slots may be reused then
                 with self._cv:
                     for e in entries:
                         e.pins -= 1
                         e.last_used = now
+                        if read_done is not None:
+                            e.read_done = read_done
                         self._retire_if_done(e)
                     self._settle()
                     self._cv.notify_all()
@@ -486,16 +504,17 @@ class TieredExpertStore:
                     self._count_miss(e)
                 self.reserved[target] += e.nbytes
                 warm_copy = e.tensors if source == WARM else None
+                warm_ready = e.ready
                 version = e.version
                 break
         t0 = time.perf_counter()
         try:
             if warm_copy is not None and self._same_memory():
-                tensors, slot = warm_copy, e.slot  # host to host in the same layout: the slot changes tier
+                tensors, slot, ready = warm_copy, e.slot, warm_ready  # same host layout: the slot changes tier
             elif warm_copy is not None:
-                tensors, slot = self._fill(target, warm_copy)
+                tensors, slot, ready = self._fill(target, warm_copy, after=warm_ready)
             else:
-                tensors, slot = self._read_cold(key, version, target)
+                tensors, slot, ready = self._read_cold(key, version, target)
         except BaseException:
             with self._cv:
                 self.reserved[target] -= e.nbytes
@@ -511,8 +530,8 @@ class TieredExpertStore:
             if slot is e.slot:
                 self._move_slot(source, target)
             else:
-                self._free_slot(e)
-            e.tensors, e.slot, e.tier, e.busy = tensors, slot, target, False
+                self._free_slot(e, after=ready)  # the copy read the old slot
+            e.tensors, e.slot, e.tier, e.busy, e.ready = tensors, slot, target, False, ready
             e.prefetched = mode == "prefetch"
             if mode == "prefetch":
                 self.stats.prefetch_issued += 1
@@ -589,10 +608,10 @@ class TieredExpertStore:
         if src == HOT and self._make_room(WARM, e.nbytes, exclude={e.key}, wait=False):
             if self._same_memory():
                 self._move_slot(HOT, WARM)
-            else:
-                tensors, slot = self._fill(WARM, e.tensors)
-                self._free_slot(e)
-                e.tensors, e.slot = tensors, slot
+            else:  # enqueued on the copy stream: nothing waits for the device under the lock
+                tensors, slot, ready = self._fill(WARM, e.tensors, after=e.ready)
+                self._free_slot(e, after=ready)
+                e.tensors, e.slot, e.ready = tensors, slot, ready
             e.tier = WARM
             self.used[WARM] += e.nbytes
             dst = WARM
@@ -627,7 +646,7 @@ class TieredExpertStore:
             del raw
             self.ckpt.close()  # unmap: pages read through the mapping would otherwise stay in RSS
 
-    def _read_file_into(self, tier: str, path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _read_file_into(self, tier: str, path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
         """Read a cold file straight into a host slot with sequential reads: no mapping, so no
         transient resident pages beyond the slot itself, at the disk's sequential speed. Falls
         back to the mapping (with dtype conversion) when the file's dtype is not the compute one."""
@@ -640,8 +659,9 @@ class TieredExpertStore:
                 with safe_open(path, framework="pt") as g:
                     return self._fill(tier, {k: g.get_tensor(k) for k in g.keys()})
             with self._cv:
-                buf = self.pools[tier].take()
+                buf, slot_after = self.pools[tier].take()
             try:
+                self.ops.host_wait(slot_after)  # (outside the lock) a DMA may still read this pinned slot
                 views = self._layout(buf)
                 for w, dst in views.items():
                     begin, end = header[w]["data_offsets"]
@@ -658,9 +678,9 @@ class TieredExpertStore:
                         got += n
             except BaseException:
                 with self._cv:
-                    self.pools[tier].give(buf)
+                    self.pools[tier].give(buf, slot_after)
                 raise
-        return views, buf
+        return views, buf, None  # written by the CPU: ready now
 
     def _read_source(self, key: Key, version: Version) -> dict[str, torch.Tensor]:
         if version.source == CHECKPOINT:
@@ -747,7 +767,7 @@ class TieredExpertStore:
             try:
                 raw = load()
                 version = Version(content_digest(raw), source)
-                staged, slot = self._fill(stage, raw)
+                staged, slot, staged_ready = self._fill(stage, raw)
             except BaseException:
                 with self._cv:
                     if slot is not None:
@@ -782,7 +802,7 @@ class TieredExpertStore:
                 self.reserved[stage] -= e.nbytes
                 self.staging[stage] -= e.nbytes
                 self.used[stage] += e.nbytes
-                e.tensors, e.slot, e.tier, e.version = staged, slot, stage, version
+                e.tensors, e.slot, e.tier, e.version, e.ready = staged, slot, stage, version, staged_ready
                 e.swap_pending = False
                 e.prefetched = False
                 self._settle()
