@@ -25,6 +25,19 @@ def test_render_carries_spec_into_static_args_and_in_place_options():
     assert deployments["ExpertShard-0"]["num_replicas"] == spec.experts.replicas_per_group
 
 
+def test_gpus_are_rendered_for_the_ingress_and_the_shards():
+    """spec.ingress.numGpus used to be accepted and dropped: the dense part never got a GPU."""
+    from moe_workers.serve.app import build_app
+    from moe_workers.serve.config import AppArgs
+
+    spec = parse_spec({**VALID["spec"], "ingress": {"numGpus": 1}, "experts": {**VALID["spec"]["experts"], "numGpus": 0.5}})
+    args = render_application("team-a", "mixtral", spec, initial_placement(2, 4, 2))["args"]
+    assert args["ingress_num_gpus"] == 1 and args["shard_num_gpus"] == 0.5
+    app = build_app(AppArgs.model_validate({**args, "placement": initial_placement(2, 4, 2)}))
+    ingress = app._bound_deployment
+    assert ingress.ray_actor_options == {"num_cpus": spec.ingress.num_cpus, "num_gpus": 1}
+
+
 def test_placement_change_leaves_args_alone():
     """Args are Serve's code version: a re-placement must not change them (no restart)."""
     spec = parse_spec(VALID["spec"])

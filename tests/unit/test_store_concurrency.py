@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.random_init import write_random_mixtral
-from moe_workers.store.device import CpuOps, DeviceOps
+from moe_workers.device import CpuOps, DeviceOps
 from moe_workers.store.slots import SlotPool
 from moe_workers.store.store import HOT, WARM, StoreFull, TierConfig, TieredExpertStore
 from moe_workers.store.versions import CHECKPOINT, SwapError, content_digest
@@ -440,7 +440,7 @@ class RecordingOps(DeviceOps):
 
 
 def test_device_is_what_ray_assigned():
-    from moe_workers.store.device import assigned_device
+    from moe_workers.device import assigned_device
 
     assert assigned_device([], True) == torch.device("cpu")  # asked Ray for no GPU: never touches one
     assert assigned_device([3], False) == torch.device("cpu")
@@ -454,7 +454,7 @@ def test_cpu_store_pins_nothing(model_dir):
 
 
 def test_pinned_warm_memory_is_registered_at_its_exact_size(monkeypatch):
-    from moe_workers.store import device as dev
+    from moe_workers import device as dev
 
     calls = []
 

@@ -51,6 +51,7 @@ def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None
         num_groups=spec.experts.groups,
         ingress_replicas=spec.ingress.replicas,
         ingress_num_cpus=spec.ingress.num_cpus,
+        ingress_num_gpus=spec.ingress.num_gpus,
         shard_num_cpus=spec.experts.num_cpus,
         shard_num_gpus=spec.experts.num_gpus,
         allowed_weight_roots=list(allowed_roots or []),

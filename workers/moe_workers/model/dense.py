@@ -21,10 +21,11 @@ from .layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, route
 class KVCache:
     """Preallocated keys/values: (layers, slots, kv_heads, max_len, head_dim), one slot per sequence."""
 
-    def __init__(self, cfg: MoEConfig, num_slots: int, max_len: int, dtype: torch.dtype):
+    def __init__(self, cfg: MoEConfig, num_slots: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
@@ -36,7 +37,7 @@ class KVCache:
 
     @classmethod
     def for_budget(cls, cfg: MoEConfig, budget_bytes: int, max_len: int, dtype: torch.dtype,
-                   max_slots: int | None = None) -> "KVCache":
+                   max_slots: int | None = None, device: torch.device | str = "cpu") -> "KVCache":
         per_slot = cls.bytes_per_slot(cfg, max_len, dtype)
         slots = budget_bytes // per_slot
         if slots < 1:
@@ -45,7 +46,7 @@ class KVCache:
                 f"(one needs {per_slot} bytes); raise kvCacheBudget or lower maxModelLen")
         if max_slots is not None:
             slots = min(slots, max_slots)
-        return cls(cfg, int(slots), max_len, dtype)
+        return cls(cfg, int(slots), max_len, dtype, device)
 
     @property
     def free_slots(self) -> int:
@@ -94,17 +95,24 @@ class StepBatch:
     def num_tokens(self) -> int:
         return int(self.ids.shape[0])
 
+    def to(self, device: torch.device) -> None:
+        """The index tensors onto the dense part's device (once, at embedding)."""
+        if self.ids.device != device:
+            self.ids, self.positions, self.last_rows = (t.to(device) for t in (self.ids, self.positions, self.last_rows))
+
 
 class DenseModel:
-    """Embeddings, attention, norms, routers and lm_head of a Mixtral checkpoint."""
+    """Embeddings, attention, norms, routers and lm_head of a Mixtral checkpoint, on `device`
+    (the ingress' GPU when Ray assigned it one; the CPU otherwise)."""
 
-    def __init__(self, cfg: MoEConfig, state: dict[str, torch.Tensor]):
+    def __init__(self, cfg: MoEConfig, state: dict[str, torch.Tensor], device: torch.device | str = "cpu"):
         self.cfg = cfg
+        self.device = torch.device(device)
         dt = cfg.dtype
 
         def get(name: str) -> torch.Tensor:
             try:
-                return state[name].to(dt).contiguous()
+                return state[name].to(dt).contiguous().to(self.device)  # converted on the host first
             except KeyError:
                 raise CheckpointError(f"checkpoint: tensor {name} is missing") from None
 
@@ -128,7 +136,7 @@ class DenseModel:
                 "post_norm": get(p + "post_attention_layernorm.weight"),
                 "gate": get(p + "block_sparse_moe.gate.weight"),
             })
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(self.device)
         self.scaling = cfg.head_dim ** -0.5
 
     @classmethod
@@ -145,6 +153,7 @@ class DenseModel:
     # -- one step, in pieces the drivers (in-process and served) call in order ----------------
 
     def embed(self, batch: StepBatch) -> torch.Tensor:
+        batch.to(self.device)
         batch.cos, batch.sin = rope_cos_sin(batch.positions, self.inv_freq, self.cfg.dtype)
         return F.embedding(batch.ids, self.embed_tokens)
 
@@ -170,19 +179,20 @@ class DenseModel:
             qi = q[o:o + m].transpose(0, 1).unsqueeze(0)          # (1, H, m, d)
             ki = ck[c.slot, :, :total].unsqueeze(0)                # (1, KVH, total, d)
             vi = cv[c.slot, :, :total].unsqueeze(0)
-            mask = torch.ones(m, total, dtype=torch.bool).tril(diagonal=c.start)
+            mask = torch.ones(m, total, dtype=torch.bool, device=h.device).tril(diagonal=c.start)
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scaling, enable_gqa=True)
             out[o:o + m] = oi[0].transpose(0, 1)
         if batch.decode:
             idx = batch.decode
-            rows = torch.tensor([batch.offsets[i] for i in idx])
-            slots = torch.tensor([batch.chunks[i].slot for i in idx])
-            lengths = torch.tensor([batch.chunks[i].start + 1 for i in idx])
-            longest = int(lengths.max())
+            rows = torch.tensor([batch.offsets[i] for i in idx], device=h.device)
+            slots = torch.tensor([batch.chunks[i].slot for i in idx], device=h.device)
+            lengths_list = [batch.chunks[i].start + 1 for i in idx]
+            lengths = torch.tensor(lengths_list, device=h.device)
+            longest = max(lengths_list)  # from the host: no device round trip
             kd = ck[slots, :, :longest]                            # (B, KVH, L, d)
             vd = cv[slots, :, :longest]
             qd = q[rows].unsqueeze(2)                              # (B, H, 1, d)
-            mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]
+            mask = (torch.arange(longest, device=h.device)[None, :] < lengths[:, None])[:, None, None, :]
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scaling, enable_gqa=True)
             out[rows] = od[:, :, 0]
         return h + F.linear(out.reshape(n, cfg.num_heads * cfg.head_dim), w["o"])

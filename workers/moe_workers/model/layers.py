@@ -72,7 +72,9 @@ def group_by_expert(indices: torch.Tensor) -> dict[int, tuple[torch.Tensor, torc
             rows, slots = buckets.setdefault(e, ([], []))
             rows.append(pos // k)
             slots.append(pos % k)
-        return {e: (torch.tensor(buckets[e][0]), torch.tensor(buckets[e][1])) for e in sorted(buckets)}
+        dev = indices.device
+        return {e: (torch.tensor(buckets[e][0], device=dev), torch.tensor(buckets[e][1], device=dev))
+                for e in sorted(buckets)}
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
@@ -92,7 +94,7 @@ def combine(
     weights: torch.Tensor,
 ) -> torch.Tensor:
     """Sum of weighted expert outputs per token, accumulated in ascending expert order."""
-    result = torch.zeros(num_tokens, hidden, dtype=dtype)
+    result = torch.zeros(num_tokens, hidden, dtype=dtype, device=weights.device)
     for e in sorted(groups):
         rows, slots = groups[e]
         contribution = (outputs[e] * weights[rows, slots, None]).to(dtype)

@@ -30,7 +30,7 @@ def build_app(args: AppArgs) -> serve.Application:
         shards[name] = ExpertShard.options(**options).bind(args.model_path, args.dtype, args.torch_threads,
                                                            args.allowed_weight_roots, board)
     options = {"name": INGRESS, "num_replicas": args.ingress_replicas,
-               "ray_actor_options": {"num_cpus": args.ingress_num_cpus},
+               "ray_actor_options": {"num_cpus": args.ingress_num_cpus, "num_gpus": args.ingress_num_gpus},
                "max_ongoing_requests": max(1000, args.max_batch_size + args.max_queued_requests + 16)}
     if args.placement is not None:
         options["user_config"] = {"placement": placement}

@@ -36,6 +36,8 @@ class AppArgs(BaseModel):
     num_groups: int = Field(ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
     ingress_num_cpus: float = Field(default=0.5, gt=0)
+    ingress_num_gpus: float = Field(default=0.0, ge=0, description="GPUs per ingress replica: with one, the dense "
+                                    "part (embeddings, attention, routers, lm_head) and the KV cache run on it.")
     shard_num_cpus: float = Field(default=0.25, gt=0)
     shard_num_gpus: float = Field(default=0.0, ge=0)
     micro_batches: int = Field(default=2, ge=1, le=8, description="Split large steps into this many concurrent "

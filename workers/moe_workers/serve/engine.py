@@ -246,9 +246,10 @@ class Engine:
             timings.experts += time.perf_counter() - t1
         logits = timed(dense.logits, h, batch.last_rows)
         if self.routing_stats is not None:  # once per step, all layers at once
-            self.routing_stats.observe_step(list(range(len(picks))), torch.stack(picks), [c.slot for c in batch.chunks],
-                                            [c.start for c in batch.chunks], [len(c.tokens) for c in batch.chunks])
-        return logits
+            self.routing_stats.observe_step(list(range(len(picks))), torch.stack(picks).cpu(),
+                                            [c.slot for c in batch.chunks], [c.start for c in batch.chunks],
+                                            [len(c.tokens) for c in batch.chunks])
+        return logits.cpu()  # sampling runs on the host, with each request's own generator
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:

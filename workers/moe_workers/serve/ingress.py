@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from moe_workers.device import replica_device as _replica_device
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel, KVCache
 from moe_workers.model.layers import combine, group_by_expert, route
@@ -124,11 +125,12 @@ class Ingress:
         torch.set_num_threads(self.args.ingress_torch_threads)
         ckpt = Checkpoint(self.args.model_path)
         cfg = ckpt.config.with_dtype(self.args.dtype)
-        self.dense = DenseModel(cfg, ckpt.dense_state())
+        self.device = _replica_device()  # the GPU Ray assigned (spec.ingress.numGpus), else the CPU
+        self.dense = DenseModel(cfg, ckpt.dense_state(), self.device)
         ckpt.close()
         self.max_len = min(self.args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.cache = KVCache.for_budget(cfg, self.args.kv_cache_budget_bytes, self.max_len, cfg.dtype,
-                                        max_slots=max(self.args.max_batch_size, 1) * 2)
+                                        max_slots=max(self.args.max_batch_size, 1) * 2, device=self.device)
         self.shards = shards  # bound so Serve deploys them; their traffic goes through the channel
         self.board = board
         self.channel = ExpertChannel(self._members if board is not None else None,
@@ -210,6 +212,8 @@ class Ingress:
             rows = [groups[e][0] for e in experts]
             counts = [int(r.numel()) for r in rows]
             payload = x[torch.cat(rows)] if len(rows) > 1 else x[rows[0]]
+            if payload.device.type != "cpu":  # the socket carries host rows (a device link would not)
+                payload = payload.cpu()
             parts[group] = Part(experts, counts, payload, hints.get(group, []))
             router.begin(group, sum(counts))
         try:
@@ -219,7 +223,7 @@ class Ingress:
                 router.end(group, sum(part.counts))
         outputs: dict[int, torch.Tensor] = {}
         for group, part in parts.items():
-            for e, out in zip(part.experts, torch.split(results[group], part.counts)):
+            for e, out in zip(part.experts, torch.split(results[group].to(x.device), part.counts)):
                 outputs[e] = out
         return combine(x.shape[0], x.shape[1], x.dtype, groups, outputs, weights)
 

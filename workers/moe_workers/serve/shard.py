@@ -16,6 +16,7 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from moe_workers.device import replica_device
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.experts import compute_rows
 from moe_workers.serve.memory import current_rss_bytes, peak_rss_bytes
@@ -63,7 +64,9 @@ class ExpertShard:
         self.replica = ctx.replica_id.unique_id
         self.app = ctx.replica_id.deployment_id.app_name
         self.metrics = ShardMetrics(self.group, self.replica, self.app)
-        self.store = TieredExpertStore(self.ckpt, self.cfg.dtype, TierConfig(), on_move=self.metrics.on_move)
+        # the hot tier on the GPU Ray assigned (spec.experts.numGpus), else host memory
+        self.store = TieredExpertStore(self.ckpt, self.cfg.dtype, TierConfig(), device=replica_device(),
+                                       on_move=self.metrics.on_move)
         self.overrides: dict[str, dict] = {}  # applied: expert -> {"path", "sha256"}
         self.swaps: dict[str, dict] = {}  # last swap per expert, as status reports it
         self._swap_seq = 0

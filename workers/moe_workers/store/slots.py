@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .device import DeviceOps
+from moe_workers.device import DeviceOps
 
 
 class SlotPool:

@@ -33,7 +33,7 @@ from moe_workers.model.config import MoEConfig
 
 from .cold import ColdCache, safetensors_header as _safetensors_header
 from .config import TierConfig, TierConfigError
-from .device import DeviceOps, ops_for
+from moe_workers.device import DeviceOps, ops_for
 from .policy import Policy, make_policy
 from .slots import SlotPool
 from .versions import CHECKPOINT, SwapError, Version, content_digest

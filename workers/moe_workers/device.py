@@ -1,6 +1,6 @@
-"""What the expert store needs from the device its hot tier lives on, behind one interface.
+"""The device a replica computes on, and what the expert store needs from it, behind one interface.
 
-- Which device: the GPU Ray assigned to this replica (`ray.get_gpu_ids()`; Ray sets
+- Which device (`replica_device`, for the Ingress' dense part and each shard's hot tier): the GPU Ray assigned to this replica (`ray.get_gpu_ids()`; Ray sets
   CUDA_VISIBLE_DEVICES to it, so it is `cuda:0` inside the process), else the CPU. A replica that
   asked Ray for no GPU never touches one, even on a GPU node.
 - Host memory for the warm tier: pinned (page-locked, for asynchronous DMA) only when the hot tier
@@ -26,10 +26,22 @@ import torch
 
 
 def assigned_device(gpu_ids: Sequence, cuda_available: bool) -> torch.device:
-    """The hot tier's device for a replica Ray gave `gpu_ids` (empty: it asked for none)."""
+    """The device of a replica Ray gave `gpu_ids` (empty: it asked for none)."""
     if gpu_ids and cuda_available:
         return torch.device("cuda", 0)  # Ray's CUDA_VISIBLE_DEVICES makes the assigned GPU the first
     return torch.device("cpu")
+
+
+def replica_device() -> torch.device:
+    """This Ray replica's device: the GPU Ray assigned it (num_gpus), else the CPU (also outside
+    Ray). A replica that asked for no GPU never uses one, even on a GPU node."""
+    try:
+        import ray
+
+        gpu_ids = ray.get_gpu_ids()
+    except Exception:  # noqa: BLE001 - outside Ray (unit use)
+        gpu_ids = []
+    return assigned_device(gpu_ids, torch.cuda.is_available())
 
 
 class DeviceOps:
