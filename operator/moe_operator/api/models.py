@@ -169,7 +169,9 @@ class IngressSpec(ApiModel):
 
     replicas: int = Field(default=1, ge=1, le=64, description="Ingress replicas.")
     num_cpus: float = Field(default=1.0, gt=0, le=512, description="CPUs reserved per replica (Ray num_cpus; fractions allowed).")
-    num_gpus: float = Field(default=0.0, ge=0, le=16, description="GPUs reserved per replica (Ray num_gpus; fractions allowed).")
+    num_gpus: float = Field(default=0.0, ge=0, le=16, description="GPUs reserved per replica (Ray num_gpus; fractions "
+                            "allowed). With one, the dense part (embeddings, attention, routers, lm_head) and the KV "
+                            "cache run on it (not yet run on a GPU).")
     route_prefix: str = Field(
         default="/",
         pattern=r"^/[A-Za-z0-9._~/-]*$",
@@ -298,7 +300,8 @@ class ExpertsSpec(ApiModel):
         "sets this field; the autoscaler respects it.",
     )
     num_cpus: float = Field(default=1.0, gt=0, le=512, description="CPUs reserved per shard replica (Ray num_cpus).")
-    num_gpus: float = Field(default=0.0, ge=0, le=16, description="GPUs reserved per shard replica (Ray num_gpus).")
+    num_gpus: float = Field(default=0.0, ge=0, le=16, description="GPUs reserved per shard replica (Ray num_gpus). "
+                            "With one, the hot tier lives on it and warm memory is pinned (not yet run on a GPU).")
     tiers: TierSpec = Field(description="Byte budgets and policy of the hot, warm and cold tiers.")
     overrides: list[ExpertOverride] = Field(
         default_factory=list, max_length=4096,
