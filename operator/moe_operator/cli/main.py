@@ -5,6 +5,7 @@ Exit codes: 0 success; 1 the operation failed (the reason is printed on one line
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -93,9 +94,12 @@ def up(
                                                 help="File with API keys, one per line: /v1/* then needs "
                                                 "Authorization: Bearer <key> (re-read at every pass)."),
 ):
-    """Run a MoEDeployment in the foreground without Kubernetes (standalone mode)."""
+    """Run a MoEDeployment in the foreground without Kubernetes (standalone mode).
+
+    SIGTERM or Ctrl-C stops it within seconds in every state (a second one at once); a local Ray
+    head it started never outlives it, SIGKILL included."""
     from moe_operator.backends.ray_rest import RayServeClient
-    from moe_operator.standalone.local_ray import LocalRayHead
+    from moe_operator.standalone.local_ray import LocalRayHead, end_leftover_heads, port_holder
     from moe_operator.standalone.runner import StandaloneRunner, default_state_dir, load_manifest
 
     manifest = load_manifest(file)
@@ -107,12 +111,34 @@ def up(
     head = None
     token = ray_token_file.read_text().strip() if ray_token_file else os.environ.get("MOE_RAY_TOKEN")
     stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    heads: list = []  # the local head, once started (for a second signal to end it at once)
+
+    def on_signal(signum, _frame):
+        if stopping.is_set():  # the second one: no more cleanup
+            for h in heads:
+                if h.process is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(h.process.pid, signal.SIGKILL)
+            os._exit(130)
+        stopping.set()
+        raise KeyboardInterrupt  # interrupts whatever the main thread waits for (Ray starting, a deploy)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         if address is None:
-            state = default_state_dir() / f"ray-{os.getpid()}"
+            state_root = default_state_dir()
+            end_leftover_heads(state_root, log=lambda m: err.print(m, markup=False))
+            holder = port_holder(port)
+            if holder is not None:
+                fail(f"--port {port}: 127.0.0.1:{port} is already in use by {holder}; stop it or choose another "
+                     "port (a second Serve proxy there would answer for the old app)")
+            state = state_root / f"ray-{os.getpid()}"
             with err.status("starting a local Ray head on 127.0.0.1 ..."):
-                head = LocalRayHead(work_dir=state, num_cpus=num_cpus, serve_http_port=port).start()
+                head = LocalRayHead(work_dir=state, num_cpus=num_cpus, serve_http_port=port)
+                heads.append(head)
+                # a watchdog in its group ends it with this process (--once: it is meant to stay)
+                head.start(parent_pid=None if once else os.getpid(), stopping=stopping.is_set)
             address, token = head.dashboard_url, head.token
             err.print(f"local Ray head: dashboard {address} (token in {head.token_path})")
         runner = StandaloneRunner(file, RayServeClient(address, token), port, roots, log=lambda m: err.print(m, markup=False),
@@ -128,18 +154,20 @@ def up(
         if once:
             return
         err.print(f"watching {file} for changes; Ctrl-C to stop")
-        try:
-            runner.watch(stopping.is_set)
-        except KeyboardInterrupt:
-            pass
-        with err.status("removing the application ..."):
-            try:
-                runner.teardown()
-            except Exception as e:  # the head may already be gone; report, do not hide the exit
-                err.print(f"teardown: {e}", markup=False)
+        runner.watch(stopping.is_set)
+    except KeyboardInterrupt:
+        pass
     finally:
-        if head is not None and not once:
-            head.stop()
+        if head is None and stopping.is_set() and "runner" in locals():
+            # an existing cluster: ask Ray to remove our app, without waiting for it to be gone
+            with contextlib.suppress(Exception):
+                runner.client.timeout_s = 3.0
+                runner.teardown(wait_s=2.0)
+            err.print("removal of the application requested", markup=False)
+        if head is not None and (not once or stopping.is_set()):
+            # our own head: the app goes with it, no need to remove it first
+            with err.status("stopping the local Ray head ..."):
+                head.stop(timeout_s=2.0)
         elif head is not None:
             err.print(f"the local Ray head keeps running (pid {head.process.pid}); stop it with kill -- -{head.process.pid}")
 

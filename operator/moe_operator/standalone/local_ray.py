@@ -7,6 +7,7 @@ processes it started (by process group id), never other Ray clusters on the mach
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -95,7 +96,11 @@ class LocalRayHead:
     def auth_headers(self) -> dict[str, str]:
         return {"x-ray-authorization": f"Bearer {self.token}"}
 
-    def start(self, timeout_s: float = 120.0) -> "LocalRayHead":
+    def start(self, timeout_s: float = 120.0, parent_pid: int | None = None,
+              stopping=None) -> "LocalRayHead":
+        """Start the head in a process group of its own. `parent_pid`: a watchdog in that group
+        ends it when that process is gone (SIGKILL included). `stopping()`: give up (and stop
+        what started) as soon as it is true."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.token_path.write_text(self.token)
         self.token_path.chmod(0o600)
@@ -116,20 +121,26 @@ class LocalRayHead:
             cmd += [flag, str(port)]
         if self.num_cpus is not None:
             cmd += ["--num-cpus", str(self.num_cpus)]
+        if parent_pid is not None:
+            cmd = [sys.executable, "-m", "moe_operator.standalone.watchdog", str(parent_pid), "--", *cmd]
         env = {**os.environ, **self.client_env(), "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS")
         log = open(self.work_dir / "ray-head.log", "wb")
         self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
+        (self.work_dir / "head.pgid").write_text(str(self.process.pid))  # for `moectl up` to find leftovers
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if stopping is not None and stopping():
+                self.stop(timeout_s=2.0)
+                raise KeyboardInterrupt
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"ray start exited with {self.process.returncode}; see {self.work_dir / 'ray-head.log'}"
                 )
             if self._dashboard_ready():
                 return self
-            time.sleep(0.5)
+            time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"Ray dashboard not ready after {timeout_s:.0f} s; see {self.work_dir / 'ray-head.log'}")
 
@@ -146,21 +157,109 @@ class LocalRayHead:
         if self.process is None:
             return
         pgid = self.process.pid  # start_new_session: the group id is the leader's pid
+        # Ray's workers (the Serve proxy, replicas) are the raylet's children but may not stay in
+        # its group: taken now, while they are still its descendants
+        tree = head_tree(pgid)
         for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
+            signal_all(pgid, tree, sig)
             deadline = time.monotonic() + wait_s
-            while live_group_members(pgid) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            while (live_group_members(pgid) or _alive(tree)) and time.monotonic() < deadline:
+                time.sleep(0.1)
             try:
-                self.process.wait(timeout=1)
+                self.process.wait(timeout=0.2)
             except subprocess.TimeoutExpired:
                 pass
-            if not live_group_members(pgid):
+            if not live_group_members(pgid) and not _alive(tree):
                 break
         self.process = None
+        with contextlib.suppress(OSError):
+            (self.work_dir / "head.pgid").unlink()
+
+
+def end_leftover_heads(state_dir: Path, log=print) -> list[int]:
+    """Process groups of local heads that earlier `moectl up` runs under `state_dir` started and
+    that outlived them (their directory is `ray-<moectl pid>`, the group in its head.pgid): ended
+    with SIGKILL when that moectl is gone. Returns the groups ended."""
+    import psutil
+
+    ended = []
+    for pgid_file in sorted(state_dir.glob("ray-*/head.pgid")):
+        try:
+            owner = int(pgid_file.parent.name.removeprefix("ray-"))
+            pgid = int(pgid_file.read_text())
+        except (ValueError, OSError):
+            continue
+        if psutil.pid_exists(owner) or not live_group_members(pgid):
+            continue
+        log(f"ending the local Ray head of an earlier moectl up (pid {owner}, gone): process group {pgid}")
+        tree = head_tree(pgid)
+        signal_all(pgid, tree, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while (live_group_members(pgid) or _alive(tree)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with contextlib.suppress(OSError):
+            pgid_file.unlink()
+        ended.append(pgid)
+    return ended
+
+
+def port_holder(port: int, host: str = "127.0.0.1") -> str | None:
+    """Who listens on host:port (or on every address), as 'pid N (command)'; None when free.
+    'an unknown process' when the port is taken but its owner cannot be seen."""
+    import socket
+
+    import psutil
+
+    try:
+        for c in psutil.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and \
+                    c.laddr.ip in (host, "0.0.0.0", "::", "::1" if host == "127.0.0.1" else host):
+                if c.pid:
+                    try:
+                        p = psutil.Process(c.pid)
+                        return f"pid {c.pid} ({' '.join(p.cmdline())[:200] or p.name()})"
+                    except psutil.Error:
+                        return f"pid {c.pid}"
+                return "an unknown process"
+    except psutil.Error:
+        pass
+    with socket.socket() as s:  # without the rights to list connections: try to bind
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # old connections in TIME_WAIT do not count
+        try:
+            s.bind((host, port))
+        except OSError:
+            return "an unknown process"
+    return None
+
+
+def head_tree(pgid: int) -> set[int]:
+    """The head's processes: its group, and every descendant of them (Ray workers)."""
+    import psutil
+
+    pids = set(live_group_members(pgid))
+    for pid in list(pids):
+        with contextlib.suppress(psutil.Error):
+            pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+    return pids
+
+
+def signal_all(pgid: int, pids: set[int], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _alive(pids: set[int]) -> list[int]:
+    import psutil
+
+    alive = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+    return alive
 
 
 def live_group_members(pgid: int) -> list[int]:

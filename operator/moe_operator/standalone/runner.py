@@ -242,7 +242,8 @@ class StandaloneRunner:
                 last_observe = time.monotonic()
             time.sleep(poll_s)
 
-    def teardown(self) -> None:
-        """Remove our application, keep everyone else's."""
+    def teardown(self, wait_s: float = 120.0) -> None:
+        """Remove our application, keep everyone else's (waiting at most `wait_s` for Ray to
+        stop listing it)."""
         if self._app:
-            remove_application(self.client, self._app, self.http_port)
+            remove_application(self.client, self._app, self.http_port, wait_s=wait_s)
