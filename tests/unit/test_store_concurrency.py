@@ -252,8 +252,10 @@ class ConcurrentStore(RuleBasedStateMachine):
         self.store: TieredExpertStore | None = None
 
     @initialize(hot=st.integers(0, 4), warm=st.integers(0, 4), cold=st.booleans(),
-                policy=st.sampled_from(["RecencyFrequency", "LRU", "LFU"]))
-    def setup(self, hot, warm, cold, policy):
+                policy=st.sampled_from(["RecencyFrequency", "LRU", "LFU"]), gpu=st.booleans())
+    def setup(self, hot, warm, cold, policy, gpu):
+        """gpu: the hot tier on a stand-in device (RecordingOps): hot and warm are then different
+        memory, so moves copy, and demotions to warm release the lock for their copy."""
         probe = make_store(self.model_dir)
         self.n = n = probe.expert_bytes
         self.per_layer = 2  # each layer's experts on this shard: 2 of 4
@@ -264,7 +266,10 @@ class ConcurrentStore(RuleBasedStateMachine):
         cfg = dict(hot_budget=self.hot, warm_budget=self.warm, policy=policy, idle_demotion_s=1, pinned=False)
         if cold:
             cfg["cold_dir"] = str(self.tmp / f"cold-{id(self)}")
-        self.store = TieredExpertStore(Checkpoint(self.model_dir), torch.float32, TierConfig(**cfg))
+        ops = RecordingOps() if gpu else None
+        self.store = TieredExpertStore(Checkpoint(self.model_dir), torch.float32, TierConfig(**cfg), ops=ops)
+        if ops is not None:
+            ops.store = self.store
         self.store.wait_timeout_s = BOUND_S
         self.hosted = [(l, e) for l in range(LAYERS) for e in range(self.per_layer)]
         self.store.configure(self.hosted)
@@ -481,8 +486,9 @@ def test_pinned_warm_memory_is_registered_at_its_exact_size(monkeypatch):
 def test_gpu_path_orders_copies_and_batches_without_blocking_under_the_lock(model_dir, tmp_path):
     """Copies are enqueued with the events they must wait for; a batch's kernels wait for the
     copies of its experts; a slot is written again only after the batch that read it and the copy
-    that read out of it; the host never waits on the device while the store's lock is held; dtype
-    conversion happens before the copy (the checkpoint is float32, compute bfloat16)."""
+    that read out of it; no device call (copy, or a host wait) is made while the store's lock is
+    held, demotions to warm included; dtype conversion happens before the copy (the checkpoint is
+    float32, compute bfloat16)."""
     ops = RecordingOps()
     n = TieredExpertStore(Checkpoint(model_dir), torch.bfloat16, TierConfig()).expert_bytes
     s = TieredExpertStore(Checkpoint(model_dir), torch.bfloat16,
@@ -524,5 +530,7 @@ def test_gpu_path_orders_copies_and_batches_without_blocking_under_the_lock(mode
             readers.setdefault(src, set()).add(ev.n)
     assert reused > 0
     assert not [op for op in ops.log if op[0] == "host_wait" and op[2]], "the host waited under the lock"
+    assert not [op for op in ops.log if op[0] == "copy" and op[5]], "a device copy issued under the lock"
+    assert any(op[0] == "copy" and op[1] in slots for op in ops.log)  # (demotions to warm did copy)
     assert not [op for op in ops.log if op[0] == "wait" and op[2]], "a stream wait under the lock"
     s.close()

@@ -632,26 +632,45 @@ class TieredExpertStore:
                 self._demote(self.entries[victim])
 
     def _demote(self, e: Entry) -> None:
-        """One tier down (hot -> warm when warm has room without waiting, else to disk). Lock held."""
+        """One tier down (hot -> warm when warm has room without waiting, else to disk). Called
+        with the lock held; a copy to the warm tier (a GPU hot tier) is issued with the lock
+        released, the entry busy and its warm room counted meanwhile, so no device call ever
+        runs under the store's lock."""
         src = e.tier
         self.stats.demotions += 1
-        self.used[src] -= e.nbytes
         t0 = time.perf_counter()
         if src == HOT and self._make_room(WARM, e.nbytes, exclude={e.key}, wait=False):
             if self._same_memory():
                 self._move_slot(HOT, WARM)
-            else:  # enqueued on the copy stream: nothing waits for the device under the lock
-                tensors, slot, ready = self._fill(WARM, e.tensors, after=e.ready)
+            else:
+                e.busy = True  # no eviction, batch or move may pick it while the lock is released
+                self.used[WARM] += e.nbytes  # its warm room, held across the copy
+                state = self._cv._release_save()
+                try:
+                    tensors, slot, ready = self._fill(WARM, e.tensors, after=e.ready)
+                except BaseException:
+                    self._cv._acquire_restore(state)
+                    self.used[WARM] -= e.nbytes
+                    e.busy = False
+                    self._cv.notify_all()
+                    raise
+                self._cv._acquire_restore(state)
+                self.used[WARM] -= e.nbytes
+                e.busy = False
                 self._free_slot(e, after=ready)
                 e.tensors, e.slot, e.ready = tensors, slot, ready
+                self._cv.notify_all()
+            self.used[src] -= e.nbytes
             e.tier = WARM
             self.used[WARM] += e.nbytes
             dst = WARM
         else:
+            self.used[src] -= e.nbytes
             self._free_slot(e)
             e.tier = COLD
             dst = COLD
         e.prefetched = False
+        self._retire_if_done(e)  # dropped by configure() while its copy ran
         move = f"{src}->{dst}"
         self.stats.bytes_moved[move] = self.stats.bytes_moved.get(move, 0) + (e.nbytes if dst == WARM else 0)
         if self.on_move is not None:
