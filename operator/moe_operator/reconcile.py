@@ -353,7 +353,7 @@ def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None
     the application's own state in the RayService's status, for the generation we wrote
     (moe_operator.backends.kuberay_status); the RayService is written only when it changes."""
     from moe_operator.backends.kuberay import KubeRayError
-    from moe_operator.backends.kuberay_status import service_state
+    from moe_operator.backends.kuberay_status import healthy_deployments, service_state
     from moe_operator.render.rayservice import name_problem, render_rayservice
 
     result = _Outcome(status, generation)
@@ -380,7 +380,7 @@ def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None
     status["endpoint"] = base_url + "/v1"
     status["rayService"] = name
     state = service_state(observed, app["name"])
-    healthy = _healthy_deployments(observed, app["name"]) if state.ready or state.degraded else set()
+    healthy = healthy_deployments(observed, app["name"]) if state.ready or state.degraded else set()
     desired = spec.experts.replicas_per_group
     status["groups"] = [{"name": g, "replicas": desired, "readyReplicas": desired if g in healthy else 0,
                          "experts": len(experts)} for g, experts in sorted(step.shards.items())]
@@ -405,9 +405,3 @@ def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None
         res.retry_after_s = step.retry_after_s
     res.events = swap_events + events
     return res
-
-
-def _healthy_deployments(rayservice: dict, app: str) -> set[str]:
-    apps = ((rayservice.get("status") or {}).get("activeServiceStatus") or {}).get("applicationStatuses") or {}
-    return {n for n, d in ((apps.get(app) or {}).get("serveDeploymentStatuses") or {}).items()
-            if d.get("status") == "HEALTHY"}

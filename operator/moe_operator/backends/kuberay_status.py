@@ -44,6 +44,12 @@ def _app(service_status: dict | None, app: str) -> dict | None:
     return ((service_status or {}).get("applicationStatuses") or {}).get(app)
 
 
+def healthy_deployments(rayservice: dict, app: str) -> set[str]:
+    """The deployments of our application KubeRay reports HEALTHY on the active cluster."""
+    active = _app((rayservice.get("status") or {}).get("activeServiceStatus"), app) or {}
+    return {n for n, d in (active.get("serveDeploymentStatuses") or {}).items() if d.get("status") == "HEALTHY"}
+
+
 def _unhealthy(app_status: dict) -> list[str]:
     deployments = app_status.get("serveDeploymentStatuses") or {}
     return [f"{name} {d.get('status')}" + (f": {d['message']}" if d.get("message") else "")

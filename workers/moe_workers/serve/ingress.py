@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from moe_workers.device import replica_device as _replica_device
+from moe_workers.device import replica_device
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel, KVCache
 from moe_workers.model.layers import combine, group_by_expert, route
@@ -125,7 +125,7 @@ class Ingress:
         torch.set_num_threads(self.args.ingress_torch_threads)
         ckpt = Checkpoint(self.args.model_path)
         cfg = ckpt.config.with_dtype(self.args.dtype)
-        self.device = _replica_device()  # the GPU Ray assigned (spec.ingress.numGpus), else the CPU
+        self.device = replica_device()  # the GPU Ray assigned (spec.ingress.numGpus), else the CPU
         self.dense = DenseModel(cfg, ckpt.dense_state(), self.device)
         ckpt.close()
         self.max_len = min(self.args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -48,42 +48,31 @@ TIERS = (HOT, WARM, COLD)
 Key = tuple[int, int]  # (layer, expert)
 
 
-READ_PARTS = 2  # concurrent reads per cold promotion (see _read_file_into)
-
-
-def _copy_mapped(fd: int, file_offset: int, nbytes: int, slot: torch.Tensor) -> None:
-    """slot[:nbytes] <- file[file_offset:file_offset + nbytes], through a populated mapping that
-    is gone when this returns."""
+def _copy_mapped(fd: int, ranges: list[tuple[int, int, int]], slot: torch.Tensor, path) -> None:
+    """slot[s:s + n] <- file[f:f + n] for each (f, s, n), through one populated mapping of the
+    file that is gone when this returns."""
     import mmap
     import warnings
 
     m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
     try:
-        if file_offset + nbytes > len(m):
-            raise SwapError("truncated cache file")
-        with warnings.catch_warnings():  # a read-only buffer: nothing writes it, torch only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=file_offset)
-        slot[:nbytes].copy_(src)  # torch's copy, on the thread's intra-op threads
-        del src
+        for file_offset, slot_offset, nbytes in ranges:
+            if file_offset + nbytes > len(m):
+                raise SwapError(f"{path}: truncated cache file")
+            with warnings.catch_warnings():  # a read-only buffer: nothing writes it, torch only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=file_offset)
+            slot[slot_offset:slot_offset + nbytes].copy_(src)  # torch's copy, on the thread's intra-op threads
+            del src
     finally:
         m.close()
-
-
-def _pread_exact(fd: int, target: memoryview, file_offset: int, slot_offset: int, nbytes: int, path) -> None:
-    got = 0
-    while got < nbytes:
-        n = os.preadv(fd, [target[slot_offset + got:slot_offset + nbytes]], file_offset + got)
-        if not n:
-            raise SwapError(f"{path}: truncated cache file")
-        got += n
 
 
 class StoreFull(RuntimeError):
     """No room could be made in a tier in time (every resident expert is in use)."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity: entries are looked up in lists (_retiring), never compared by value
 class Entry:
     key: Key
     version: Version
@@ -130,7 +119,7 @@ class TieredExpertStore:
                  device: torch.device | str | None = None, on_move: MoveHook | None = None,
                  ops: DeviceOps | None = None):
         """`device`: the hot tier's (the CPU unless given: a replica's device comes from what Ray
-        assigned it, see moe_workers.store.device.assigned_device); `ops`: its operations (tests
+        assigned it, see moe_workers.device.replica_device); `ops`: its operations (tests
         pass a recording one)."""
         self.ckpt = checkpoint
         self.model: MoEConfig = checkpoint.config
@@ -162,7 +151,6 @@ class TieredExpertStore:
         # holds pins only while it promotes or computes, never while it waits for another call
         # that holds pins (no hold-and-wait between batches)
         self._admission = threading.Lock()
-        self._reader_pool = None  # threads for the concurrent parts of a cold read
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -699,13 +687,12 @@ class TieredExpertStore:
 
     def _read_file_into(self, tier: str, path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
         """Read a cold file straight into a host slot. When the file's data region is w1, w2, w3
-        back to back, as the slot lays them out (cache files are written so), it is mapped with
-        MAP_POPULATE (the kernel reads it in with readahead, several requests in flight from the
-        disk) and copied into the slot at memcpy speed, then unmapped at once: no pages stay
-        resident beyond the slot (see bench/tiering.py: from the page cache this runs near a
-        memcpy of the same bytes, where read() ran at about half). Otherwise the tensors are read
-        in READ_PARTS concurrent positional reads. Falls back to safetensors' mapping (with dtype
-        conversion) when the file's dtype is not the compute one."""
+        back to back, as the slot lays them out (cache files are written so), it is copied in one
+        piece, otherwise tensor by tensor, from a mapping made with MAP_POPULATE (the kernel reads
+        the file in with readahead, several requests in flight from the disk) and unmapped at
+        once: no pages stay resident beyond the slot. See bench/tiering.py: from the disk this
+        beat an O_DIRECT reader; from the page cache it runs at about half a memcpy. Falls back to
+        safetensors' mapping (with dtype conversion) when the file's dtype is not the compute one."""
         header_len, header = _safetensors_header(path)
         with open(path, "rb", buffering=0) as f:
             fd = f.fileno()
@@ -729,15 +716,9 @@ class TieredExpertStore:
                         raise SwapError(f"{path}: cache file does not match the model ({w})")
                     ranges.append((8 + header_len + begin, offset, nbytes))
                     offset += nbytes
-                if all(r[0] - ranges[0][0] == r[1] for r in ranges):  # one contiguous region
-                    _copy_mapped(fd, ranges[0][0], offset, buf)
-                else:
-                    with contextlib.suppress(OSError):
-                        os.posix_fadvise(fd, ranges[0][0], offset, os.POSIX_FADV_SEQUENTIAL)
-                    target = memoryview(buf.numpy())
-                    parts = [(fo + k, so + k, min(step, n - k)) for fo, so, n in ranges
-                             for step in [-(-n // READ_PARTS)] for k in range(0, n, step)]
-                    list(self._reader().map(lambda p: _pread_exact(fd, target, *p, path), parts))
+                if all(r[0] - ranges[0][0] == r[1] for r in ranges):  # one contiguous region: one copy
+                    ranges = [(ranges[0][0], 0, offset)]
+                _copy_mapped(fd, ranges, buf, path)
             except BaseException:
                 with self._cv:
                     self.pools[tier].give(buf, slot_after)
@@ -903,17 +884,7 @@ class TieredExpertStore:
         return {HOT: self.config.hot_budget, WARM: self.config.warm_budget,
                 COLD: self.cold.budget if self.cold is not None else None}
 
-    def _reader(self):
-        if self._reader_pool is None:
-            with self._cv:
-                if self._reader_pool is None:
-                    import concurrent.futures
-
-                    self._reader_pool = concurrent.futures.ThreadPoolExecutor(READ_PARTS, thread_name_prefix="expert-read")
-        return self._reader_pool
-
     def close(self) -> None:
         if self._prefetch_thread is not None:
             self._prefetch_q.put(None)
-        if self._reader_pool is not None:
-            self._reader_pool.shutdown(wait=False)
+
