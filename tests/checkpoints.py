@@ -55,3 +55,35 @@ def make_skewed_mixtral(path: Path, hot_experts=(0, 4), **kwargs):
                 layer.mlp.gate.weight[e, 0] = 3.0
     model.save_pretrained(path)
     return model
+
+
+def make_family(path: Path, family: str, *, seed=0, router_scale=25.0, config_overrides=None, **dims):
+    """A random `family` model built and saved by transformers itself (XForCausalLM(XConfig)
+    .save_pretrained): its own config.json and tensor layout. Routers are widened (decisive
+    top-k); biases, attention sinks and DeepSeek's score correction, which transformers
+    initialises to zero, are made random so that a part read wrongly shows. Returns the model."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moe_workers.model.random_init import random_config
+
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_layers=3, num_heads=4, num_kv_heads=2,
+                 num_experts=8, top_k=2, max_position_embeddings=128, dtype=torch.float32)
+    shape.update(dims)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**random_config(family, **shape), **(config_overrides or {})}))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                p.mul_(router_scale)
+            elif name.endswith(("bias", "sinks")):
+                p.copy_(torch.randn_like(p) * (1.0 if name.endswith("sinks") else 0.05))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand_like(b) * 0.1)
+    model.save_pretrained(path)
+    return model

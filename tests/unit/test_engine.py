@@ -187,7 +187,7 @@ def test_compute_rows_writes_each_experts_rows_in_place(tmp_path):
     keys, counts = [(1, 0), (1, 3)], [2, 3]
     x = torch.randn(5, ckpt.config.hidden_size)
     out = torch.full_like(x, float("nan"))
-    compute_rows(experts.weights, keys, counts, x, out)
+    compute_rows(experts.weights, keys, counts, x, out, ckpt.config)
     w0, w3 = experts.weights[(1, 0)], experts.weights[(1, 3)]
     assert torch.equal(out[:2], expert_mlp(x[:2], w0["w1"], w0["w2"], w0["w3"]))
     assert torch.equal(out[2:], expert_mlp(x[2:], w3["w1"], w3["w2"], w3["w3"]))

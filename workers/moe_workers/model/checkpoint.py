@@ -1,60 +1,33 @@
 """Lazy access to a Hugging Face layout checkpoint: only safetensors, one tensor at a time.
 
 The ingress reads the dense part; each shard reads only its own experts. Nothing reads the whole
-checkpoint into memory: `safe_open` maps the file and copies out the tensors asked for.
+checkpoint into memory: `safe_open` maps the file and copies out the tensors asked for, and an
+expert stored fused with the rest of its layer (gpt_oss) is read as its own slice of the fused
+tensor. Opening a checkpoint checks every tensor its config.json implies against the headers.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from .config import CheckpointError, MoEConfig
-
-EXPERT_KEY = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{w}.weight"
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
-
-
-def _expert_key_parts(name: str) -> tuple[int, int] | None:
-    parts = name.split(".")
-    # model.layers.L.block_sparse_moe.experts.E.wN.weight
-    if len(parts) == 8 and parts[0] == "model" and parts[1] == "layers" and parts[4] == "experts":
-        return int(parts[2]), int(parts[5])
-    return None
+from .index import TensorInfo, read_index
 
 
 class Checkpoint:
     """Tensor index of a checkpoint directory; tensors are read on demand."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, family: str | None = None):
         self.path = Path(path)
-        self.config = MoEConfig.from_dir(self.path)
-        self._index = self._build_index()
+        self.config = MoEConfig.from_dir(self.path, family)
+        self._index = read_index(self.path)
+        self.config.check_tensors({n: (str(t.file), t.dtype, t.shape) for n, t in self._index.items()}, str(self.path))
+        self._experts = {name for layer in self.config.sparse_layers for e in range(self.config.num_experts)
+                         for _, name, _ in self.config.expert_sources(layer, e)}
         self._handles: dict[Path, object] = {}
-
-    def _build_index(self) -> dict[str, Path]:
-        index_file = self.path / "model.safetensors.index.json"
-        if index_file.is_file():
-            weight_map = json.loads(index_file.read_text()).get("weight_map", {})
-            files = {name: self.path / fname for name, fname in weight_map.items()}
-            for f in set(files.values()):
-                if not f.is_file():
-                    raise CheckpointError(f"{index_file}: names {f.name}, which does not exist")
-            return files
-        shards = sorted(self.path.glob("*.safetensors"))
-        if not shards:
-            pickles = sorted(p.name for p in self.path.glob("*.bin")) + sorted(p.name for p in self.path.glob("*.pt"))
-            hint = f" (found {', '.join(pickles)}: pickle files are never loaded; convert to safetensors)" if pickles else ""
-            raise CheckpointError(f"{self.path}: no *.safetensors files{hint}")
-        files: dict[str, Path] = {}
-        for shard in shards:
-            with safe_open(shard, framework="pt") as f:
-                for name in f.keys():
-                    files[name] = shard
-        return files
 
     def _handle(self, file: Path):
         h = self._handles.get(file)
@@ -68,30 +41,47 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._index
 
-    def file_of(self, name: str) -> Path:
+    def info(self, name: str) -> TensorInfo:
         try:
             return self._index[name]
         except KeyError:
             raise CheckpointError(f"{self.path}: tensor {name} is missing") from None
 
-    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        t = self._handle(self.file_of(name)).get_tensor(name)
+    def file_of(self, name: str) -> Path:
+        return self.info(name).file
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None, index: int | None = None) -> torch.Tensor:
+        h = self._handle(self.file_of(name))
+        t = h.get_tensor(name) if index is None else h.get_slice(name)[index]
         return t.to(dtype) if dtype is not None and t.dtype != dtype else t
 
     def dense_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Every tensor that is not an expert weight: embeddings, attention, norms, routers, lm_head."""
-        return {n: self.tensor(n, dtype) for n in self._index if _expert_key_parts(n) is None}
+        """Every tensor that is not a routed expert's: embeddings, attention, norms, routers,
+        dense and shared MLPs, lm_head."""
+        return {n: self.tensor(n, dtype) for n in self._index if n not in self._experts}
 
-    def expert_names(self, layer: int, expert: int) -> list[str]:
-        return [EXPERT_KEY.format(layer=layer, expert=expert, w=w) for w in EXPERT_WEIGHTS]
+    def _check_expert(self, layer: int, expert: int) -> None:
+        problem = self.config.expert_problem(layer, expert)
+        if problem:
+            raise CheckpointError(problem)
+
+    def expert_ranges(self, layer: int, expert: int) -> list[tuple[str, TensorInfo]]:
+        """(part, where its bytes lie) for one expert, in part order: a fused tensor's slice."""
+        self._check_expert(layer, expert)
+        shapes = dict(self.config.expert_parts())
+        out = []
+        for part, name, index in self.config.expert_sources(layer, expert):
+            t = self.info(name)
+            if index is not None:
+                per = t.nbytes // t.shape[0]
+                t = TensorInfo(t.file, t.dtype, tuple(shapes[part]), t.offset + index * per, per)
+            out.append((part, t))
+        return out
 
     def expert(self, layer: int, expert: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """One expert's w1, w2, w3 (keys 'w1', 'w2', 'w3')."""
-        cfg = self.config
-        if not (0 <= layer < cfg.num_layers and 0 <= expert < cfg.num_experts):
-            raise CheckpointError(
-                f"expert {layer}.{expert} does not exist ({cfg.num_layers} layers x {cfg.num_experts} experts)")
-        return {w: self.tensor(n, dtype) for w, n in zip(EXPERT_WEIGHTS, self.expert_names(layer, expert))}
+        """One routed expert's tensors by part name (`config.expert_parts()`)."""
+        self._check_expert(layer, expert)
+        return {part: self.tensor(name, dtype, index) for part, name, index in self.config.expert_sources(layer, expert)}
 
     def close(self) -> None:
         self._handles.clear()

@@ -1,9 +1,11 @@
-"""The dense part of a Mixtral model (everything but the experts), with a slot KV cache.
+"""The dense part of an MoE model (everything but the routed experts), with a slot KV cache.
 
 One forward *step* processes a flat batch of tokens from many sequences at once: prompt chunks
 (prefill) and single decode tokens side by side. Linear layers and the expert dispatch see all
 the step's tokens together; attention is per sequence (prefill) or batched over the decode
-sequences with a length mask.
+sequences with a length mask. The family (`MoEConfig`) decides the attention variant, the
+router, and what runs beside the routed experts here: a dense MLP in layers without experts,
+shared experts in layers with them.
 """
 
 from __future__ import annotations
@@ -15,17 +17,27 @@ import torch.nn.functional as F
 
 from .checkpoint import Checkpoint
 from .config import CheckpointError, MoEConfig
-from .layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, route
+from .layers import (apply_rope, attention_mscale, mlp, rms_norm, rope_cos_sin, rope_parameters, route,
+                     route_sigmoid_group, route_topk_softmax)
+
+
+def kv_layout(cfg: MoEConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((heads, dim) of what the cache keeps as keys, the same for values). Multi-head latent
+    attention keeps what transformers' cache keeps: the normed latent and the roped shared key."""
+    if cfg.mla:
+        return (1, cfg.kv_lora_rank), (1, cfg.qk_rope_head_dim)
+    return (cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
 
 
 class KVCache:
-    """Preallocated keys/values: (layers, slots, kv_heads, max_len, head_dim), one slot per sequence."""
+    """Preallocated keys/values: (layers, slots, heads, max_len, dim), one slot per sequence
+    (`kv_layout` says what heads and dim are for the model's attention)."""
 
     def __init__(self, cfg: MoEConfig, num_slots: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        (kh, kd), (vh, vd) = kv_layout(cfg)
+        self.k = torch.zeros((cfg.num_layers, num_slots, kh, max_len, kd), dtype=dtype, device=device)
+        self.v = torch.zeros((cfg.num_layers, num_slots, vh, max_len, vd), dtype=dtype, device=device)
         self.max_len = max_len
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
@@ -33,7 +45,8 @@ class KVCache:
     @staticmethod
     def bytes_per_slot(cfg: MoEConfig, max_len: int, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * cfg.num_layers * cfg.num_kv_heads * max_len * cfg.head_dim * elem
+        (kh, kd), (vh, vd) = kv_layout(cfg)
+        return cfg.num_layers * (kh * kd + vh * vd) * max_len * elem
 
     @classmethod
     def for_budget(cls, cfg: MoEConfig, budget_bytes: int, max_len: int, dtype: torch.dtype,
@@ -102,19 +115,23 @@ class StepBatch:
 
 
 class DenseModel:
-    """Embeddings, attention, norms, routers and lm_head of a Mixtral checkpoint, on `device`
-    (the ingress' GPU when Ray assigned it one; the CPU otherwise)."""
+    """Embeddings, attention, norms, routers, dense and shared MLPs and lm_head of a checkpoint,
+    on `device` (the ingress' GPU when Ray assigned it one; the CPU otherwise)."""
 
     def __init__(self, cfg: MoEConfig, state: dict[str, torch.Tensor], device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.device = torch.device(device)
         dt = cfg.dtype
 
-        def get(name: str) -> torch.Tensor:
+        def get(name: str, dtype: torch.dtype | None = dt) -> torch.Tensor:
             try:
-                return state[name].to(dt).contiguous().to(self.device)  # converted on the host first
+                t = state[name]
             except KeyError:
                 raise CheckpointError(f"checkpoint: tensor {name} is missing") from None
+            return (t.to(dtype) if dtype is not None else t).contiguous().to(self.device)  # converted on the host first
+
+        def opt(name: str) -> torch.Tensor | None:
+            return get(name) if name in state else None
 
         self.embed_tokens = get("model.embed_tokens.weight")
         self.final_norm = get("model.norm.weight")
@@ -127,17 +144,46 @@ class DenseModel:
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append({
-                "q": get(p + "self_attn.q_proj.weight"),
-                "k": get(p + "self_attn.k_proj.weight"),
-                "v": get(p + "self_attn.v_proj.weight"),
-                "o": get(p + "self_attn.o_proj.weight"),
-                "in_norm": get(p + "input_layernorm.weight"),
-                "post_norm": get(p + "post_attention_layernorm.weight"),
-                "gate": get(p + "block_sparse_moe.gate.weight"),
-            })
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(self.device)
-        self.scaling = cfg.head_dim ** -0.5
+            a = p + "self_attn."
+            w = {"in_norm": get(p + "input_layernorm.weight"), "post_norm": get(p + "post_attention_layernorm.weight"),
+                 "o": get(a + "o_proj.weight"), "o_bias": opt(a + "o_proj.bias")}
+            if cfg.mla:
+                w.update(kv_a=get(a + "kv_a_proj_with_mqa.weight"), kv_a_norm=get(a + "kv_a_layernorm.weight"),
+                         kv_b=get(a + "kv_b_proj.weight"))
+                if cfg.q_lora_rank:
+                    w.update(q_a=get(a + "q_a_proj.weight"), q_a_norm=get(a + "q_a_layernorm.weight"),
+                             q_b=get(a + "q_b_proj.weight"))
+                else:
+                    w["q"] = get(a + "q_proj.weight")
+            else:
+                w.update({k: get(a + f"{k}_proj.weight") for k in ("q", "k", "v")})
+                w.update({f"{k}_bias": opt(a + f"{k}_proj.bias") for k in ("q", "k", "v")})
+                w.update(q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"), sinks=opt(a + "sinks"))
+            if not cfg.is_sparse(i):
+                w["mlp"] = tuple(get(p + f"mlp.{k}_proj.weight") for k in ("gate", "up", "down"))
+            elif cfg.family == "mixtral":
+                w["gate"] = get(p + "block_sparse_moe.gate.weight")
+            elif cfg.router == "topk_softmax":
+                w["gate"], w["gate_bias"] = get(p + "mlp.router.weight"), get(p + "mlp.router.bias")
+            else:
+                w["gate"] = get(p + "mlp.gate.weight", None if cfg.router == "sigmoid_group" else dt)
+                if cfg.router == "sigmoid_group":  # transformers keeps DeepSeek's router in float32
+                    w["gate"] = w["gate"].float()
+                    w["correction"] = get(p + "mlp.gate.e_score_correction_bias", torch.float32)
+                if cfg.shared_intermediate_size:
+                    sp = p + ("mlp.shared_expert." if cfg.shared_gate else "mlp.shared_experts.")
+                    w["shared"] = tuple(get(sp + f"{k}_proj.weight") for k in ("gate", "up", "down"))
+                    if cfg.shared_gate:
+                        w["shared_gate"] = get(p + "mlp.shared_expert_gate.weight")
+            self.layers.append(w)
+        inv_freq, self.rope_scaling = rope_parameters(cfg.head_dim, cfg.rope_theta, cfg.rope_params,
+                                                      cfg.max_position_embeddings)
+        self.inv_freq = inv_freq.to(self.device)
+        if cfg.mla:
+            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            self.scaling = qk ** -0.5 * attention_mscale(cfg.rope_params)
+        else:
+            self.scaling = cfg.head_dim ** -0.5
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype | None = None) -> "DenseModel":
@@ -145,29 +191,79 @@ class DenseModel:
         return cls(cfg, ckpt.dense_state())
 
     def nbytes(self) -> int:
-        tensors = [self.embed_tokens, self.final_norm] + [t for layer in self.layers for t in layer.values()]
+        tensors = [self.embed_tokens, self.final_norm]
+        for layer in self.layers:
+            for t in layer.values():
+                tensors.extend(t if isinstance(t, tuple) else [t])
         if self.lm_head is not self.embed_tokens:
             tensors.append(self.lm_head)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- one step, in pieces the drivers (in-process and served) call in order ----------------
 
     def embed(self, batch: StepBatch) -> torch.Tensor:
         batch.to(self.device)
-        batch.cos, batch.sin = rope_cos_sin(batch.positions, self.inv_freq, self.cfg.dtype)
+        batch.cos, batch.sin = rope_cos_sin(batch.positions, self.inv_freq, self.cfg.dtype, self.rope_scaling)
         return F.embedding(batch.ids, self.embed_tokens)
 
     def attention(self, layer: int, h: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         """h + self-attention(input_layernorm(h)); writes this step's keys/values into the cache."""
+        if self.cfg.mla:
+            return self._latent_attention(layer, h, batch, cache)
         cfg, w = self.cfg, self.layers[layer]
         x = rms_norm(h, w["in_norm"], cfg.rms_norm_eps)
         n = x.shape[0]
-        q = F.linear(x, w["q"]).view(n, cfg.num_heads, cfg.head_dim)
-        k = F.linear(x, w["k"]).view(n, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(x, w["v"]).view(n, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = (F.linear(x, w[c], w[f"{c}_bias"]) for c in ("q", "k", "v"))
+        if cfg.qk_norm == "full":  # olmoe: over the whole projection
+            q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q = q.view(n, cfg.num_heads, cfg.head_dim)
+        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":  # qwen3_moe: per head
+            q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, batch.cos, batch.sin)
         k = apply_rope(k, batch.cos, batch.sin)
-        out = torch.empty_like(q)
+        out = self._attend(layer, q, k, v, batch, cache, lambda kk, vv: (kk, vv), w["sinks"])
+        return h + F.linear(out.reshape(n, cfg.num_heads * cfg.head_dim), w["o"], w["o_bias"])
+
+    def _latent_attention(self, layer: int, h: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        """DeepSeek's multi-head latent attention: the cache keeps the normed KV latent and the
+        roped shared key; keys and values are expanded from them (kv_b_proj) for each step."""
+        cfg, w = self.cfg, self.layers[layer]
+        nope, rope_dim, vdim, heads = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.num_heads
+        x = rms_norm(h, w["in_norm"], cfg.rms_norm_eps)
+        n = x.shape[0]
+        if cfg.q_lora_rank:
+            q = F.linear(rms_norm(F.linear(x, w["q_a"]), w["q_a_norm"], 1e-6), w["q_b"])
+        else:
+            q = F.linear(x, w["q"])
+        q = q.view(n, heads, nope + rope_dim)
+        q_pass, q_rot = q[..., :nope], q[..., nope:]
+        latent, k_rot = F.linear(x, w["kv_a"]).split([cfg.kv_lora_rank, rope_dim], dim=-1)
+        latent = rms_norm(latent, w["kv_a_norm"], 1e-6)
+        rotate = _rope_interleaved if cfg.rope_interleave else apply_rope
+        q_rot = rotate(q_rot, batch.cos, batch.sin)
+        k_rot = rotate(k_rot.view(n, 1, rope_dim), batch.cos, batch.sin)
+        query = torch.cat((q_pass, q_rot), dim=-1)
+
+        def expand(lat: torch.Tensor, kr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """(B, 1, T, r) latent + (B, 1, T, d) shared key -> keys (B, H, T, nope+d), values (B, H, T, v)."""
+            b, _, t, _ = lat.shape
+            kv = F.linear(lat[:, 0], w["kv_b"]).view(b, t, heads, nope + vdim).transpose(1, 2)
+            keys = torch.cat((kv[..., :nope], kr.expand(b, heads, t, rope_dim)), dim=-1)
+            return keys, kv[..., nope:]
+
+        out = self._attend(layer, query, latent.view(n, 1, -1), k_rot, batch, cache, expand, None)
+        return h + F.linear(out.reshape(n, heads * vdim), w["o"], w["o_bias"])
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch,
+                cache: KVCache, expand, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Writes k, v (N, heads, dim) into the cache, then attends each token to its sequence's
+        cached positions (causal; within the layer's sliding window when it has one). `expand`
+        turns cached (B, heads, T, dim) keys/values into the attention's."""
+        window = self.cfg.sliding(layer)
+        n, heads = q.shape[0], q.shape[1]
+        out = None
         ck, cv = cache.k[layer], cache.v[layer]
         for i, c in enumerate(batch.chunks):  # write keys/values first: decode attends to itself
             o, m = batch.offsets[i], len(c.tokens)
@@ -177,34 +273,97 @@ class DenseModel:
             c, o = batch.chunks[i], batch.offsets[i]
             m, total = len(c.tokens), c.start + len(c.tokens)
             qi = q[o:o + m].transpose(0, 1).unsqueeze(0)          # (1, H, m, d)
-            ki = ck[c.slot, :, :total].unsqueeze(0)                # (1, KVH, total, d)
-            vi = cv[c.slot, :, :total].unsqueeze(0)
-            mask = torch.ones(m, total, dtype=torch.bool, device=h.device).tril(diagonal=c.start)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+            ki, vi = expand(ck[c.slot, :, :total].unsqueeze(0), cv[c.slot, :, :total].unsqueeze(0))
+            mask = torch.ones(m, total, dtype=torch.bool, device=q.device).tril(diagonal=c.start)
+            if window:
+                mask &= torch.ones(m, total, dtype=torch.bool, device=q.device).triu(diagonal=c.start - window + 1)
+            oi = self._sdpa(qi, ki, vi, mask, sinks)
+            if out is None:
+                out = q.new_empty(n, heads, oi.shape[-1])
             out[o:o + m] = oi[0].transpose(0, 1)
         if batch.decode:
             idx = batch.decode
-            rows = torch.tensor([batch.offsets[i] for i in idx], device=h.device)
-            slots = torch.tensor([batch.chunks[i].slot for i in idx], device=h.device)
+            rows = torch.tensor([batch.offsets[i] for i in idx], device=q.device)
+            slots = torch.tensor([batch.chunks[i].slot for i in idx], device=q.device)
             lengths_list = [batch.chunks[i].start + 1 for i in idx]
-            lengths = torch.tensor(lengths_list, device=h.device)
+            lengths = torch.tensor(lengths_list, device=q.device)
             longest = max(lengths_list)  # from the host: no device round trip
-            kd = ck[slots, :, :longest]                            # (B, KVH, L, d)
-            vd = cv[slots, :, :longest]
+            kd, vd = expand(ck[slots, :, :longest], cv[slots, :, :longest])  # (B, KVH, L, d)
             qd = q[rows].unsqueeze(2)                              # (B, H, 1, d)
-            mask = (torch.arange(longest, device=h.device)[None, :] < lengths[:, None])[:, None, None, :]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+            pos = torch.arange(longest, device=q.device)[None, :]
+            mask = pos < lengths[:, None]
+            if window:
+                mask &= pos > lengths[:, None] - 1 - window
+            od = self._sdpa(qd, kd, vd, mask[:, None, None, :], sinks)
+            if out is None:
+                out = q.new_empty(n, heads, od.shape[-1])
             out[rows] = od[:, :, 0]
-        return h + F.linear(out.reshape(n, cfg.num_heads * cfg.head_dim), w["o"])
+        return out
 
-    def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(post_attention_layernorm(h), top-k expert indices, their weights)."""
-        w = self.layers[layer]
-        x = rms_norm(h, w["post_norm"], self.cfg.rms_norm_eps)
-        indices, weights = route(x, w["gate"], self.cfg.top_k)
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              sinks: torch.Tensor | None) -> torch.Tensor:
+        if sinks is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+        # gpt_oss: each head's softmax also spans a learned sink logit, whose share is dropped
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        logits = torch.matmul(q, k.transpose(2, 3)) * self.scaling
+        logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+        b, h, m, _ = logits.shape
+        combined = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(b, h, m, 1).to(logits.dtype)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        return torch.matmul(probs.to(v.dtype), v)
+
+    def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(post_attention_layernorm(h), top-k expert indices, their weights); indices and
+        weights are None in a layer without routed experts."""
+        cfg, w = self.cfg, self.layers[layer]
+        x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
+        if "gate" not in w:
+            return x, None, None
+        indices, weights = self.pick(layer, x)
         return x, indices, weights
+
+    def pick(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router of a sparse layer on normed hidden states x: (indices, weights)."""
+        cfg, w = self.cfg, self.layers[layer]
+        if cfg.router == "topk_softmax":
+            return route_topk_softmax(x, w["gate"], w["gate_bias"], cfg.top_k)
+        if cfg.router == "sigmoid_group":
+            return route_sigmoid_group(x, w["gate"], w["correction"], cfg.top_k, cfg.n_group, cfg.topk_group,
+                                       cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        return route(x, w["gate"], cfg.top_k, cfg.norm_topk_prob)
+
+    def local(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        """What this layer computes here beside the routed experts: the dense MLP of a layer
+        without experts, the (gated) shared expert of one with them, or None."""
+        w = self.layers[layer]
+        if "mlp" in w:
+            return mlp(x, *w["mlp"])
+        if "shared" in w:
+            out = mlp(x, *w["shared"])
+            if "shared_gate" in w:
+                out = torch.sigmoid(F.linear(x, w["shared_gate"])) * out
+            return out
+        return None
+
+    @staticmethod
+    def residual(h: torch.Tensor, moe: torch.Tensor | None, local: torch.Tensor | None) -> torch.Tensor:
+        """h + the layer's MLP output: routed experts' plus shared, in transformers' order."""
+        if moe is None:
+            return h + local
+        return h + (moe if local is None else moe + local)
 
     def logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         if rows is not None:
             h = h[rows]
         return F.linear(rms_norm(h, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)
+
+
+def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rope over interleaved pairs (x0, x1), (x2, x3), ... as transformers computes it."""
+    half = cos.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

@@ -5,24 +5,20 @@ from __future__ import annotations
 import torch
 
 from .checkpoint import Checkpoint
-from .layers import combine, expert_mlp, group_by_expert
+from .layers import combine, expert_forward, group_by_expert
 
 
 class LocalExperts:
-    """All (or some) experts of a checkpoint in this process, in compute layout."""
+    """All (or some) routed experts of a checkpoint in this process, in compute layout."""
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, experts: list[tuple[int, int]] | None = None):
-        cfg = ckpt.config
-        ids = experts if experts is not None else [(l, e) for l in range(cfg.num_layers) for e in range(cfg.num_experts)]
+        cfg = self.cfg = ckpt.config
+        ids = experts if experts is not None else [(l, e) for l in cfg.sparse_layers for e in range(cfg.num_experts)]
         self.weights = {eid: {k: t.contiguous() for k, t in ckpt.expert(*eid, dtype=dtype).items()} for eid in ids}
 
     def forward(self, layer: int, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """{expert: its tokens' hidden states} -> {expert: its outputs}."""
-        out = {}
-        for e, x in inputs.items():
-            w = self.weights[(layer, e)]
-            out[e] = expert_mlp(x, w["w1"], w["w2"], w["w3"])
-        return out
+        return {e: expert_forward(self.cfg, x, self.weights[(layer, e)]) for e, x in inputs.items()}
 
     def moe(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         groups = group_by_expert(indices)
@@ -31,17 +27,16 @@ class LocalExperts:
 
 
 def compute_rows(weights: dict, keys: list[tuple[int, int]], counts: list[int], x: torch.Tensor,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, cfg) -> None:
     """`counts[i]` rows of x for expert keys[i], written into out. The rows go to the weights'
     device and back when they differ (rows from the socket into a GPU hot tier); rows that came
     on a device link are already there."""
-    device = weights[keys[0]]["w1"].device if keys else x.device
+    device = next(iter(weights[keys[0]].values())).device if keys else x.device
     xd = x if x.device == device else x.to(device, non_blocking=True)
     od = out if out.device == device else torch.empty_like(xd)
     start = 0
     for key, n in zip(keys, counts):
-        w = weights[key]
-        expert_mlp(xd[start:start + n], w["w1"], w["w2"], w["w3"], out=od[start:start + n])
+        expert_forward(cfg, xd[start:start + n], weights[key], out=od[start:start + n])
         start += n
     if od is not out:
         out.copy_(od)

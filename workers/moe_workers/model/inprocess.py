@@ -14,8 +14,8 @@ from .sampling import sample
 
 class InProcessModel:
     def __init__(self, path: str | Path, dtype: str | torch.dtype | None = None, max_len: int | None = None,
-                 max_sequences: int = 8):
-        self.ckpt = Checkpoint(path)
+                 max_sequences: int = 8, family: str | None = None):
+        self.ckpt = Checkpoint(path, family)
         self.cfg = self.ckpt.config.with_dtype(dtype)
         self.dense = DenseModel(self.cfg, self.ckpt.dense_state())
         self.experts = LocalExperts(self.ckpt, self.cfg.dtype)
@@ -30,7 +30,8 @@ class InProcessModel:
         for layer in range(self.cfg.num_layers):
             h = self.dense.attention(layer, h, batch, self.cache)
             x, indices, weights = self.dense.route(layer, h)
-            h = h + self.experts.moe(layer, x, indices, weights)
+            moe = None if indices is None else self.experts.moe(layer, x, indices, weights)
+            h = self.dense.residual(h, moe, self.dense.local(layer, x))
         return self.dense.logits(h, None if all_rows else batch.last_rows)
 
     def prompt_logits(self, ids: list[int]) -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""Mixtral building blocks, computed the way Hugging Face transformers computes them.
+"""MoE building blocks, computed the way Hugging Face transformers computes them.
 
-Precision choices follow transformers' modeling_mixtral: RMSNorm in float32 then cast back,
-rotary cos/sin in float32, router softmax in float32 with top-k renormalisation, and each
-expert's weighted contribution cast to the hidden dtype before it is accumulated.
+Precision choices follow transformers' modeling files (mixtral, qwen2/3_moe, olmoe, deepseek_v3,
+gpt_oss): RMSNorm in float32 then cast back, rotary cos/sin in float32 (scaled by YaRN's
+attention factor when configured), routers in float32, and each expert's weighted contribution
+cast to the hidden dtype before it is accumulated.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +25,57 @@ def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_parameters(head_dim: int, theta: float, params: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, the factor cos/sin are scaled by): plain rope, or YaRN as
+    transformers' _compute_yarn_parameters computes it."""
+    if params.get("rope_type", "default") != "yarn":
+        return rope_inv_freq(head_dim, theta), 1.0
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_positions / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all))
+                            if mscale and mscale_all else _yarn_mscale(factor))
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(torch.float) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor
+
+
+def attention_mscale(params: dict) -> float:
+    """DeepSeek's softmax scale correction under YaRN (mscale_all_dim), squared as transformers applies it."""
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        m = _yarn_mscale(params["factor"], params["mscale_all_dim"])
+        return m * m
+    return 1.0
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (N, head_dim) for integer positions (N,)."""
     freqs = positions[:, None].float() * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if scaling == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -39,12 +88,46 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
-def route(x: torch.Tensor, gate: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k router: (indices (N, k), renormalised float32 weights (N, k))."""
+def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k router (mixtral, qwen, olmoe): (indices (N, k), float32 weights (N, k)),
+    renormalised over the k when `norm`."""
     probs = torch.softmax(F.linear(x, gate).float(), dim=-1)
     weights, indices = torch.topk(probs, top_k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
     return indices, weights
+
+
+def route_topk_softmax(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt_oss: top-k of the biased logits, then a softmax over those k only."""
+    logits = F.linear(x, gate, bias)
+    values, indices = torch.topk(logits, top_k, dim=-1)
+    return indices, torch.softmax(values, dim=1, dtype=values.dtype)
+
+
+def route_sigmoid_group(x: torch.Tensor, gate: torch.Tensor, correction: torch.Tensor, top_k: int, n_group: int,
+                        topk_group: int, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3: sigmoid scores; the correction bias steers the choice only; experts are
+    chosen within the `topk_group` groups whose two best biased scores sum highest; weights are
+    the unbiased scores, renormalised when `norm`, times `scale`."""
+    scores = F.linear(x.float(), gate.float()).sigmoid()
+    n, e = scores.shape
+    choice = scores + correction
+    group_scores = choice.view(n, n_group, e // n_group).topk(2 if e // n_group > 1 else 1, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(n, n_group, e // n_group).reshape(n, e)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    indices = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, indices)
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return indices, weights * scale
+
+
+def mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A dense SwiGLU MLP (dense layers, shared experts): down(silu(gate x) * up x)."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
@@ -61,6 +144,27 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
     if out is None:
         return F.linear(gate, w2)
     return torch.mm(gate, w2.t(), out=out)
+
+
+def expert_forward(cfg, x: torch.Tensor, w: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """One routed expert of the model's family on rows x (its parts: `cfg.expert_parts()`)."""
+    if cfg.expert_act == "gpt_oss":
+        return gpt_oss_expert(x, w, cfg.swiglu_alpha, cfg.swiglu_limit, out)
+    return expert_mlp(x, w["w1"], w["w2"], w["w3"], out=out)
+
+
+def gpt_oss_expert(x: torch.Tensor, w: dict[str, torch.Tensor], alpha: float, limit: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """gpt_oss' clamped SwiGLU with biases; gate and up interleaved in gate_up's columns."""
+    gate_up = x @ w["gate_up"] + w["gate_up_bias"]
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    result = ((up + 1) * (gate * torch.sigmoid(gate * alpha))) @ w["down"] + w["down_bias"]
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def group_by_expert(indices: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -1,8 +1,11 @@
-"""Write a random Mixtral checkpoint in Hugging Face layout (config.json + safetensors).
+"""Write a random MoE checkpoint of any supported family in Hugging Face layout (config.json +
+safetensors).
 
 For quickstarts, benchmarks and tests that need a model of a chosen size without a hub: the
-file layout, tensor names and config keys are those transformers writes, so the same loaders
-read it. Expert weights are drawn with a scale that keeps activations finite through the layers.
+config keys, tensor names, shapes and file layout are those transformers writes for the family
+(tests load these files with transformers itself), so the same loaders read it. Weights are drawn
+with a scale that keeps activations finite through the layers; biases, sinks and DeepSeek's
+score correction are random too, so a part that is read wrongly changes the output.
 """
 
 from __future__ import annotations
@@ -13,46 +16,102 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import EXPERT_KEY
+from .family import SUPPORTED, parse
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                  "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
-def write_random_mixtral(path: str | Path, *, vocab_size: int = 512, hidden_size: int = 64,
-                         intermediate_size: int = 128, num_layers: int = 2, num_heads: int = 4,
-                         num_kv_heads: int = 2, num_experts: int = 8, top_k: int = 2,
-                         max_position_embeddings: int = 512, dtype: torch.dtype = torch.float32,
-                         seed: int = 0, router_scale: float = 1.0, max_shard_bytes: int = 2 * 2**30,
-                         progress=None) -> Path:
+def random_config(family: str, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
+                  num_heads: int, num_kv_heads: int, num_experts: int, top_k: int, max_position_embeddings: int,
+                  dtype: torch.dtype) -> dict:
+    """config.json of a `family` model with these dimensions (intermediate_size: a routed expert's;
+    dense MLPs and shared experts get twice that)."""
+    if family not in SUPPORTED:
+        raise ValueError(f"family {family!r} is not one of {', '.join(SUPPORTED)}")
+    head_dim = hidden_size // num_heads
+    c = {"architectures": [_ARCHITECTURES[family]], "model_type": family, "vocab_size": vocab_size,
+         "hidden_size": hidden_size, "num_hidden_layers": num_layers, "num_attention_heads": num_heads,
+         "num_key_value_heads": num_kv_heads, "num_experts_per_tok": top_k, "hidden_act": "silu",
+         "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-6,
+         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "tie_word_embeddings": False,
+         "bos_token_id": 1, "eos_token_id": 2, "dtype": _DTYPE_NAMES[dtype]}
+    if family == "mixtral":
+        c.update(intermediate_size=intermediate_size, num_local_experts=num_experts, head_dim=head_dim,
+                 rms_norm_eps=1e-5, rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    elif family in ("qwen3_moe", "qwen2_moe"):
+        c.update(intermediate_size=2 * intermediate_size, moe_intermediate_size=intermediate_size,
+                 num_experts=num_experts, decoder_sparse_step=1, mlp_only_layers=[0] if num_layers > 2 else [],
+                 use_sliding_window=False, sliding_window=None)
+        if family == "qwen3_moe":
+            c.update(head_dim=head_dim, norm_topk_prob=True, attention_bias=False)
+        else:
+            c.update(shared_expert_intermediate_size=2 * intermediate_size, norm_topk_prob=False, qkv_bias=True,
+                     layer_types=["full_attention"] * num_layers)
+    elif family == "olmoe":
+        c.update(intermediate_size=intermediate_size, num_experts=num_experts, norm_topk_prob=False,
+                 attention_bias=False, clip_qkv=None)
+    elif family == "deepseek_v3":
+        groups = 2 if num_experts % 2 == 0 and num_experts >= 4 else 1
+        c.update(intermediate_size=2 * intermediate_size, moe_intermediate_size=intermediate_size,
+                 n_routed_experts=num_experts, n_shared_experts=1, first_k_dense_replace=1 if num_layers > 1 else 0,
+                 n_group=groups, topk_group=1 if groups > 1 and top_k <= num_experts // groups else groups,
+                 routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=max(8, hidden_size // 2),
+                 kv_lora_rank=max(8, hidden_size // 4), qk_nope_head_dim=head_dim,
+                 qk_rope_head_dim=max(2, head_dim // 2), v_head_dim=head_dim, head_dim=max(2, head_dim // 2),
+                 num_key_value_heads=num_heads, rope_interleave=True, attention_bias=False)
+    else:  # gpt_oss (YaRN as gpt-oss ships it: 4k pretraining context stretched 32x, here scaled down)
+        original = max(8, max_position_embeddings // 8)
+        c.update(intermediate_size=intermediate_size, num_local_experts=num_experts, head_dim=head_dim,
+                 attention_bias=True, sliding_window=min(128, max(4, max_position_embeddings // 4)),
+                 layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+                 swiglu_alpha=1.702, swiglu_limit=7.0,
+                 rope_parameters={"rope_theta": 150000.0, "rope_type": "yarn", "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "factor": max_position_embeddings / original,
+                                  "original_max_position_embeddings": original})
+    return c
+
+
+def write_random_checkpoint(path: str | Path, family: str = "mixtral", *, vocab_size: int = 512,
+                            hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2,
+                            num_heads: int = 4, num_kv_heads: int = 2, num_experts: int = 8, top_k: int = 2,
+                            max_position_embeddings: int = 512, dtype: torch.dtype = torch.float32, seed: int = 0,
+                            router_scale: float = 1.0, max_shard_bytes: int = 2 * 2**30, progress=None) -> Path:
     """Returns the directory. `router_scale` > 1 sharpens routing; `progress(done, total)` is called per layer."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    config = random_config(family, vocab_size=vocab_size, hidden_size=hidden_size,
+                           intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
+                           num_kv_heads=num_kv_heads, num_experts=num_experts, top_k=top_k,
+                           max_position_embeddings=max_position_embeddings, dtype=dtype)
+    arch = parse(config, "random config")
     g = torch.Generator().manual_seed(seed)
-    head_dim = hidden_size // num_heads
 
-    def rand(*shape, std=0.02):
+    def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        last = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=dtype)
+        if last == "e_score_correction_bias":
+            return (torch.rand(shape, generator=g) * 0.1).to(dtype)
+        if last == "sinks":
+            return torch.randn(shape, generator=g).to(dtype)
+        std = 0.02 * router_scale if last in ("gate", "router") else 0.02
         return (torch.randn(*shape, generator=g) * std).to(dtype)
 
-    tensors: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": rand(vocab_size, hidden_size),
-        "model.norm.weight": torch.ones(hidden_size, dtype=dtype),
-        "lm_head.weight": rand(vocab_size, hidden_size),
-    }
-    for layer in range(num_layers):
-        p = f"model.layers.{layer}."
-        tensors[p + "self_attn.q_proj.weight"] = rand(num_heads * head_dim, hidden_size)
-        tensors[p + "self_attn.k_proj.weight"] = rand(num_kv_heads * head_dim, hidden_size)
-        tensors[p + "self_attn.v_proj.weight"] = rand(num_kv_heads * head_dim, hidden_size)
-        tensors[p + "self_attn.o_proj.weight"] = rand(hidden_size, num_heads * head_dim)
-        tensors[p + "input_layernorm.weight"] = torch.ones(hidden_size, dtype=dtype)
-        tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden_size, dtype=dtype)
-        tensors[p + "block_sparse_moe.gate.weight"] = rand(num_experts, hidden_size, std=0.02 * router_scale)
-        for e in range(num_experts):
-            tensors[EXPERT_KEY.format(layer=layer, expert=e, w="w1")] = rand(intermediate_size, hidden_size)
-            tensors[EXPERT_KEY.format(layer=layer, expert=e, w="w2")] = rand(hidden_size, intermediate_size)
-            tensors[EXPERT_KEY.format(layer=layer, expert=e, w="w3")] = rand(intermediate_size, hidden_size)
-        if progress:
-            progress(layer + 1, num_layers)
+    tensors: dict[str, torch.Tensor] = {}
+    layer_seen = -1
+    for name, shape in arch.tensor_shapes().items():
+        tensors[name] = value(name, shape)
+        if progress and name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            if layer != layer_seen:
+                if layer_seen >= 0:
+                    progress(layer_seen + 1, num_layers)
+                layer_seen = layer
+    if progress:
+        progress(num_layers, num_layers)
 
     # shard like transformers: model-0000k-of-0000n.safetensors + index when more than one file
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -75,14 +134,9 @@ def write_random_mixtral(path: str | Path, *, vocab_size: int = 512, hidden_size
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         (path / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    config = {
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": vocab_size,
-        "hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
-        "num_local_experts": num_experts, "num_experts_per_tok": top_k, "hidden_act": "silu",
-        "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "tie_word_embeddings": False,
-        "bos_token_id": 1, "eos_token_id": 2, "dtype": _DTYPE_NAMES[dtype],
-    }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def write_random_mixtral(path: str | Path, **kwargs) -> Path:
+    return write_random_checkpoint(path, "mixtral", **kwargs)

@@ -158,7 +158,7 @@ class ExpertShard:
         with self.store.use(keys) as weights, torch.inference_mode():
             if prefetch:
                 self.store.prefetch(prefetch)  # loads overlap this call's compute
-            compute_rows(weights, keys, counts, x, out)
+            compute_rows(weights, keys, counts, x, out, self.cfg)
         with self._load_lock:
             for key, n in zip(keys, counts):
                 self.load[key] += n

@@ -1,11 +1,9 @@
-"""The cold tier: per-expert safetensors files in a local cache directory (ColdCache), and the
-safetensors header reader the store uses on them."""
+"""The cold tier: per-expert safetensors files in a local cache directory (ColdCache)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import threading
 from collections.abc import Callable
@@ -14,18 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .config import TierConfigError
 
 Key = tuple[int, int]  # (layer, expert)
-
-
-def safetensors_header(path: Path) -> tuple[int, dict]:
-    """(header length, header) of a safetensors file: JSON only, no tensor is loaded."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if n <= 0 or n > 100 << 20:
-            raise TierConfigError(f"{path}: not a safetensors file (header length {n})")
-        return n, json.loads(f.read(n))
 
 
 class ColdCache:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import queue
 import threading
@@ -31,12 +32,14 @@ from safetensors import safe_open
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.config import MoEConfig
 
-from .cold import ColdCache, safetensors_header as _safetensors_header
+from moe_workers.model.index import safetensors_header as _safetensors_header
+
+from .cold import ColdCache
 from .config import TierConfig, TierConfigError
 from moe_workers.device import DeviceOps, ops_for
 from .policy import Policy, make_policy
 from .slots import SlotPool
-from .versions import CHECKPOINT, SwapError, Version, content_digest
+from .versions import CHECKPOINT, SwapError, Version, content_digest, match_parts
 
 HOT, WARM, COLD, SOURCE = "hot", "warm", "cold", "source"
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -156,8 +159,7 @@ class TieredExpertStore:
 
     @property
     def expert_bytes(self) -> int:
-        h, i = self.model.hidden_size, self.model.intermediate_size
-        return 3 * h * i * torch.tensor([], dtype=self.dtype).element_size()
+        return self.model.expert_numel() * torch.tensor([], dtype=self.dtype).element_size()
 
     def _open_cold(self, cfg: TierConfig) -> ColdCache | None:
         """The cache directory; an unusable one degrades to reading from the source (reported in
@@ -220,11 +222,10 @@ class TieredExpertStore:
         return None if budget is None else budget // self.expert_bytes
 
     def _layout(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """w1, w2, w3 as views of one slot, in the compute dtype."""
-        h, i = self.model.hidden_size, self.model.intermediate_size
+        """The expert's parts (w1, w2, w3 for SwiGLU experts) as views of one slot, in the compute dtype."""
         out, offset = {}, 0
-        for name, shape in (("w1", (i, h)), ("w2", (h, i)), ("w3", (i, h))):
-            n = shape[0] * shape[1] * torch.tensor([], dtype=self.dtype).element_size()
+        for name, shape in self.model.expert_parts():
+            n = math.prod(shape) * torch.tensor([], dtype=self.dtype).element_size()
             out[name] = buf[offset:offset + n].view(self.dtype).view(shape)
             offset += n
         return out
@@ -277,10 +278,9 @@ class TieredExpertStore:
         return self.config.hot_budget if tier == HOT else self.config.warm_budget
 
     def _register(self, key: Key) -> None:
-        layer, expert = key
-        if not (0 <= layer < self.model.num_layers and 0 <= expert < self.model.num_experts):
-            raise TierConfigError(f"expert {layer}.{expert} does not exist "
-                                  f"({self.model.num_layers} layers x {self.model.num_experts} experts)")
+        problem = self.model.expert_problem(*key)
+        if problem:
+            raise TierConfigError(problem)
         version = Version(self._stream_from_checkpoint(key), CHECKPOINT)
         with self._cv:
             self.entries[key] = Entry(key, version, self.expert_bytes)
@@ -289,40 +289,32 @@ class TieredExpertStore:
         """The checkpoint version's digest, and its cold file, in one sequential pass over the
         bytes with a small buffer: registering hundreds of experts never maps them into memory
         (the digest equals content_digest of the same tensors)."""
-        names = self.ckpt.expert_names(*key)
+        ranges = self.ckpt.expert_ranges(*key)  # sorted by part: the order of a slot and a cache file
         h = hashlib.sha256()
         tmp = None
         out = None
         if self.cold is not None:
             tmp = self.cold.dir / f".register-{key[0]}.{key[1]}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            metas, chunks = [], 4 << 20
-            for w, name in sorted(zip(("w1", "w2", "w3"), names)):
-                file = self.ckpt.file_of(name)
-                header_len, header = _safetensors_header(file)
-                info = header[name]
-                metas.append((w, file, header_len, info))
+            chunks = 4 << 20
             if tmp is not None:
                 out = open(tmp, "wb")
                 layout, offset = {}, 0
-                for w, _, _, info in metas:
-                    n = info["data_offsets"][1] - info["data_offsets"][0]
-                    layout[w] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [offset, offset + n]}
-                    offset += n
+                for part, t in ranges:
+                    layout[part] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+                    offset += t.nbytes
                 head = json.dumps(layout, separators=(",", ":")).encode()
                 head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as safetensors writes it
                 out.write(len(head).to_bytes(8, "little") + head)
-            for w, file, header_len, info in metas:
-                dtype = _DTYPE_NAMES[info["dtype"]]
-                h.update(f"{w}|{dtype}|{tuple(info['shape'])}|".encode())
-                begin, end = info["data_offsets"]
-                with open(file, "rb", buffering=0) as f:
-                    f.seek(8 + header_len + begin)
-                    left = end - begin
+            for part, t in ranges:
+                h.update(f"{part}|{_DTYPE_NAMES[t.dtype]}|{tuple(t.shape)}|".encode())
+                with open(t.file, "rb", buffering=0) as f:
+                    f.seek(t.offset)
+                    left = t.nbytes
                     while left:
                         chunk = f.read(min(chunks, left))
                         if not chunk:
-                            raise TierConfigError(f"{file}: truncated while reading {info}")
+                            raise TierConfigError(f"{t.file}: truncated while reading expert {key[0]}.{key[1]} ({part})")
                         h.update(chunk)
                         if out is not None:
                             out.write(chunk)
@@ -332,8 +324,7 @@ class TieredExpertStore:
                 out.close()
                 out = None
                 with self._cv:
-                    self.cold.adopt(key, digest, tmp, sum(e["data_offsets"][1] - e["data_offsets"][0]
-                                                          for _, _, _, e in metas), self._cold_evictor(key))
+                    self.cold.adopt(key, digest, tmp, sum(t.nbytes for _, t in ranges), self._cold_evictor(key))
             return digest
         finally:
             if out is not None:
@@ -697,7 +688,7 @@ class TieredExpertStore:
         with open(path, "rb", buffering=0) as f:
             fd = f.fileno()
             size = os.fstat(fd).st_size
-            want = {"w1", "w2", "w3"}
+            want = {name for name, _ in self.model.expert_parts()}
             if set(header) - {"__metadata__"} != want or any(
                     header[w]["dtype"] != _SAFETENSORS_DTYPES.get(self.dtype) for w in want):
                 with safe_open(path, framework="pt") as g:
@@ -728,13 +719,8 @@ class TieredExpertStore:
     def _read_source(self, key: Key, version: Version) -> dict[str, torch.Tensor]:
         if version.source == CHECKPOINT:
             return self.ckpt.expert(*key)
-        with safe_open(version.source, framework="pt") as f:
-            names = list(f.keys())
-            raw = {}
-            for n in names:
-                w = n.split(".")[-2] if n.endswith(".weight") else n
-                raw[w] = f.get_tensor(n)
-        return raw
+        with safe_open(version.source, framework="pt") as f:  # validated when the swap was accepted
+            return {part: f.get_tensor(name) for part, name in match_parts(self.model, *key, list(f.keys())).items()}
 
     def _write_cold_if_current(self, key: Key, version: Version, raw: dict[str, torch.Tensor]) -> None:
         with self._cv:

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from moe_workers.model.checkpoint import EXPERT_KEY, EXPERT_WEIGHTS
 from moe_workers.model.config import MoEConfig
 from moe_workers.paths import within_roots
 
@@ -57,18 +56,31 @@ def check_allowed(path: str | Path, allowed_roots: list[str]) -> Path:
     raise SwapError(f"{path}: outside the allowed weight roots ({', '.join(allowed_roots) or 'none configured'})")
 
 
-def expected_shapes(cfg: MoEConfig) -> dict[str, tuple[int, ...]]:
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
+def match_parts(cfg: MoEConfig, layer: int, expert: int, names: list[str]) -> dict[str, str]:
+    """{part: tensor name} for the parts of one expert found among `names`: the checkpoint's own
+    per-expert name, a short alias (`cfg.swap_aliases()`, e.g. w1.weight or gate_proj.weight), or
+    the part's own name (w1, gate_up: what the store's files use)."""
+    own = {part: name for part, name, index in cfg.expert_sources(layer, expert) if index is None}
+    found = {}
+    for part, aliases in cfg.swap_aliases().items():
+        for candidate in ((own[part],) if part in own else ()) + aliases + (part,):
+            if candidate in names:
+                found[part] = candidate
+                break
+    return found
 
 
 def load_expert_file(path: str | Path, layer: int, expert: int, cfg: MoEConfig, allowed_roots: list[str],
                      sha256: str | None = None) -> dict[str, torch.Tensor]:
-    """Read and validate one expert's replacement weights; {'w1','w2','w3'} tensors in host memory.
+    """Read and validate one routed expert's replacement weights: {part: tensor} in host memory.
 
-    Accepted names: the checkpoint's (model.layers.L.block_sparse_moe.experts.E.wN.weight) or
-    the short wN.weight. Checks: allowed root, a regular safetensors file, sha256 when given,
-    exactly the three tensors, shapes and dtype as the model's config says, finite values."""
+    Accepted names: the checkpoint's own for that expert (e.g. model.layers.L.mlp.experts.E.gate_proj.weight)
+    or a short alias (`MoEConfig.swap_aliases`: w1.weight, gate_proj.weight, gate_up_proj, ...). Checks:
+    allowed root, a regular safetensors file, sha256 when given, exactly the expert's tensors,
+    shapes and dtype as the model's config says, finite values."""
+    problem = cfg.expert_problem(layer, expert)
+    if problem:
+        raise SwapError(f"{problem}; only routed experts can be swapped (shared experts and dense layers live in the ingress)")
     resolved = check_allowed(path, allowed_roots)
     if not resolved.is_file():
         raise SwapError(f"{path}: no such file")
@@ -81,15 +93,11 @@ def load_expert_file(path: str | Path, layer: int, expert: int, cfg: MoEConfig, 
     try:
         with safe_open(resolved, framework="pt") as f:
             names = list(f.keys())
-            found: dict[str, str] = {}
-            for w in EXPERT_WEIGHTS:
-                for candidate in (EXPERT_KEY.format(layer=layer, expert=expert, w=w), f"{w}.weight"):
-                    if candidate in names:
-                        found[w] = candidate
-                        break
-            missing = [w for w in EXPERT_WEIGHTS if w not in found]
+            found = match_parts(cfg, layer, expert, names)
+            aliases = cfg.swap_aliases()
+            missing = [aliases[p][0] for p, _ in cfg.expert_parts() if p not in found]
             if missing:
-                raise SwapError(f"{path}: missing tensor(s) {', '.join(m + '.weight' for m in missing)} for expert "
+                raise SwapError(f"{path}: missing tensor(s) {', '.join(missing)} for expert "
                                 f"{layer}.{expert} (found {', '.join(sorted(names)[:6]) or 'none'})")
             extra = sorted(set(names) - set(found.values()))
             if extra:
@@ -99,7 +107,7 @@ def load_expert_file(path: str | Path, layer: int, expert: int, cfg: MoEConfig, 
         raise SwapError(f"{path}: not a valid safetensors file ({err})") from None
     except OSError as err:
         raise SwapError(f"{path}: cannot read ({err.strerror or err})") from None
-    shapes = expected_shapes(cfg)
+    shapes = dict(cfg.expert_parts())
     for w, t in tensors.items():
         if tuple(t.shape) != shapes[w]:
             raise SwapError(f"{path}: {w} has shape {tuple(t.shape)}, the model needs {shapes[w]}")
