@@ -82,11 +82,11 @@ def placement_step(facts, spec: MoEDeploymentSpec, status: dict, ingress_now: di
     """Where routing and hosting go this pass: the deployed placement kept (or re-planned when the
     model or the group count changed), and a target in status.autoscaling applied make-before-break.
     `reports()` gives the replicas' own reports, read only while a target waits to be switched to."""
-    base = current_placement(facts.num_layers, facts.num_experts, spec.experts.groups, ingress_now)
+    base = current_placement(facts.layers, facts.num_experts, spec.experts.groups, ingress_now)
     kept = ingress_now is not None and base == ingress_now
     auto = status.get("autoscaling") or {}
     target = auto.get("target")
-    if target is not None and placement_problem(target, facts.num_layers, facts.num_experts, spec.experts.groups):
+    if target is not None and placement_problem(target, facts.layers, facts.num_experts, spec.experts.groups):
         target = None  # the spec changed under it (groups, model): the next decision plans afresh
     shards = shards_now if kept else None
     waiting = target is not None and not transition.same_placement(target, base)
@@ -216,9 +216,9 @@ def _validated(raw_spec, spec, allowed_roots, result: _Outcome):
             spec = parse_spec(raw_spec)
         except SpecError as err:
             return None, None, result(False, cond.INVALID_SPEC, str(err), "Warning")
-    facts, problems = validate_semantics(spec, allowed_roots)
+    facts, problems, reason = validate_semantics(spec, allowed_roots)
     if problems:
-        return None, None, result(False, cond.INVALID_SPEC, "; ".join(problems), "Warning")
+        return None, None, result(False, reason or cond.INVALID_SPEC, "; ".join(problems), "Warning")
     return spec, facts, None
 
 

@@ -65,7 +65,7 @@ def test_expert_id_rejects(bad):
 
 def test_defaults_fill_in():
     spec = parse_spec(VALID["spec"])
-    assert spec.model.family == "mixtral" and spec.model.dtype == "auto"
+    assert spec.model.family is None and spec.model.dtype == "auto"  # None: config.json's model_type
     assert spec.ray.mode == "Existing" and spec.ray.address is None
     assert spec.experts.replicas_per_group == 1
     assert spec.experts.tiers.policy == "RecencyFrequency"

@@ -31,14 +31,14 @@ def _spec(model_dir, **experts):
 
 
 def test_valid_spec_passes(model_dir):
-    facts, problems = validate_semantics(_spec(model_dir), [str(model_dir)])
+    facts, problems, _ = validate_semantics(_spec(model_dir), [str(model_dir)])
     assert problems == [] and facts.num_experts == 4 and facts.expert_bytes() == 3 * 32 * 64 * 4
 
 
 @pytest.mark.parametrize("mutate,needle", [
     (lambda s, d: s.model.__setattr__("path", "/etc"), "outside the allowed model roots"),
     (lambda s, d: s.model.__setattr__("path", str(d)), "has no readable config.json"),
-    (lambda s, d: s.experts.overrides[0].__setattr__("expert", "2.0"), "overrides[0].expert 2.0 does not exist: the model has 2 layers x 4 experts"),
+    (lambda s, d: s.experts.overrides[0].__setattr__("expert", "2.0"), "overrides[0].expert 2.0 does not exist: the model has 2 layers x 4 routed experts"),
     (lambda s, d: s.experts.overrides[0].__setattr__("expert", "1.4"), "does not exist"),
     (lambda s, d: s.experts.overrides[0].weights.__setattr__("path", "/tmp/x.safetensors"), "outside the allowed weight roots"),
     (lambda s, d: s.experts.tiers.hot.__setattr__("budget", "1Ki"), "smaller than one batch's working set"),
@@ -46,7 +46,7 @@ def test_valid_spec_passes(model_dir):
 def test_semantic_problems_name_what_to_fix(model_dir, mutate, needle):
     spec = _spec(model_dir)
     mutate(spec, model_dir)
-    _, problems = validate_semantics(spec, [str(model_dir)])
+    _, problems, _ = validate_semantics(spec, [str(model_dir)])
     assert any(needle in p for p in problems), problems
 
 
@@ -58,12 +58,12 @@ def test_model_shape_stands_in_for_an_unreadable_config_and_must_agree_with_a_re
     spec.model.shape = shape
     assert validate_semantics(spec, [str(model_dir)])[1] == []  # agrees with config.json
     spec.model.shape = shape.model_copy(update={"num_experts": 8})
-    _, problems = validate_semantics(spec, [str(model_dir)])
+    _, problems, _ = validate_semantics(spec, [str(model_dir)])
     assert problems == [f"spec.model.shape disagrees with {model_dir / 'm'}/config.json: num_experts 8 (config.json: 4)"]
     # not readable here (on the Ray Pods): the shape gives the facts, and its checks still apply
     spec.model.path = str(model_dir / "on-the-pods")
     spec.model.shape = shape
-    facts, problems = validate_semantics(spec, [str(model_dir)])
+    facts, problems, _ = validate_semantics(spec, [str(model_dir)])
     assert problems == [] and facts.num_experts == 4
     spec.experts.overrides[0].expert = "1.4"
     assert "1.4 does not exist" in validate_semantics(spec, [str(model_dir)])[1][0]
@@ -73,7 +73,7 @@ def test_symlink_out_of_root_is_refused(model_dir, tmp_path):
     (model_dir / "escape").symlink_to("/etc")
     spec = _spec(model_dir)
     spec.model.path = str(model_dir / "escape")
-    _, problems = validate_semantics(spec, [str(model_dir)])
+    _, problems, _ = validate_semantics(spec, [str(model_dir)])
     assert "outside the allowed model roots" in problems[0]
 
 
@@ -148,3 +148,57 @@ def test_delete_needs_nothing_from_ray_only_when_nothing_was_deployed(status, ex
     from moe_operator.reconcile import never_deployed
 
     assert never_deployed(status) is expected
+
+
+def test_family_facts_unsupported_types_and_contradicting_tensors(model_dir):
+    """The operator (no torch) reads a family's facts from config.json and the safetensors
+    headers: sparse layers and expert bytes as the family lays them out; an unsupported
+    model_type is UnsupportedModel naming what is supported; a tensor that contradicts the
+    config is InvalidSpec naming the file and the tensor."""
+    import json
+
+    from moe_workers.model.random_init import write_random_checkpoint
+
+    root = model_dir / "families"
+    write_random_checkpoint(root / "ds", "deepseek_v3", num_layers=3, num_experts=4, hidden_size=32,
+                            intermediate_size=16, num_heads=4, num_kv_heads=4, vocab_size=64)
+    write_random_checkpoint(root / "oss", "gpt_oss", num_layers=2, num_experts=4, hidden_size=32,
+                            intermediate_size=16, num_heads=4, num_kv_heads=2, vocab_size=64)
+    spec = _spec(model_dir)
+    spec.experts.overrides = []
+    spec.model.path = str(root / "ds")
+    facts, problems, reason = validate_semantics(spec, [str(model_dir)])
+    assert problems == [] and facts.family == "deepseek_v3" and facts.layers == (1, 2)
+    assert facts.expert_bytes() == 3 * 32 * 16 * 4
+    spec.model.path = str(root / "oss")
+    facts, _, _ = validate_semantics(spec, [str(model_dir)])
+    assert facts.expert_bytes() == (32 * 32 + 32 + 16 * 32 + 32) * 4  # gate_up + bias, down + bias
+
+    spec = _spec(model_dir)
+    spec.model.path = str(root / "ds")
+    spec.experts.overrides[0].expert = "0.1"  # layer 0 is dense (first_k_dense_replace)
+    _, problems, reason = validate_semantics(spec, [str(model_dir)])
+    assert reason == "InvalidSpec" and "0.1 does not exist: layer 0 of this deepseek_v3 model is a dense MLP" in problems[0]
+
+    cfg_file = root / "oss" / "config.json"
+    raw = json.loads(cfg_file.read_text())
+    cfg_file.write_text(json.dumps({**raw, "model_type": "jamba"}))
+    spec.model.path = str(root / "oss")
+    _, problems, reason = validate_semantics(spec, [str(model_dir)])
+    assert reason == "UnsupportedModel" and "model_type 'jamba' is not supported (supported: mixtral, qwen3_moe" in problems[0]
+    spec.model.family = "gpt_oss"  # the spec's override reads it as gpt_oss
+    assert validate_semantics(spec, [str(model_dir)])[1] == []
+    cfg_file.write_text(json.dumps({**raw, "intermediate_size": 20}))
+    spec.model.family = None
+    _, problems, reason = validate_semantics(spec, [str(model_dir)])
+    assert reason == "InvalidSpec" and "model.safetensors: tensor model.layers.0.mlp.experts.down_proj has shape (4, 16, 32), config.json implies (4, 20, 32)" in problems[0]
+
+
+def test_placement_covers_only_sparse_layers():
+    from moe_operator.planner.initial import current_placement, initial_placement, placement_problem
+
+    p = initial_placement((1, 2, 3), 4, 2)
+    assert sorted({e.split(".")[0] for es in p.values() for e in es}) == ["1", "2", "3"]
+    assert placement_problem(p, (1, 2, 3), 4, 2) is None
+    assert "outside the model" in placement_problem(initial_placement(4, 4, 2), (1, 2, 3), 4, 2)
+    assert current_placement((1, 2, 3), 4, 2, initial_placement(4, 4, 2)) == p  # a stale one is replanned

@@ -8,6 +8,7 @@ READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 
 # reasons
 INVALID_SPEC = "InvalidSpec"
+UNSUPPORTED_MODEL = "UnsupportedModel"  # config.json's model_type (or a quantization) we cannot compute yet
 DEPLOYING = "Deploying"
 SERVING = "Serving"
 DEPLOY_FAILED = "DeployFailed"

@@ -45,6 +45,10 @@ class ModelShape(ApiModel):
     hidden_size: int = Field(ge=1, le=1_048_576, description="hidden_size.")
     intermediate_size: int = Field(ge=1, le=4_194_304, description="intermediate_size (per expert).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="bfloat16", description="torch_dtype.")
+    sparse_layers: list[Annotated[int, Field(ge=0, le=1023)]] | None = Field(
+        default=None, max_length=1024,
+        description="Layers with routed experts (the others run a dense MLP in the ingress), as config.json "
+        "implies them (decoder_sparse_step, mlp_only_layers, first_k_dense_replace). Default: every layer.")
 
 
 class ModelSource(ApiModel):
@@ -61,10 +65,12 @@ class ModelSource(ApiModel):
             "The path must lie under one of the operator's allowed model roots."
         ),
     )
-    family: Literal["mixtral"] = Field(
-        default="mixtral",
-        description="Model family, which fixes the weight names and the expert layout. "
-        "Mixtral (model.layers.L.block_sparse_moe.experts.E.w1/w2/w3) is supported.",
+    family: Literal["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss"] | None = Field(
+        default=None,
+        description="Model family (a Hugging Face model_type), which fixes the weight names, the "
+        "attention, the router and the expert layout. Default: config.json's model_type. Supported: "
+        "mixtral, qwen3_moe, qwen2_moe, olmoe, deepseek_v3, gpt_oss; any other model_type is "
+        "Ready=False with reason UnsupportedModel.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",

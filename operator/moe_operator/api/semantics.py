@@ -1,24 +1,33 @@
 """Checks beyond the schema, each returning (reason, message, failed) like cert-manager's policy chain.
 
-They read the checkpoint's config.json (JSON only: the operator does not load weights) and the
-operator's allowed roots, so a spec that the schema accepts but that cannot serve is reported
-with what to fix instead of failing later inside Ray.
+They read the checkpoint's config.json and its safetensors headers (JSON only: the operator does
+not load weights) and the operator's allowed roots, so a spec that the schema accepts but that
+cannot serve is reported with what to fix instead of failing later inside Ray: a model_type we
+do not compute is UnsupportedModel, tensors that contradict config.json are InvalidSpec naming
+the file and the tensor.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from moe_workers.model.family import CheckpointError, UnsupportedModel, parse
+from moe_workers.model.index import read_index
 from moe_workers.paths import within_roots
+
+from . import conditions as cond
 
 from .models import MoEDeploymentSpec
 from .types import ExpertId, quantity_bytes
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+SHAPE_FIELDS = ("num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size", "dtype")
 
 
 @dataclass(frozen=True)
@@ -29,24 +38,48 @@ class ModelFacts:
     hidden_size: int
     intermediate_size: int
     dtype: str
+    family: str = "mixtral"
+    sparse_layers: tuple[int, ...] | None = None  # None: every layer has routed experts
+    expert_numel: int | None = None  # None: a SwiGLU expert's 3 x hidden x intermediate
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers with routed experts: where placement puts experts."""
+        return tuple(range(self.num_layers)) if self.sparse_layers is None else self.sparse_layers
 
     def expert_bytes(self, dtype: str = "auto") -> int:
         d = self.dtype if dtype == "auto" else dtype
-        return 3 * self.hidden_size * self.intermediate_size * _DTYPE_BYTES.get(d, 4)
+        numel = self.expert_numel or 3 * self.hidden_size * self.intermediate_size
+        return numel * _DTYPE_BYTES.get(d, 4)
+
+    def expert_problem(self, layer: int, expert: int) -> str | None:
+        if layer >= self.num_layers or expert >= self.num_experts:
+            return f"the model has {self.num_layers} layers x {self.num_experts} routed experts"
+        if layer not in self.layers:
+            return (f"layer {layer} of this {self.family} model is a dense MLP layer without routed experts "
+                    f"(shared experts and dense layers cannot be swapped)")
+        return None
 
 
 def under_roots(path: str, roots: list[str]) -> bool:
     return within_roots(path, roots) is not None
 
 
-def read_model_facts(model_dir: str) -> ModelFacts:
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    return ModelFacts(
-        num_layers=int(raw["num_hidden_layers"]), num_experts=int(raw["num_local_experts"]),
-        top_k=int(raw["num_experts_per_tok"]), hidden_size=int(raw["hidden_size"]),
-        intermediate_size=int(raw["intermediate_size"]),
-        dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch."),
-    )
+def read_model_facts(model_dir: str, family: str | None = None) -> ModelFacts:
+    """The facts of a checkpoint directory: its config.json as `family` (default: its
+    model_type) reads it, checked against every safetensors header. Raises UnsupportedModel or
+    CheckpointError (the file and the tensor named), OSError when unreadable."""
+    config_file = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file}: not valid JSON ({err})") from None
+    arch = parse(raw, str(config_file), family)
+    index = read_index(model_dir)
+    arch.check_tensors({n: (str(t.file), t.dtype, t.shape) for n, t in index.items()}, model_dir)
+    return ModelFacts(num_layers=arch.num_layers, num_experts=arch.num_experts, top_k=arch.top_k,
+                      hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size, dtype=arch.dtype_name,
+                      family=arch.family, sparse_layers=arch.sparse_layers, expert_numel=arch.expert_numel())
 
 
 Check = Callable[[MoEDeploymentSpec, list[str], "ModelFacts | None"], tuple[str, str, bool]]
@@ -61,6 +94,10 @@ def check_model_root(spec, roots, facts):
 
 
 def check_model_dir(spec, roots, facts):
+    if isinstance(facts, UnsupportedModel):
+        return (cond.UNSUPPORTED_MODEL, f"spec.model.path {spec.model.path}: {facts}", True)
+    if isinstance(facts, CheckpointError):
+        return ("InvalidSpec", f"spec.model.path {spec.model.path}: {facts}", True)
     if facts is None:
         hint = (" here; with ray.mode KubeRay the model lives on the Ray Pods: set spec.model.shape"
                 if spec.ray.mode == "KubeRay" else " (expected a Hugging Face layout directory)")
@@ -70,17 +107,21 @@ def check_model_dir(spec, roots, facts):
 
 def check_shape_agrees(spec, roots, facts):
     given = spec.model.shape
-    if facts is None or given is None or facts == facts_from_shape(given):
+    if facts is None or given is None:
         return OK
     diff = [f"{k} {getattr(given, k)} (config.json: {getattr(facts, k)})"
-            for k in ("num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size", "dtype")
-            if getattr(given, k) != getattr(facts, k)]
+            for k in SHAPE_FIELDS if getattr(given, k) != getattr(facts, k)]
+    if given.sparse_layers is not None and tuple(given.sparse_layers) != facts.layers:
+        diff.append(f"sparse_layers {given.sparse_layers} (config.json: {list(facts.layers)})")
+    if not diff:
+        return OK
     return ("InvalidSpec", f"spec.model.shape disagrees with {spec.model.path}/config.json: {', '.join(diff)}", True)
 
 
 def facts_from_shape(shape) -> ModelFacts:
     return ModelFacts(num_layers=shape.num_layers, num_experts=shape.num_experts, top_k=shape.top_k,
-                      hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size, dtype=shape.dtype)
+                      hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size, dtype=shape.dtype,
+                      sparse_layers=tuple(sorted(set(shape.sparse_layers))) if shape.sparse_layers is not None else None)
 
 
 def check_topk(spec, roots, facts):
@@ -93,9 +134,9 @@ def check_topk(spec, roots, facts):
 def check_overrides(spec, roots, facts):
     for i, o in enumerate(spec.experts.overrides):
         eid = ExpertId.parse(o.expert)
-        if facts and not (eid.layer < facts.num_layers and eid.expert < facts.num_experts):
-            return ("InvalidSpec", f"spec.experts.overrides[{i}].expert {o.expert} does not exist: the model has "
-                    f"{facts.num_layers} layers x {facts.num_experts} experts", True)
+        problem = facts.expert_problem(eid.layer, eid.expert) if facts else None
+        if problem:
+            return ("InvalidSpec", f"spec.experts.overrides[{i}].expert {o.expert} does not exist: {problem}", True)
         if not under_roots(o.weights.path, roots):
             return ("InvalidSpec", f"spec.experts.overrides[{i}].weights.path {o.weights.path} is outside the "
                     "allowed weight roots", True)
@@ -119,22 +160,31 @@ CHECKS: list[Check] = [check_model_root, check_model_dir, check_shape_agrees, ch
                        check_hot_budget]
 
 
-def validate_semantics(spec: MoEDeploymentSpec, roots: list[str]) -> tuple[ModelFacts | None, list[str]]:
-    """The model's facts (None when unreadable) and every failed check's message, in order."""
-    facts = None
+def validate_semantics(spec: MoEDeploymentSpec, roots: list[str]) -> tuple[ModelFacts | None, list[str], str]:
+    """The model's facts (None when unreadable or refused), every failed check's message in
+    order, and the first failure's reason (InvalidSpec or UnsupportedModel; "" when none)."""
+    facts: ModelFacts | CheckpointError | None = None
     if under_roots(spec.model.path, roots):
         try:
-            facts = read_model_facts(spec.model.path)
+            facts = read_model_facts(spec.model.path, spec.model.family)
+        except CheckpointError as err:  # read, and refused: the message names the file and tensor
+            facts = err
         except (OSError, ValueError, KeyError):
             facts = None
-    problems = []
+    problems, reason = [], ""
     for check in CHECKS:
         if check is check_model_dir and facts is None and spec.model.shape is not None:
             facts = facts_from_shape(spec.model.shape)  # config.json not readable here: the spec says
+            if spec.model.family == "gpt_oss":
+                facts = replace(facts, family="gpt_oss", expert_numel=3 * facts.hidden_size * facts.intermediate_size
+                                + 2 * facts.intermediate_size + facts.hidden_size)
+            elif spec.model.family:
+                facts = replace(facts, family=spec.model.family)
             continue
-        _, message, failed = check(spec, roots, facts)
+        check_reason, message, failed = check(spec, roots, facts)
         if failed:
             problems.append(message)
+            reason = reason or check_reason
             if check in (check_model_root, check_model_dir):
                 break  # nothing else can be judged without the model
-    return facts, problems
+    return (facts if isinstance(facts, ModelFacts) else None), problems, reason

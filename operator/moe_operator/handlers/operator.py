@@ -304,7 +304,7 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
     if parsed.autoscaling.mode == "Off" and (request is None or
                                              request == (status.get("autoscaling") or {}).get("lastRequest")):
         return
-    facts, problems = validate_semantics(parsed, _roots())
+    facts, problems, _ = validate_semantics(parsed, _roots())
     if problems:
         return
     try:

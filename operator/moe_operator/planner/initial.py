@@ -9,10 +9,17 @@ which is the fewest moves any balanced placement allows.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from moe_workers.expert_ids import expert_key
 from moe_workers.serve.config import group_name  # the deployment names the app builder uses
 
 Placement = dict[str, list[str]]
+
+
+def _layers(layers: int | Iterable[int]) -> list[int]:
+    """The layers with routed experts: an int n means 0..n-1 (every layer sparse)."""
+    return list(range(layers)) if isinstance(layers, int) else sorted(layers)
 
 
 def _layer_capacity(layer: int, num_experts: int, num_groups: int) -> list[int]:
@@ -23,8 +30,9 @@ def _layer_capacity(layer: int, num_experts: int, num_groups: int) -> list[int]:
     return caps
 
 
-def initial_placement(num_layers: int, num_experts: int, num_groups: int,
+def initial_placement(layers: int | Iterable[int], num_experts: int, num_groups: int,
                       previous: Placement | None = None) -> Placement:
+    """`layers`: the model's sparse layers (or their count when every layer has experts)."""
     if num_groups < 1:
         raise ValueError("need at least one shard group")
     names = [group_name(k) for k in range(num_groups)]
@@ -34,7 +42,7 @@ def initial_placement(num_layers: int, num_experts: int, num_groups: int,
             where_before.setdefault(eid, group)  # first copy wins; replicas are the autoscaler's business
     index = {g: k for k, g in enumerate(names)}
     result: dict[str, list[str]] = {g: [] for g in names}
-    for layer in range(num_layers):
+    for layer in _layers(layers):
         caps = _layer_capacity(layer, num_experts, num_groups)
         homeless = []
         for e in range(num_experts):
@@ -58,7 +66,8 @@ def moved_experts(before: Placement, after: Placement) -> int:
     return sum(1 for g, es in after.items() for e in es if (g, e) not in had)
 
 
-def placement_problem(placement: Placement | None, num_layers: int, num_experts: int, num_groups: int) -> str | None:
+def placement_problem(placement: Placement | None, layers: int | Iterable[int], num_experts: int,
+                      num_groups: int) -> str | None:
     """Why `placement` cannot serve this model over these groups, or None when it can: exactly
     the groups ExpertShard-0..G-1, known expert ids, no expert twice in one group, every expert
     hosted at least once."""
@@ -67,6 +76,7 @@ def placement_problem(placement: Placement | None, num_layers: int, num_experts:
     names = {group_name(k) for k in range(num_groups)}
     if set(placement) != names:
         return f"groups {sorted(placement)} are not the spec's {num_groups}"
+    sparse = set(_layers(layers))
     seen = set()
     for g, experts in placement.items():
         if len(set(experts)) != len(experts):
@@ -76,17 +86,18 @@ def placement_problem(placement: Placement | None, num_layers: int, num_experts:
                 layer, expert = (int(p) for p in eid.split("."))
             except ValueError:
                 return f"{g}: {eid!r} is not an expert id"
-            if not (0 <= layer < num_layers and 0 <= expert < num_experts):
+            if layer not in sparse or not 0 <= expert < num_experts:
                 return f"{g}: expert {eid} is outside the model"
             seen.add(eid)
-    missing = num_layers * num_experts - len(seen)
+    missing = len(sparse) * num_experts - len(seen)
     return f"{missing} experts have no copy" if missing else None
 
 
-def current_placement(num_layers: int, num_experts: int, num_groups: int, deployed: Placement | None) -> Placement:
+def current_placement(layers: int | Iterable[int], num_experts: int, num_groups: int,
+                      deployed: Placement | None) -> Placement:
     """The deployed placement while it still fits the model and the group count (a rebalanced
     placement, replicas included, survives later spec changes); otherwise an initial one that
     keeps what it can."""
-    if placement_problem(deployed, num_layers, num_experts, num_groups) is None:
+    if placement_problem(deployed, layers, num_experts, num_groups) is None:
         return {g: list(v) for g, v in deployed.items()}
-    return initial_placement(num_layers, num_experts, num_groups, deployed)
+    return initial_placement(layers, num_experts, num_groups, deployed)

@@ -41,6 +41,7 @@ def overrides_config(spec: MoEDeploymentSpec) -> dict[str, dict]:
 def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None = None) -> AppArgs:
     return AppArgs(
         model_path=spec.model.path,
+        family=spec.model.family,
         served_model_name=spec.model.served_model_name or name,
         dtype=spec.model.dtype,
         max_model_len=spec.model.max_model_len,

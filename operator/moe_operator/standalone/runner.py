@@ -172,7 +172,7 @@ class StandaloneRunner:
         if (self.status.get("autoscaling") or {}).get("target") is not None:
             self.reconcile(new_generation=False)
             return
-        facts, problems = validate_semantics(spec, self.allowed_roots)
+        facts, problems, _ = validate_semantics(spec, self.allowed_roots)
         if problems:
             return
         request_file = rebalance_request_path(self.state_dir, m.namespace, m.name)

@@ -28,7 +28,7 @@ def build_app(args: AppArgs) -> serve.Application:
         if args.placement is not None:
             options["user_config"] = {"experts": list(placement.get(name, []))}
         shards[name] = ExpertShard.options(**options).bind(args.model_path, args.dtype, args.torch_threads,
-                                                           args.allowed_weight_roots, board)
+                                                           args.allowed_weight_roots, board, args.family)
     options = {"name": INGRESS, "num_replicas": args.ingress_replicas,
                "ray_actor_options": {"num_cpus": args.ingress_num_cpus, "num_gpus": args.ingress_num_gpus},
                "max_ongoing_requests": max(1000, args.max_batch_size + args.max_queued_requests + 16)}

@@ -27,6 +27,8 @@ class AppArgs(BaseModel):
     """Typed arguments of `build_app` (static for the app's lifetime)."""
 
     model_path: str
+    family: str | None = Field(default=None, description="The model family (model_type) to compute; default: "
+                               "config.json's model_type.")
     served_model_name: str = "model"
     dtype: str = "auto"
     max_model_len: int | None = None

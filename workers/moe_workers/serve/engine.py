@@ -236,17 +236,22 @@ class Engine:
 
         h = timed(dense.embed, batch)
         picks = []
+        sparse = []
         for layer in range(dense.cfg.num_layers):
-            h, x, indices, weights = timed(_attend_and_route, dense, layer, h, batch, self.cache)
-            picks.append(indices)
-            t1 = time.perf_counter()
+            h, x, indices, weights, local = timed(_attend_and_route, dense, layer, h, batch, self.cache)
+            moe = None
+            if indices is not None:
+                picks.append(indices)
+                sparse.append(layer)
+                t1 = time.perf_counter()
+                with torch.inference_mode():
+                    moe = self.dispatch(layer, x, indices, weights)
+                timings.experts += time.perf_counter() - t1
             with torch.inference_mode():
-                moe = self.dispatch(layer, x, indices, weights)
-                h = h + moe
-            timings.experts += time.perf_counter() - t1
+                h = dense.residual(h, moe, local)
         logits = timed(dense.logits, h, batch.last_rows)
-        if self.routing_stats is not None:  # once per step, all layers at once
-            self.routing_stats.observe_step(list(range(len(picks))), torch.stack(picks).cpu(),
+        if self.routing_stats is not None and picks:  # once per step, all layers at once
+            self.routing_stats.observe_step(sparse, torch.stack(picks).cpu(),
                                             [c.slot for c in batch.chunks], [c.start for c in batch.chunks],
                                             [len(c.tokens) for c in batch.chunks])
         return logits.cpu()  # sampling runs on the host, with each request's own generator
@@ -281,8 +286,10 @@ def split_chunks(chunks: list[Chunk], parts: int) -> list[list[Chunk]]:
 
 
 def _attend_and_route(dense: DenseModel, layer: int, h: torch.Tensor, batch: StepBatch, cache: KVCache):
-    """(h after attention, the MoE input, top-k indices, weights): one layer up to the experts."""
+    """(h after attention, the MLP input, top-k indices, weights, what the ingress computes
+    itself): one layer up to the experts. A dense layer has no indices; its MLP is `local`;
+    shared experts are `local` beside the routed ones."""
     with torch.inference_mode():
         h = dense.attention(layer, h, batch, cache)
         x, indices, weights = dense.route(layer, h)
-        return h, x, indices, weights
+        return h, x, indices, weights, dense.local(layer, x)

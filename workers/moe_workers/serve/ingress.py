@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from moe_workers.device import replica_device
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel, KVCache
-from moe_workers.model.layers import combine, group_by_expert, route
+from moe_workers.model.layers import combine, group_by_expert
 from moe_workers.serve.config import AppArgs
 from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
 from moe_workers.serve.memory import peak_rss_bytes
@@ -123,7 +123,7 @@ class Ingress:
     def __init__(self, args: dict, shards: dict[str, DeploymentHandle], board: DeploymentHandle | None = None):
         self.args = AppArgs.model_validate(args)
         torch.set_num_threads(self.args.ingress_torch_threads)
-        ckpt = Checkpoint(self.args.model_path)
+        ckpt = Checkpoint(self.args.model_path, self.args.family)
         cfg = ckpt.config.with_dtype(self.args.dtype)
         self.device = replica_device()  # the GPU Ray assigned (spec.ingress.numGpus), else the CPU
         self.dense = DenseModel(cfg, ckpt.dense_state(), self.device)
@@ -165,7 +165,7 @@ class Ingress:
         if unknown:
             raise ValueError(f"placement names shard groups this app does not have: {', '.join(unknown)}")
         router = ExpertRouter(placement)
-        missing = router.missing(self.dense.cfg.num_layers, self.dense.cfg.num_experts)
+        missing = router.missing(self.dense.cfg.sparse_layers, self.dense.cfg.num_experts)
         if missing:
             raise ValueError(f"placement hosts no copy of experts {', '.join(missing[:10])}"
                              + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
@@ -232,8 +232,9 @@ class Ingress:
         layer's normed hidden states (cheap: one small matmul per layer ahead)."""
         hints: dict[str, list[tuple[int, int]]] = {}
         cfg = self.dense.cfg
-        for ahead in range(layer + 1, min(layer + 1 + self.prefetch_lookahead, cfg.num_layers)):
-            predicted, _ = route(x, self.dense.layers[ahead]["gate"], cfg.top_k)
+        ahead_layers = [a for a in cfg.sparse_layers if a > layer][:self.prefetch_lookahead]
+        for ahead in ahead_layers:
+            predicted, _ = self.dense.pick(ahead, x)
             for e in torch.unique(predicted).tolist():
                 for group in self.router.hosts.get((ahead, e), []):
                     hints.setdefault(group, []).append((ahead, e))

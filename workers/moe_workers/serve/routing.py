@@ -27,9 +27,11 @@ class ExpertRouter:
         self.sent: dict[str, int] = {g: 0 for g in placement}  # all layers (metrics)
         self.layer_sent: dict[tuple[int, str], int] = defaultdict(int)  # per layer (the choice of copy)
 
-    def missing(self, num_layers: int, num_experts: int) -> list[str]:
-        """Experts no group hosts: a placement must cover every expert."""
-        return [f"{l}.{e}" for l in range(num_layers) for e in range(num_experts) if not self.hosts.get((l, e))]
+    def missing(self, layers, num_experts: int) -> list[str]:
+        """Experts no group hosts: a placement must cover every routed expert of `layers` (the
+        sparse layers; an int n means 0..n-1)."""
+        layers = range(layers) if isinstance(layers, int) else layers
+        return [f"{l}.{e}" for l in layers for e in range(num_experts) if not self.hosts.get((l, e))]
 
     def assign(self, layer: int, token_counts: dict[int, int]) -> dict[str, list[int]]:
         """group -> experts of this layer it serves in this dispatch (hottest experts placed first)."""

@@ -54,9 +54,9 @@ class ExpertShard:
     {L.E: {"path": ..., "sha256": ...}}}; changes apply in place (reconfigure)."""
 
     def __init__(self, model_path: str, dtype: str, torch_threads: int, allowed_weight_roots: list[str] | None = None,
-                 board: DeploymentHandle | None = None):
+                 board: DeploymentHandle | None = None, family: str | None = None):
         torch.set_num_threads(torch_threads)
-        self.ckpt = Checkpoint(model_path)
+        self.ckpt = Checkpoint(model_path, family)
         self.cfg = self.ckpt.config.with_dtype(dtype)
         self.allowed_roots = list(allowed_weight_roots or [])
         ctx = serve.get_replica_context()
