@@ -135,3 +135,63 @@ def test_hot_swap_of_one_routed_expert_is_served(served):
         raise AssertionError(f"no swap record for {eid}: swaps {st['swaps']}, experts {st['experts']}")
     assert record["outcome"] == "Serving", record
     assert _complete(served["url"], prompt, 6)["token_ids"] == want
+
+
+def test_moectl_up_serves_every_family_init_model_writes(tmp_path):
+    """`moectl init-model --family F` for each family, then one `moectl up` whose manifest is
+    pointed at each checkpoint in turn (re-reconciled on the edit): each served equal to
+    transformers on the same files. An unsupported model_type is Ready=False UnsupportedModel,
+    naming the supported ones, and the running app keeps serving."""
+    import json
+    import os
+
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from moe_operator.standalone.local_ray import free_port
+    from moectl_proc import MoectlUp, moectl
+
+    env = {**os.environ, "MOE_STATE_DIR": str(tmp_path / "state")}
+    for family in SUPPORTED:
+        out = moectl("init-model", str(tmp_path / "models" / family), "--family", family, "--layers", "3",
+                     "--experts", "4", "--hidden", "32", "--intermediate", "32", "--max-len", "128", env=env).stdout
+        assert f"({family}, 3 layers x 4 experts" in out
+    manifest = {"apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "fam"},
+                "spec": {"model": {"path": "models/mixtral"}, "ingress": {"numCpus": 0.25, "kvCacheBudget": "16Mi"},
+                         "experts": {"groups": 2, "numCpus": 0.25,
+                                     "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}}}}
+    f = tmp_path / "fam.yaml"
+    f.write_text(yaml.safe_dump(manifest))
+    port = free_port()
+    up = MoectlUp(f, port, env, tmp_path / "up.log", "--num-cpus", "2")
+
+    def status():
+        return json.loads(moectl("get", "fam", "--local", "-o", "json", env=env).stdout)["status"]
+
+    def ready(s):
+        return next(c for c in s.get("conditions", []) if c["type"] == "Ready")
+
+    try:
+        up.wait_serving()
+        url = f"http://127.0.0.1:{port}"
+        prompt = [40, 41, 42, 43, 44]
+        for generation, family in enumerate(SUPPORTED, 1):
+            if generation > 1:
+                manifest["spec"]["model"]["path"] = f"models/{family}"
+                f.write_text(yaml.safe_dump(manifest))
+                wait_for(lambda: (s := status()).get("observedGeneration") == generation
+                         and ready(s)["reason"] == "Serving", what=f"{family} served")
+            hf = AutoModelForCausalLM.from_pretrained(tmp_path / "models" / family, dtype=torch.float32).eval()
+            want, _ = _reference(hf, prompt, 6)
+            got = _complete(url, prompt, 6)["token_ids"]
+            assert got == want, family
+        cfg_file = tmp_path / "models" / "gpt_oss" / "config.json"
+        cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "model_type": "jamba"}))
+        f.write_text(yaml.safe_dump({**manifest, "metadata": {"name": "fam", "labels": {"edit": "1"}}}))
+        refused = wait_for(lambda: (s := status()) and ready(s)["reason"] == "UnsupportedModel" and s,
+                           what="UnsupportedModel")
+        assert ready(refused)["status"] == "False"
+        assert "model_type 'jamba' is not supported (supported: mixtral, qwen3_moe" in ready(refused)["message"]
+        assert len(_complete(url, prompt, 2)["token_ids"]) >= 1  # the last good app keeps serving
+    finally:
+        up.stop()
