@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small model and loads, for a smoke run")
+    p.add_argument("--family", default="mixtral",
+                   help="model family of the random checkpoint: mixtral, qwen3_moe, qwen2_moe, olmoe, deepseek_v3, gpt_oss")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="torch threads in-process and per served ingress")
     p.add_argument("--ingress-threads", type=int, default=None,
@@ -66,14 +68,14 @@ def model_shape(quick: bool) -> dict:
                 num_kv_heads=4, num_experts=8, top_k=2, max_position_embeddings=512)
 
 
-def ensure_checkpoint(cache_dir: str, shape: dict) -> Path:
-    from moe_workers.model.random_init import write_random_mixtral
+def ensure_checkpoint(cache_dir: str, shape: dict, family: str = "mixtral") -> Path:
+    from moe_workers.model.random_init import write_random_checkpoint
 
-    name = "mixtral-" + "-".join(f"{k[:3]}{v}" for k, v in shape.items())
+    name = f"{family}-" + "-".join(f"{k[:3]}{v}" for k, v in shape.items())
     path = Path(cache_dir) / name
     if not (path / "config.json").exists():
         print(f"writing checkpoint {path} ...", flush=True)
-        write_random_mixtral(path, router_scale=10.0, **shape)
+        write_random_checkpoint(path, family, router_scale=10.0, **shape)
     return path
 
 
@@ -198,7 +200,10 @@ def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_la
         ray = head.connect_driver(namespace="bench")
         from ray import serve
 
-        placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in range(num_layers) for e in range(num_experts)
+        from moe_workers.model.config import MoEConfig
+
+        sparse = MoEConfig.from_dir(path).sparse_layers  # dense MLP layers have no experts to place
+        placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in sparse for e in range(num_experts)
                                           if e % groups == g] for g in range(groups)}
         args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=groups, max_batch_size=max_batch,
                        kv_cache_budget_bytes=2 * 2**30, max_queued_requests=256, max_model_len=512,
@@ -298,7 +303,7 @@ def deep_point(a, n: int) -> dict:
     shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=n, num_heads=8,
                  num_kv_heads=2, num_experts=8, top_k=2, max_position_embeddings=512)
     tokens = 33
-    path = ensure_checkpoint(a.cache_dir, shape)
+    path = ensure_checkpoint(a.cache_dir, shape, a.family)
     print(f"\ndepth sweep: {n} layers ({shape}); torch threads {a.deep_threads} on both sides", flush=True)
     torch.set_num_threads(a.deep_threads)
     model = InProcessModel(path, max_len=512, max_sequences=2)
@@ -353,7 +358,7 @@ def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
         out = Path(tempfile.mkdtemp(prefix="moe-bench-deep-")) / "point.json"
         cmd = [sys.executable, __file__, "--deep-point", str(n), "--out", str(out), "--threads", str(a.threads),
                "--shard-threads", str(a.shard_threads), "--cache-dir", a.cache_dir, "--deep-threads", str(a.deep_threads),
-               "--deep-rounds", str(a.deep_rounds),
+               "--deep-rounds", str(a.deep_rounds), "--family", a.family,
                *(["--ingress-threads", str(a.ingress_threads)] if a.ingress_threads else []),
                *(f"--serve-env={kv}" for kv in a.serve_env)]
         subprocess.run(cmd, check=True)
@@ -396,8 +401,8 @@ def main() -> int:
     if a.only == "prefill":
         work["decode_batches"] = []
     ingress_threads = a.ingress_threads or a.threads
-    path = ensure_checkpoint(a.cache_dir, shape)
-    print(f"model {shape}\nwork {work}\ntorch threads: in-process {a.threads}; served ingress {ingress_threads}, "
+    path = ensure_checkpoint(a.cache_dir, shape, a.family)
+    print(f"model {a.family} {shape}\nwork {work}\ntorch threads: in-process {a.threads}; served ingress {ingress_threads}, "
           f"each of {a.groups} shard groups {a.shard_threads}; served micro-batches per step {a.micro_batches}; "
           f"machine cores {os.cpu_count()}", flush=True)
     # in-process before and after the served run, averaged: the machine's speed drifts over the
@@ -447,7 +452,7 @@ def main() -> int:
     deep_rows, deep_figures = deep_sweep(a, layer_counts) if a.only is None else ([], {})
     figures.update(deep_figures)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"shape": shape, "work": work, "in_process": local, "served": served,
+    Path(a.out).write_text(json.dumps({"family": a.family, "shape": shape, "work": work, "in_process": local, "served": served,
                                        "deep": deep_rows, "figures": figures}, indent=2))
     print()
     for name, value in figures.items():
