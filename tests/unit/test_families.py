@@ -145,3 +145,19 @@ def test_contradicting_or_unsupported_checkpoints_are_refused_naming_file_and_te
     _edit_config(tmp_path, model_type="gpt_oss", quantization_config={"quant_method": "mxfp4"})
     with pytest.raises(UnsupportedModel, match="quant_method mxfp4"):
         Checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("mixtral", {"sliding_window": 8}),
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}),
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None}),
+])
+def test_sliding_window_options_match_transformers(tmp_path, family, overrides):
+    ref = make_family(tmp_path, family, config_overrides=overrides)
+    ours = InProcessModel(tmp_path)
+    assert 8 in [ours.cfg.sliding(layer) for layer in range(3)]  # and the prompt is longer than the window
+    prompt = _prompt(30)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.prompt_logits(prompt), ref(torch.tensor([prompt])).logits[0],
+                                   atol=1e-4, rtol=1e-4)
+    assert ours.generate([prompt], max_tokens=8) == [_greedy(ref, prompt, 8)]
