@@ -32,7 +32,7 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small model and loads, for a smoke run")
     p.add_argument("--family", default="mixtral",
-                   help="model family of the random checkpoint: mixtral, qwen3_moe, qwen2_moe, olmoe, deepseek_v3, gpt_oss")
+                   help="model family of the random checkpoint: mixtral, qwen3_moe, qwen2_moe, olmoe, deepseek_v3, deepseek_v2, gpt_oss")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="torch threads in-process and per served ingress")
     p.add_argument("--ingress-threads", type=int, default=None,

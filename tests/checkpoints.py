@@ -85,5 +85,6 @@ def make_family(path: Path, family: str, *, seed=0, router_scale=25.0, config_ov
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.rand_like(b) * 0.1)
+    model = model.to(shape["dtype"])
     model.save_pretrained(path)
     return model

@@ -151,13 +151,42 @@ def test_contradicting_or_unsupported_checkpoints_are_refused_naming_file_and_te
     ("mixtral", {"sliding_window": 8}),
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}),
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None}),
-])
-def test_sliding_window_options_match_transformers(tmp_path, family, overrides):
+    ("deepseek_v3", {"q_lora_rank": None}),  # q_proj instead of the q LoRA
+    ("deepseek_v2", {"topk_method": "greedy", "n_group": None, "topk_group": None, "routed_scaling_factor": 1.0}),
+], ids=["mixtral-window", "qwen3-window", "qwen2-window-layers", "deepseek-v3-no-q-lora", "deepseek-v2-greedy"])
+def test_config_options_match_transformers(tmp_path, family, overrides):
     ref = make_family(tmp_path, family, config_overrides=overrides)
     ours = InProcessModel(tmp_path)
-    assert 8 in [ours.cfg.sliding(layer) for layer in range(3)]  # and the prompt is longer than the window
+    if "sliding_window" in overrides:
+        assert 8 in [ours.cfg.sliding(layer) for layer in range(3)]  # and the prompt is longer than the window
     prompt = _prompt(30)
     with torch.no_grad():
         torch.testing.assert_close(ours.prompt_logits(prompt), ref(torch.tensor([prompt])).logits[0],
                                    atol=1e-4, rtol=1e-4)
     assert ours.generate([prompt], max_tokens=8) == [_greedy(ref, prompt, 8)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_checkpoints_compute_in_bfloat16_close_to_transformers(tmp_path, family):
+    """Every op rounds in 16 bits, so: within 2% of the logit range, the same top token at
+    nearly every position (as for Mixtral in test_model_numerics)."""
+    ref = make_family(tmp_path, family, dtype=torch.bfloat16)
+    ref = ref.to(torch.bfloat16)
+    ours = InProcessModel(tmp_path)
+    assert ours.cfg.dtype == torch.bfloat16
+    prompt = _prompt(24)
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([prompt])).logits[0].float()
+    our_logits = ours.prompt_logits(prompt).float()
+    span = float(ref_logits.max() - ref_logits.min())
+    assert float((our_logits - ref_logits).abs().max()) < 0.02 * span
+    assert (our_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.9
+
+
+def test_the_api_offers_exactly_the_supported_families():
+    import typing
+
+    from moe_operator.api.models import ModelSource
+
+    literal = next(a for a in typing.get_args(ModelSource.model_fields["family"].annotation) if a is not type(None))
+    assert typing.get_args(literal) == SUPPORTED

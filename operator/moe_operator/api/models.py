@@ -65,11 +65,11 @@ class ModelSource(ApiModel):
             "The path must lie under one of the operator's allowed model roots."
         ),
     )
-    family: Literal["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss"] | None = Field(
+    family: Literal["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss"] | None = Field(
         default=None,
         description="Model family (a Hugging Face model_type), which fixes the weight names, the "
         "attention, the router and the expert layout. Default: config.json's model_type. Supported: "
-        "mixtral, qwen3_moe, qwen2_moe, olmoe, deepseek_v3, gpt_oss; any other model_type is "
+        "mixtral, qwen3_moe, qwen2_moe, olmoe, deepseek_v3, deepseek_v2, gpt_oss; any other model_type is "
         "Ready=False with reason UnsupportedModel.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -274,9 +274,11 @@ class WeightsSource(ApiModel):
 
     path: str = Field(
         min_length=1, max_length=4096, pattern=r"^/[^\x00]*\.safetensors$",
-        description="Absolute path of a .safetensors file with the expert's w1, w2 and w3 "
-        "(under the names the checkpoint uses, or just w1.weight, w2.weight, w3.weight). Must "
-        "lie under one of the operator's allowed weight roots.",
+        description="Absolute path of a .safetensors file with one routed expert's tensors, under "
+        "the names the checkpoint uses for it or short ones: w1.weight, w2.weight, w3.weight (mixtral); "
+        "gate_proj.weight, up_proj.weight, down_proj.weight (qwen3_moe, qwen2_moe, olmoe, deepseek_v3); "
+        "gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias (gpt_oss). Must lie under one of "
+        "the operator's allowed weight roots.",
     )
     sha256: str | None = Field(
         default=None, pattern=SHA256_PATTERN,

@@ -34,7 +34,7 @@ def fail(message: str, code: int = 1) -> None:
 def init_model(
     directory: Path = typer.Argument(..., help="Where to write the checkpoint (Hugging Face layout)."),
     family: str = typer.Option("mixtral", "--family", help="Model family (config.json model_type): mixtral, "
-                               "qwen3_moe, qwen2_moe, olmoe, deepseek_v3 or gpt_oss."),
+                               "qwen3_moe, qwen2_moe, olmoe, deepseek_v3, deepseek_v2 or gpt_oss."),
     layers: int = typer.Option(2, min=1, help="Decoder layers."),
     experts: int = typer.Option(8, min=1, help="Experts per layer."),
     top_k: int = typer.Option(2, "--top-k", min=1, help="Experts per token."),
@@ -318,7 +318,8 @@ def hot_swap(
     name: str = typer.Argument(..., help="MoEDeployment name."),
     expert: str = typer.Option(..., "--expert", help="Expert id LAYER.EXPERT, for example 3.12."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Absolute path of the .safetensors file with "
-                                          "the new w1/w2/w3 (on the Ray nodes)."),
+                                          "the expert's new tensors (on the Ray nodes; names by family: "
+                                          "w1/w2/w3, gate_proj/up_proj/down_proj or gate_up_proj...)."),
     sha256: Optional[str] = typer.Option(None, "--sha256", help="Expected sha256 of the file."),
     rollback: bool = typer.Option(False, "--rollback", help="Remove the override: back to the checkpoint's weights."),
     wait: bool = typer.Option(False, "--wait", help="Wait until the new version serves on every replica (or fails)."),

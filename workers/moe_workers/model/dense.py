@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from .checkpoint import Checkpoint
 from .config import CheckpointError, MoEConfig
 from .layers import (apply_rope, attention_mscale, mlp, rms_norm, rope_cos_sin, rope_parameters, route,
-                     route_sigmoid_group, route_topk_softmax)
+                     route_sigmoid_group, route_softmax_group, route_topk_softmax)
 
 
 def kv_layout(cfg: MoEConfig) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -166,9 +166,11 @@ class DenseModel:
             elif cfg.router == "topk_softmax":
                 w["gate"], w["gate_bias"] = get(p + "mlp.router.weight"), get(p + "mlp.router.bias")
             else:
-                w["gate"] = get(p + "mlp.gate.weight", None if cfg.router == "sigmoid_group" else dt)
-                if cfg.router == "sigmoid_group":  # transformers keeps DeepSeek's router in float32
+                deepseek = cfg.router in ("sigmoid_group", "softmax_group")
+                w["gate"] = get(p + "mlp.gate.weight", None if deepseek else dt)
+                if deepseek:  # transformers computes DeepSeek's router in float32
                     w["gate"] = w["gate"].float()
+                if cfg.router == "sigmoid_group":
                     w["correction"] = get(p + "mlp.gate.e_score_correction_bias", torch.float32)
                 if cfg.shared_intermediate_size:
                     sp = p + ("mlp.shared_expert." if cfg.shared_gate else "mlp.shared_experts.")
@@ -333,6 +335,8 @@ class DenseModel:
         if cfg.router == "sigmoid_group":
             return route_sigmoid_group(x, w["gate"], w["correction"], cfg.top_k, cfg.n_group, cfg.topk_group,
                                        cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        if cfg.router == "softmax_group":
+            return route_softmax_group(x, w["gate"], cfg.top_k, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
         return route(x, w["gate"], cfg.top_k, cfg.norm_topk_prob)
 
     def local(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SUPPORTED = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
+SUPPORTED = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
@@ -52,7 +52,7 @@ class Arch:
     dense_intermediate_size: int = 0  # the MLP of layers without experts
     shared_intermediate_size: int = 0  # shared expert(s), 0: none
     shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate(x)) scales the shared expert
-    router: str = "softmax"  # softmax | topk_softmax (gpt_oss) | sigmoid_group (deepseek_v3)
+    router: str = "softmax"  # softmax | topk_softmax (gpt_oss) | sigmoid_group (deepseek_v3) | softmax_group (deepseek_v2)
     norm_topk_prob: bool = True
     router_bias: bool = False
     n_group: int = 1
@@ -341,19 +341,27 @@ def _olmoe(raw: dict, c: dict) -> Arch:
                 qkv_bias=bool(raw.get("attention_bias", False)), o_bias=bool(raw.get("attention_bias", False)))
 
 
-def _deepseek_v3(raw: dict, c: dict) -> Arch:
+def _deepseek_v3(raw: dict, c: dict, family: str = "deepseek_v3") -> Arch:
     if raw.get("attention_bias"):
-        raise UnsupportedModel("deepseek_v3 with attention_bias is not supported yet")
+        raise UnsupportedModel(f"{family} with attention_bias is not supported yet")
     layers = c["num_layers"]
     first_dense = int(raw.get("first_k_dense_replace", 0))
     c = {**c, "head_dim": int(raw["qk_rope_head_dim"])}  # rope runs over the decoupled rope dims
-    return Arch(**c, family="deepseek_v3", expert_layout="hf", intermediate_size=int(raw["moe_intermediate_size"]),
+    if family == "deepseek_v2":  # softmax scores; greedy or group-limited (max per group) top-k; no renormalisation
+        method = raw.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise UnsupportedModel(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+        routing = dict(router="softmax_group", norm_topk_prob=False,
+                       n_group=int(raw.get("n_group") or 1) if method == "group_limited_greedy" else 1,
+                       topk_group=int(raw.get("topk_group") or 1) if method == "group_limited_greedy" else 1)
+    else:
+        routing = dict(router="sigmoid_group", norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                       n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1))
+    return Arch(**c, **routing, family=family, expert_layout="hf", intermediate_size=int(raw["moe_intermediate_size"]),
                 num_experts=int(raw.get("n_routed_experts") or raw["num_local_experts"]),
                 dense_intermediate_size=int(raw["intermediate_size"]),
                 moe_layers=tuple(range(first_dense, layers)),
                 shared_intermediate_size=int(raw["moe_intermediate_size"]) * int(raw.get("n_shared_experts") or 0),
-                router="sigmoid_group", norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-                n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
                 q_lora_rank=int(raw.get("q_lora_rank") or 0), kv_lora_rank=int(raw["kv_lora_rank"]),
                 qk_nope_head_dim=int(raw["qk_nope_head_dim"]), qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
@@ -373,7 +381,8 @@ def _gpt_oss(raw: dict, c: dict) -> Arch:
 
 
 _PARSERS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "olmoe": _olmoe,
-            "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss}
+            "deepseek_v3": _deepseek_v3, "deepseek_v2": lambda raw, c: _deepseek_v3(raw, c, "deepseek_v2"),
+            "gpt_oss": _gpt_oss}
 
 
 def _check(a: Arch, raw: dict, source: str) -> None:
@@ -390,7 +399,7 @@ def _check(a: Arch, raw: dict, source: str) -> None:
                               f"or first_k_dense_replace): this is not a mixture-of-experts model")
     if a.layer_types is not None and len(a.layer_types) != a.num_layers:
         raise CheckpointError(f"{source}: layer_types has {len(a.layer_types)} entries for {a.num_layers} layers")
-    if a.router == "sigmoid_group" and (a.num_experts % a.n_group or a.topk_group > a.n_group):
+    if a.router in ("sigmoid_group", "softmax_group") and (a.num_experts % a.n_group or a.topk_group > a.n_group):
         raise CheckpointError(f"{source}: n_routed_experts ({a.num_experts}) must divide into n_group ({a.n_group}) "
                               f"groups, with topk_group ({a.topk_group}) <= n_group")
     rope_type = a.rope_params.get("rope_type", "default")

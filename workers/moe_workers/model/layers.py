@@ -125,6 +125,22 @@ def route_sigmoid_group(x: torch.Tensor, gate: torch.Tensor, correction: torch.T
     return indices, weights * scale
 
 
+def route_softmax_group(x: torch.Tensor, gate: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2: softmax scores; with groups, only the `topk_group` groups whose best score is
+    highest compete (the rest scored 0); weights are the scores times `scale`, not renormalised."""
+    scores = F.linear(x.float(), gate.float()).softmax(dim=-1, dtype=torch.float32)
+    if n_group > 1:
+        n, e = scores.shape
+        group_scores = scores.view(n, n_group, e // n_group).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(n, n_group, e // n_group).reshape(n, e)
+        scores = scores.masked_fill(~score_mask.bool(), 0.0)
+    weights, indices = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    return indices, weights * scale
+
+
 def mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """A dense SwiGLU MLP (dense layers, shared experts): down(silu(gate x) * up x)."""
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)

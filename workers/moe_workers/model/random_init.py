@@ -21,7 +21,8 @@ from .family import SUPPORTED, parse
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                  "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                  "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                  "gpt_oss": "GptOssForCausalLM"}
 
 
 def random_config(family: str, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
@@ -53,7 +54,7 @@ def random_config(family: str, *, vocab_size: int, hidden_size: int, intermediat
     elif family == "olmoe":
         c.update(intermediate_size=intermediate_size, num_experts=num_experts, norm_topk_prob=False,
                  attention_bias=False, clip_qkv=None)
-    elif family == "deepseek_v3":
+    elif family in ("deepseek_v3", "deepseek_v2"):
         groups = 2 if num_experts % 2 == 0 and num_experts >= 4 else 1
         c.update(intermediate_size=2 * intermediate_size, moe_intermediate_size=intermediate_size,
                  n_routed_experts=num_experts, n_shared_experts=1, first_k_dense_replace=1 if num_layers > 1 else 0,
@@ -62,6 +63,10 @@ def random_config(family: str, *, vocab_size: int, hidden_size: int, intermediat
                  kv_lora_rank=max(8, hidden_size // 4), qk_nope_head_dim=head_dim,
                  qk_rope_head_dim=max(2, head_dim // 2), v_head_dim=head_dim, head_dim=max(2, head_dim // 2),
                  num_key_value_heads=num_heads, rope_interleave=True, attention_bias=False)
+        if family == "deepseek_v2":  # V2-Lite's routing: softmax, group-limited when there are groups
+            c.update(topk_method="group_limited_greedy" if groups > 1 else "greedy", norm_topk_prob=False,
+                     routed_scaling_factor=1.0 if groups == 1 else 16.0)
+            c.pop("rope_interleave")
     else:  # gpt_oss (YaRN as gpt-oss ships it: 4k pretraining context stretched 32x, here scaled down)
         original = max(8, max_position_embeddings // 8)
         c.update(intermediate_size=intermediate_size, num_local_experts=num_experts, head_dim=head_dim,
