@@ -32,6 +32,17 @@ def make_mixtral(path: Path, *, vocab_size=96, hidden_size=32, intermediate_size
     return model
 
 
+def reference_greedy(model, ids, n):
+    """transformers' greedy continuation of `ids`: n tokens, one full forward each (no cache)."""
+    ids, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(tok)
+            ids.append(tok)
+    return out
+
+
 def add_tokenizer(path: Path, vocab_size: int) -> None:
     """A word-level tokenizer.json over `vocab_size` ids: w3 .. w{vocab-1} plus special tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from checkpoints import make_family
+from checkpoints import make_family, reference_greedy
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.config import CheckpointError, UnsupportedModel
 from moe_workers.model.dense import Chunk
@@ -27,16 +27,6 @@ SHAPES = {
     "e16-top4-mha-4l": dict(num_experts=16, top_k=4, num_heads=4, num_kv_heads=4, num_layers=4, hidden_size=64,
                             intermediate_size=32),
 }
-
-
-def _greedy(model, ids, n):
-    ids, out = list(ids), []
-    with torch.no_grad():
-        for _ in range(n):
-            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-    return out
 
 
 def _prompt(n, seed=1):
@@ -53,7 +43,7 @@ def test_family_matches_transformers(tmp_path, family, shape):
     with torch.no_grad():
         ref_logits = ref(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours.prompt_logits(prompt), ref_logits, atol=1e-4, rtol=1e-4)
-    assert ours.generate([prompt], max_tokens=12) == [_greedy(ref, prompt, 12)]
+    assert ours.generate([prompt], max_tokens=12) == [reference_greedy(ref, prompt, 12)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -163,7 +153,7 @@ def test_config_options_match_transformers(tmp_path, family, overrides):
     with torch.no_grad():
         torch.testing.assert_close(ours.prompt_logits(prompt), ref(torch.tensor([prompt])).logits[0],
                                    atol=1e-4, rtol=1e-4)
-    assert ours.generate([prompt], max_tokens=8) == [_greedy(ref, prompt, 8)]
+    assert ours.generate([prompt], max_tokens=8) == [reference_greedy(ref, prompt, 8)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import make_mixtral
+from checkpoints import make_mixtral, reference_greedy
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.config import CheckpointError
 from moe_workers.model.dense import Chunk
@@ -29,17 +29,6 @@ def _reference_logits(model, ids):
         return model(torch.tensor([ids])).logits[0].float()
 
 
-def _reference_greedy(model, ids, n):
-    ids = list(ids)
-    out = []
-    with torch.no_grad():
-        for _ in range(n):
-            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-    return out
-
-
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_logits_and_greedy_match_transformers_fp32(tmp_path, shape):
     ref = make_mixtral(tmp_path, **SHAPES[shape])
@@ -50,7 +39,7 @@ def test_logits_and_greedy_match_transformers_fp32(tmp_path, shape):
     our_logits = ours.prompt_logits(prompt).float()
     assert our_logits.shape == ref_logits.shape
     torch.testing.assert_close(our_logits, ref_logits, atol=1e-4, rtol=1e-4)
-    assert ours.generate([prompt], max_tokens=12) == [_reference_greedy(ref, prompt, 12)]
+    assert ours.generate([prompt], max_tokens=12) == [reference_greedy(ref, prompt, 12)]
 
 
 def test_batched_decode_with_different_lengths_matches_one_by_one(tmp_path):
@@ -60,7 +49,7 @@ def test_batched_decode_with_different_lengths_matches_one_by_one(tmp_path):
     prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (5, 17, 2, 30)]
     together = ours.generate(prompts, max_tokens=8)
     for p, got in zip(prompts, together):
-        assert got == _reference_greedy(ref, p, 8)
+        assert got == reference_greedy(ref, p, 8)
 
 
 def test_incremental_prefill_matches_single_prefill(tmp_path):
