@@ -19,7 +19,7 @@ from moe_operator.api import conditions as cond
 from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.api.semantics import validate_semantics
 from moe_operator.api.validation import SpecError, parse_spec
-from moe_operator.backends.ray_rest import RayServeClient, RayServeError
+from moe_operator.backends.ray_rest import RayServeClient, RayServeError, Unschedulable
 from moe_operator.metrics import RAY_APPLY_SECONDS
 from moe_operator.observe import fetch_app_status, summarise, swap_transitions
 from moe_operator.autoscaling import transition
@@ -274,6 +274,8 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
             cluster = apply_application(client, ours, http_port, wait_s, host=http_host)
     except ValueError as err:  # route prefix clash and the like: the user must change the spec
         return result(False, cond.INVALID_SPEC, str(err), "Warning")
+    except Unschedulable as err:  # the cluster may grow (autoscaler) or the spec change: look again soon
+        return result(False, cond.UNSCHEDULABLE, str(err), "Warning", retry=15)
     except (RayServeError, OSError) as err:
         return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
     status["endpoint"] = base_url + "/v1"

@@ -1,6 +1,7 @@
 """`moectl up` stops fast in every state and leaves nothing behind: SIGTERM while serving and
 while Ray is still starting, SIGKILL (the head's watchdog ends it), then a new `moectl up` on the
-same port serves its own model; a port another process listens on is refused, naming it."""
+same port serves its own model; a port another process listens on is refused, naming it. Status
+never lies: a stopped or killed `moectl up`'s app shows Stopped, one Ray cannot place Unschedulable."""
 
 from __future__ import annotations
 
@@ -59,6 +60,13 @@ def _serving(proc, log):
     wait_for(check, what="moectl up to serve")
 
 
+def _ready(env, name):
+    import json
+
+    doc = json.loads(moectl("get", name, "--local", "-o", "json", env=env).stdout)
+    return next(c for c in doc["status"]["conditions"] if c["type"] == "Ready")
+
+
 def test_stop_kill_and_restart_on_the_same_port(tmp_path):
     state = tmp_path / "state"
     env = {**os.environ, "MOE_STATE_DIR": str(state)}
@@ -77,6 +85,7 @@ def test_stop_kill_and_restart_on_the_same_port(tmp_path):
     assert proc.wait(timeout=30) == 0, (tmp_path / "a.log").read_text()
     assert time.monotonic() - t0 < 5.0
     assert not live_group_members(group) and not [p for p in tree if _alive(p)]
+    assert _ready(env, "first")["reason"] == "Stopped"  # status never says a stopped app serves
 
     # SIGTERM while the local Ray head is still starting
     proc = _up(first, port, env, tmp_path / "b.log")
@@ -98,6 +107,9 @@ def test_stop_kill_and_restart_on_the_same_port(tmp_path):
     proc.wait(timeout=10)
     wait_for(lambda: not live_group_members(group) and not [p for p in tree if _alive(p)], timeout_s=10,
              what="the orphaned head and its workers ended by the watchdog")
+    killed = _ready(env, "first")  # the file still says Serving; moectl sees its writer is gone
+    assert killed["status"] == "False" and killed["reason"] == "Stopped" and f"pid {proc.pid}" in killed["message"]
+    assert "True" not in moectl("get", "--local", env=env).stdout.split("\n", 1)[1]
 
     # a new moectl up on the same port serves its own model (not the old app)
     proc = _up(second, port, env, tmp_path / "d.log")
@@ -156,3 +168,37 @@ def test_a_leftover_head_of_a_dead_moectl_is_ended(tmp_path):
     finally:
         mine.kill()
         mine.wait()
+
+
+def test_an_app_ray_cannot_place_is_unschedulable_then_serves_when_it_fits(tmp_path):
+    """An ingress asking for the whole 2-CPU head beside 2 shard groups. `moectl up` prints
+    Unschedulable with Ray's message (what a replica needs, what the cluster has), `moectl get`
+    shows it, it stops on SIGTERM, and an edit that fits serves."""
+    import json
+
+    env = {**os.environ, "MOE_STATE_DIR": str(tmp_path / "state")}
+    f = _manifest(tmp_path, "big", seed=3)
+    raw = yaml.safe_load(f.read_text())
+    raw["spec"]["ingress"]["numCpus"] = 2.0
+    f.write_text(yaml.safe_dump(raw))
+    log = tmp_path / "up.log"
+    proc = _up(f, free_port(), env, log)
+    try:
+        def ready():
+            s = json.loads(moectl("get", "big", "--local", "-o", "json", env=env, check=False).stdout or "{}")
+            return next((c for c in (s.get("status") or {}).get("conditions", []) if c["type"] == "Ready"), None)
+
+        stuck = wait_for(lambda: (r := ready()) and r["reason"] == "Unschedulable" and r, timeout_s=180,
+                         what="Unschedulable")
+        assert stuck["status"] == "False" and "Resources required for each replica" in stuck["message"]
+        assert "total resources available" in stuck["message"]
+        assert "Unschedulable" in log.read_text() and "Resources required for each replica" in log.read_text()
+        assert "Unschedulable" in moectl("get", "big", "--local", env=env).stdout
+        raw["spec"]["ingress"]["numCpus"] = 0.25
+        f.write_text(yaml.safe_dump(raw))
+        wait_for(lambda: (r := ready()) and r["reason"] == "Serving", timeout_s=240, what="serving after the fix")
+    finally:
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    assert rc == 0 and time.monotonic() - t0 < 10, log.read_text()

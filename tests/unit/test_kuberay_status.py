@@ -149,3 +149,31 @@ def test_another_apps_status_does_not_count_for_ours():
         "other.app": {"status": "RUNNING", "serveDeploymentStatuses": HEALTHY}}})
     s = service_state(rs(status), APP)
     assert not s.ready and s.reason == cond.DEPLOYING and APP in s.message
+
+
+# Ray Serve's own words (deployment_state.py) for a replica its scheduler cannot place
+NOT_PLACED = ("Deployment 'Ingress' in application 'default.kr' has 1 replicas that have taken more than 30s to be "
+              "scheduled. This may be due to waiting for the cluster to auto-scale or for a runtime environment to "
+              "be installed. Resources required for each replica: {\"CPU\": 1.0}, total resources available: "
+              "{\"CPU\": 0.99}. Use `ray status` for more details.")
+
+
+def test_a_replica_ray_cannot_place_is_unschedulable_with_what_it_needs_and_what_there_is():
+    deployments = {**HEALTHY, "Ingress": {"status": "UPDATING", "message": NOT_PLACED}}
+    s = service_state(rs(running_status(activeServiceStatus=active("DEPLOYING", deployments),
+                                        conditions=[ready("False", "Initializing")])), APP)
+    assert not s.ready and s.reason == cond.UNSCHEDULABLE
+    assert 'Ingress: Resources required for each replica: {"CPU": 1.0}, total resources available: {"CPU": 0.99}' \
+        in s.message and "ray status" not in s.message
+
+
+def test_the_rest_backend_raises_unschedulable_from_the_same_message():
+    from moe_operator.backends.serve_status import unschedulable, unschedulable_message
+
+    app = {"status": "DEPLOYING", "deployments": {"Ingress": {"status": "UPDATING", "message": NOT_PLACED},
+                                                   "ExpertShard-0": {"status": "UPDATING", "message": ""}}}
+    assert [name for name, _ in unschedulable(app)] == ["Ingress"]
+    assert unschedulable_message("default.kr", app).startswith("Ray cannot place every replica of default.kr: Ingress:")
+    slow_init = {"deployments": {"Ingress": {"status": "UPDATING", "message": (
+        "Deployment 'Ingress' in application 'x' has 1 replicas that have taken more than 30s to initialize.")}}}
+    assert unschedulable_message("x", slow_init) is None  # placed, only slow: still Deploying

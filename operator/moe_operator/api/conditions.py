@@ -16,6 +16,8 @@ RAY_UNREACHABLE = "RayUnreachable"
 RECONCILED = "Reconciled"
 SECRET_UNAVAILABLE = "SecretUnavailable"  # a Secret the spec names is missing, unreadable or lacks the key
 RAY_NOT_CONFIGURED = "RayNotConfigured"  # no Ray address in the spec nor in the operator's settings
+STOPPED = "Stopped"  # standalone: the `moectl up` that served the app has exited (or was killed)
+UNSCHEDULABLE = "Unschedulable"  # Ray cannot place a replica: what it needs and what the cluster has
 # KubeRay mode (moe_operator.backends.kuberay_status)
 WAITING_FOR_KUBERAY = "WaitingForKubeRay"  # KubeRay has not observed the RayService we wrote
 UPGRADING = "Upgrading"  # KubeRay is moving the app to a new Ray cluster

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from moe_operator.api import conditions as cond
 
+from .serve_status import unschedulable_message
+
 # KubeRay's Ready reasons after which it stops trying (until the RayService changes)
 TERMINAL_REASONS = ("InitializingTimeout", "ValidationFailed")
 
@@ -92,6 +94,9 @@ def service_state(rayservice: dict, app: str) -> ServiceState:
         return ServiceState(False, cond.UNHEALTHY, f"application {app} {state}"
                             + (f": {'; '.join(unhealthy)}" if unhealthy else f": {message or 'no message'}"),
                             degraded="; ".join(unhealthy) or f"application {app} {state}")
+    stuck = unschedulable_message(app, {"deployments": active.get("serveDeploymentStatuses") or {}})
+    if stuck:  # KubeRay's autoscaler may still add a node: reported, and looked at again
+        return ServiceState(False, cond.UNSCHEDULABLE, stuck, progressing=True)
     updating = sorted(n for n, d in (active.get("serveDeploymentStatuses") or {}).items()
                       if d.get("status") != "HEALTHY")
     if state != "RUNNING" or updating:

@@ -11,9 +11,16 @@ from dataclasses import dataclass
 
 import requests
 
+from .serve_status import unschedulable_message
+
 
 class RayServeError(RuntimeError):
     pass
+
+
+class Unschedulable(RayServeError):
+    """Ray reports replicas of the application that it cannot place (the message says what they
+    need and what the cluster has)."""
 
 
 @dataclass
@@ -65,6 +72,9 @@ class RayServeClient:
             failed = {n: apps[n].get("message", "") for n, s in states.items() if s == "DEPLOY_FAILED"}
             if failed:
                 raise RayServeError(f"deploy failed: {failed}")
+            stuck = [m for n in names if (m := unschedulable_message(n, apps.get(n) or {}))]
+            if stuck:
+                raise Unschedulable("; ".join(stuck))
             if all(s == "RUNNING" for s in states.values()):
                 return status
             time.sleep(0.5)

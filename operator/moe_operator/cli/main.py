@@ -105,7 +105,7 @@ def up(
     head it started never outlives it, SIGKILL included."""
     from moe_operator.backends.ray_rest import RayServeClient
     from moe_operator.standalone.local_ray import LocalRayHead, end_leftover_heads, port_holder
-    from moe_operator.standalone.runner import StandaloneRunner, default_state_dir, load_manifest
+    from moe_operator.standalone.runner import StandaloneRunner, default_state_dir, load_manifest, owner_tag
 
     manifest = load_manifest(file)
     for line in manifest.dropped:  # the apiserver prunes these silently; say so here
@@ -149,6 +149,8 @@ def up(
         runner = StandaloneRunner(file, RayServeClient(address, token), port, roots, log=lambda m: err.print(m, markup=False),
                                   metrics_urls=[head.metrics_url] if head is not None else [],
                                   api_key_file=api_key_file)
+        if not once:
+            runner.owner = owner_tag()  # when this process is gone, so is the app
         runner.changed()
         with err.status(f"deploying {manifest.name or file} ..."):
             ok = runner.reconcile()
@@ -163,6 +165,9 @@ def up(
     except KeyboardInterrupt:
         pass
     finally:
+        if not once and "runner" in locals():
+            with contextlib.suppress(Exception):
+                runner.mark_stopped()
         if head is None and stopping.is_set() and "runner" in locals():
             # an existing cluster: ask Ray to remove our app, without waiting for it to be gone
             with contextlib.suppress(Exception):
@@ -219,15 +224,15 @@ def _fetch_from_kubernetes(name: Optional[str], namespace: str, all_namespaces: 
 
 
 def _fetch_local(name: Optional[str], namespace: str, all_namespaces: bool) -> list[dict]:
-    from moe_operator.standalone.runner import default_state_dir, status_path
+    from moe_operator.standalone.runner import as_seen, default_state_dir, status_path
 
     if name:
         path = status_path(default_state_dir(), namespace, name)
         if not path.exists():
             fail(f"moedeployment {namespace}/{name} not found in standalone state ({path.parent})")
-        return [json.loads(path.read_text())]
+        return [as_seen(json.loads(path.read_text()))]
     pattern = "*/*.json" if all_namespaces else f"{namespace}/*.json"
-    return [json.loads(p.read_text()) for p in sorted(default_state_dir().glob(pattern))]
+    return [as_seen(json.loads(p.read_text())) for p in sorted(default_state_dir().glob(pattern))]
 
 
 @app.command()

@@ -123,7 +123,9 @@ class LocalRayHead:
             cmd += ["--num-cpus", str(self.num_cpus)]
         if parent_pid is not None:
             cmd = [sys.executable, "-m", "moe_operator.standalone.watchdog", str(parent_pid), "--", *cmd]
-        env = {**os.environ, **self.client_env(), "RAY_USAGE_STATS_ENABLED": "0"}
+        # Serve names a replica it cannot place after RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s by
+        # default); on a one-node local head nothing will come to place it later, so say it sooner
+        env = {"RAY_SERVE_SLOW_STARTUP_WARNING_S": "5", **os.environ, **self.client_env(), "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS")
         log = open(self.work_dir / "ray-head.log", "wb")
         self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -36,6 +36,42 @@ def status_path(state_dir: Path, namespace: str, name: str) -> Path:
     return state_dir / namespace / f"{name}.json"
 
 
+OWNER_ANNOTATION = "serving.moe.io/moectl-up"  # "<pid>:<process start time>" of the `moectl up` serving it
+
+
+def owner_tag(pid: int | None = None) -> str:
+    import psutil
+
+    p = psutil.Process(pid)
+    return f"{p.pid}:{p.create_time():.2f}"
+
+
+def owner_running(tag: str) -> bool:
+    """Whether the process `tag` names still runs (the same process: a reused pid has another start time)."""
+    import psutil
+
+    try:
+        pid, started = tag.split(":", 1)
+        return f"{psutil.Process(int(pid)).create_time():.2f}" == started
+    except (ValueError, psutil.Error):
+        return False
+
+
+def as_seen(doc: dict, running: Callable[[str], bool] = owner_running) -> dict:
+    """A status file as `moectl get --local` shows it (pure but for `running`): an app whose
+    `moectl up` is gone (SIGKILL, a crash) is not served, whatever the file last said."""
+    tag = ((doc.get("metadata") or {}).get("annotations") or {}).get(OWNER_ANNOTATION)
+    status = doc.get("status") or {}
+    conditions = status.get("conditions") or []
+    if tag is None or running(tag) or any(c.get("reason") == cond.STOPPED for c in conditions):
+        return doc
+    status = {k: v for k, v in status.items() if k != "endpoint"}
+    status["conditions"] = cond.set_condition(conditions, cond.READY, False, cond.STOPPED,
+                                              f"moectl up (pid {tag.split(':')[0]}) is not running; nothing serves "
+                                              "this app")
+    return {**doc, "status": status}
+
+
 def rebalance_request_path(state_dir: Path, namespace: str, name: str) -> Path:
     """`moectl rebalance NAME --local` writes its request here (the annotation's stand-in)."""
     return state_dir / namespace / f"{name}.rebalance"
@@ -104,13 +140,19 @@ class StandaloneRunner:
     _replicas_in_file: int | None = None
     autoscaler: Autoscaler = field(default_factory=Autoscaler)
     _retry_at: float | None = None  # a pass that failed for a passing reason (Ray busy) runs again then
+    owner: str | None = None  # owner_tag() of the `moectl up` whose exit ends serving (None: --once)
+    _last_manifest: Manifest | None = None
 
     def _write_status(self, m: Manifest) -> None:
+        self._last_manifest = m
         path = status_path(self.state_dir, m.namespace, m.name or "unnamed")
         path.parent.mkdir(parents=True, exist_ok=True)
+        annotations = {"serving.moe.io/manifest": str(self.manifest_path.resolve())}
+        if self.owner:
+            annotations[OWNER_ANNOTATION] = self.owner
         doc = {"apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment",
                "metadata": {"name": m.name, "namespace": m.namespace, "generation": self.generation,
-                            "annotations": {"serving.moe.io/manifest": str(self.manifest_path.resolve())}},
+                            "annotations": annotations},
                "spec": m.spec.model_dump(by_alias=True, exclude_none=True) if m.spec else m.raw.get("spec"),
                "status": self.status}
         tmp = path.with_suffix(".tmp")
@@ -241,6 +283,16 @@ class StandaloneRunner:
                     self.log(f"autoscaler: {err}")
                 last_observe = time.monotonic()
             time.sleep(poll_s)
+
+    def mark_stopped(self) -> None:
+        """The status file says the app is no longer served (moectl up is exiting)."""
+        if self._last_manifest is None:
+            return
+        self.status.pop("endpoint", None)
+        self.status["conditions"] = cond.set_condition(self.status.get("conditions", []), cond.READY, False,
+                                                       cond.STOPPED, f"moectl up stopped at {cond.now_rfc3339()}",
+                                                       self.generation)
+        self._write_status(self._last_manifest)
 
     def teardown(self, wait_s: float = 120.0) -> None:
         """Remove our application, keep everyone else's (waiting at most `wait_s` for Ray to
