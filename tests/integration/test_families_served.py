@@ -111,17 +111,23 @@ def test_hot_swap_of_one_routed_expert_is_served(served):
     layer = cfg.sparse_layers[-1]
     prompt = _prompts(1, seed=5)[0]
     x_counts = served["shard"]("ExpertShard-0").status.remote().result()["load"]
-    # the most used expert of ExpertShard-0 in the last layer: swapping it changes tokens
-    candidates = [e for e in served["placement"]["ExpertShard-0"] if e.startswith(f"{layer}.")]
-    eid = max(candidates, key=lambda e: x_counts.get(e, 0))
-    key = tuple(int(p) for p in eid.split("."))
-    new = {part: (t * 30).contiguous() for part, t in ours.experts.weights[key].items()}
+    # an expert of ExpertShard-0 in the last layer whose new weights change this prompt's tokens
+    # (the most used first: an expert the prompt never routes to would not show the swap)
+    candidates = sorted((e for e in served["placement"]["ExpertShard-0"] if e.startswith(f"{layer}.")),
+                        key=lambda e: -x_counts.get(e, 0))
+    before = ours.generate([prompt], 6, stop_at_eos=True)[0]
+    for eid in candidates:
+        key = tuple(int(p) for p in eid.split("."))
+        new = {part: (t * 30).contiguous() for part, t in ours.experts.weights[key].items()}
+        patched = InProcessModel(served["root"] / "model")
+        patched.experts.weights[key] = new
+        want = patched.generate([prompt], 6, stop_at_eos=True)[0]
+        if want != before:
+            break
+    else:
+        raise AssertionError(f"no expert of {candidates} changes the tokens of {prompt}")
     file = served["weights_dir"] / f"expert-{eid}.safetensors"
     save_file({SHORT_NAMES[p]: t for p, t in new.items()}, str(file))
-    patched = InProcessModel(served["root"] / "model")
-    patched.experts.weights[key] = new
-    want = patched.generate([prompt], 6, stop_at_eos=True)[0]
-    assert want != ours.generate([prompt], 6, stop_at_eos=True)[0]  # the new weights change the tokens
     served["apply"]({eid: {"path": str(file)}})
 
     def swapped():

@@ -192,7 +192,8 @@ def test_an_app_ray_cannot_place_is_unschedulable_then_serves_when_it_fits(tmp_p
                          what="Unschedulable")
         assert stuck["status"] == "False" and "Resources required for each replica" in stuck["message"]
         assert "total resources available" in stuck["message"]
-        assert "Unschedulable" in log.read_text() and "Resources required for each replica" in log.read_text()
+        printed = " ".join(log.read_text().split())  # rich wraps at the terminal width
+        assert "Unschedulable" in printed and "Resources required for each replica" in printed
         assert "Unschedulable" in moectl("get", "big", "--local", env=env).stdout
         raw["spec"]["ingress"]["numCpus"] = 0.25
         f.write_text(yaml.safe_dump(raw))
