@@ -86,9 +86,11 @@ class LocalRayHead:
         """ray.init() this process against the head (token auth included); returns the ray module."""
         os.environ.update(self.client_env())
         import ray
-        from ray._raylet import AuthenticationTokenLoader
+        from ray._raylet import AuthenticationTokenLoader, Config
 
-        # the loader caches the token it saw first; this process may have looked before the head existed
+        # Ray caches its config (the auth mode) and the token it saw first; this process may have
+        # loaded both before the head existed (building a Serve app does), so read them again
+        Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
         ray.init(address=self.gcs_address, namespace=namespace, log_to_driver=False)
         return ray
