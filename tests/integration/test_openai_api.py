@@ -223,7 +223,7 @@ def test_serving_metrics_reach_rays_prometheus_export(ray_head, app, client):
 
 
 def test_a_full_queue_is_a_503_the_client_raises_with_retry_after(app):
-    """More requests than the batch and the wait queue hold: the rest get 503 + Retry-After,
+    """More requests than the batch and the wait queues hold: the rest get 503 + Retry-After,
     which the openai client raises as InternalServerError (status 503); the others finish."""
     import concurrent.futures
 
@@ -242,4 +242,5 @@ def test_a_full_queue_is_a_503_the_client_raises_with_retry_after(app):
     assert set(codes) <= {200, 503} and codes.count(200) >= 8 and codes.count(503) >= 1, codes
     err = next(e for c, e in results if c == 503)
     assert isinstance(err, openai.InternalServerError) and err.response.headers["retry-after"] == "1"
-    assert "overloaded" in err.message
+    # refused in the proxy by Serve's queue limit (or by the replica's own queue): no model work spent
+    assert "dropped due to backpressure" in err.response.text or "overloaded" in err.message, err.response.text

@@ -10,6 +10,16 @@ from moe_operator.planner.initial import initial_placement
 from moe_operator.render.serve_app import merge_applications, render_application
 
 
+def _ingress_options(args: dict) -> dict:
+    """build_app(args)'s Ingress deployment options, as Serve will apply them."""
+    from moe_workers.serve.app import build_app
+    from moe_workers.serve.config import AppArgs
+
+    d = build_app(AppArgs.model_validate(args))._bound_deployment
+    return {"ray_actor_options": d.ray_actor_options, "max_ongoing_requests": d.max_ongoing_requests,
+            "max_queued_requests": d.max_queued_requests, "backpressure": d.backpressure_config.model_dump()}
+
+
 def test_render_carries_spec_into_static_args_and_in_place_options():
     spec = parse_spec({**VALID["spec"], "ingress": {"kvCacheBudget": "2Gi", "routePrefix": "/m", "numCpus": 0.5}})
     placement = initial_placement(2, 4, 2)
@@ -27,15 +37,27 @@ def test_render_carries_spec_into_static_args_and_in_place_options():
 
 def test_gpus_are_rendered_for_the_ingress_and_the_shards():
     """spec.ingress.numGpus used to be accepted and dropped: the dense part never got a GPU."""
-    from moe_workers.serve.app import build_app
-    from moe_workers.serve.config import AppArgs
-
     spec = parse_spec({**VALID["spec"], "ingress": {"numGpus": 1}, "experts": {**VALID["spec"]["experts"], "numGpus": 0.5}})
     args = render_application("team-a", "mixtral", spec, initial_placement(2, 4, 2))["args"]
     assert args["ingress_num_gpus"] == 1 and args["shard_num_gpus"] == 0.5
-    app = build_app(AppArgs.model_validate({**args, "placement": initial_placement(2, 4, 2)}))
-    ingress = app._bound_deployment
-    assert ingress.ray_actor_options == {"num_cpus": spec.ingress.num_cpus, "num_gpus": 1}
+    ingress = _ingress_options({**args, "placement": initial_placement(2, 4, 2)})
+    assert ingress["ray_actor_options"] == {"num_cpus": spec.ingress.num_cpus, "num_gpus": 1}
+
+
+def test_the_ingress_admits_a_batch_and_the_proxy_queues_and_refuses_the_rest():
+    """Overload is refused by Serve's router in the proxy (503 + Retry-After: 1), not by a
+    replica busy with the model: a replica takes a batch plus headroom, the proxy queues
+    spec.ingress.maxQueuedRequests more."""
+    from moe_workers.serve.app import ADMISSION_HEADROOM
+
+    spec = parse_spec({**VALID["spec"], "ingress": {"maxBatchSize": 12, "maxQueuedRequests": 40}})
+    ingress = _ingress_options(render_application("team-a", "mixtral", spec, initial_placement(2, 4, 2))["args"])
+    assert ingress["max_ongoing_requests"] == 12 + ADMISSION_HEADROOM
+    assert ingress["max_queued_requests"] == 40
+    assert ingress["backpressure"] == {"status_code": 503, "retry_after_s": 1}
+    none_wait = parse_spec({**VALID["spec"], "ingress": {"maxQueuedRequests": 0}})
+    args = render_application("team-a", "mixtral", none_wait, initial_placement(2, 4, 2))["args"]
+    assert _ingress_options(args)["max_queued_requests"] == 1  # Serve's least
 
 
 def test_placement_change_leaves_args_alone():

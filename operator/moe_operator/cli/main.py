@@ -683,103 +683,55 @@ def bench(
     prompt_len: int = typer.Option(32, "--prompt-len", min=1, help="Prompt length in tokens (random ids)."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Completion length."),
     seed: int = typer.Option(0, "--seed"),
+    hammer: bool = typer.Option(False, "--hammer", help="Resend a refused request at once instead of "
+                                "waiting for its Retry-After (the worst case for a server under overload)."),
     output: str = typer.Option("", "-o", "--output", help="json for machine-readable results."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOE_API_KEY",
                                           help="Sent as Authorization: Bearer (when the app has API keys)."),
 ):
-    """Load generator: concurrent streaming clients for a duration; throughput, request latency,
-    time to first token and inter-token latency percentiles."""
-    import random
-    import time
-
+    """Load generator: concurrent streaming clients for a duration; goodput, request latency,
+    time to first token and inter-token latency percentiles. Refused requests (503/429) are
+    counted apart from failures, and a client waits for their Retry-After unless --hammer."""
     import requests
+
+    from moe_operator.loadgen import LoadGen, model_info, summarize
 
     if not name and not endpoint:
         fail("give a MoEDeployment NAME or --endpoint URL", 2)
     if output not in ("", "json"):
         fail(f"-o {output!r}: expected json", 2)
-    base = _base_url(name, namespace, kubeconfig, local, endpoint) if name or endpoint else ""
+    base = _base_url(name, namespace, kubeconfig, local, endpoint)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        models = requests.get(base + "/v1/models", timeout=10, headers=headers).json()["data"][0]
+        models = model_info(base, headers)
     except (requests.RequestException, ValueError, KeyError, IndexError) as e:
         fail(f"cannot reach {base}/v1/models: {e.__class__.__name__}")
-    vocab_hi = int(models.get("vocab_size", 256))
     if prompt_len + max_tokens > models.get("max_model_len", 1 << 30):
         fail(f"--prompt-len + --max-tokens ({prompt_len + max_tokens}) exceeds the model's context "
              f"({models['max_model_len']})", 2)
-    rng = random.Random(seed)
-    results: list[tuple[float, int, int]] = []  # (latency s, status, completion tokens)
-    ttft: list[float] = []
-    itl: list[float] = []
-    lock = threading.Lock()
-    deadline = time.monotonic() + duration
-    session_errors: list[str] = []
-
-    def client(i: int) -> None:
-        s = requests.Session()
-        s.headers.update(headers)
-        while time.monotonic() < deadline:
-            prompt = [rng.randrange(3, vocab_hi) for _ in range(prompt_len)]
-            t0 = time.monotonic()
-            times: list[float] = []  # arrival of each token's chunk
-            try:
-                with s.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                            "temperature": 0, "stream": True},
-                            timeout=600, stream=True) as r:
-                    status = r.status_code
-                    if status == 200:
-                        for line in r.iter_lines():
-                            if line.startswith(b"data: {"):
-                                chunk = json.loads(line[6:])
-                                times += [time.monotonic()] * len(chunk["choices"][0]["token_ids"])
-                                if chunk["choices"][0]["finish_reason"] and chunk["choices"][0]["finish_reason"] not in ("length", "stop"):
-                                    status = 500  # failed mid-stream
-                n = len(times) if status == 200 else 0
-            except (requests.RequestException, ValueError, KeyError) as e:
-                status, n = -1, 0
-                session_errors.append(e.__class__.__name__)
-            with lock:
-                results.append((time.monotonic() - t0, status, n))
-                if status == 200 and times:
-                    ttft.append(times[0] - t0)
-                    itl.extend(b - a for a, b in zip(times, times[1:]))
-
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
-    started = time.monotonic()
+    load = LoadGen(base, concurrency, prompt_len, max_tokens, int(models.get("vocab_size", 256)), seed, headers, hammer)
     with Progress(TextColumn("load"), BarColumn(), TextColumn("{task.fields[done]} requests"),
                   TimeElapsedColumn(), console=err, transient=output == "json") as progress:
         task = progress.add_task("load", total=duration, done=0)
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            time.sleep(0.2)
-            progress.update(task, completed=min(duration, time.monotonic() - started), done=len(results))
-    wall = time.monotonic() - started
-    ok = [r for r in results if r[1] == 200]
-
-    def pcts(values: list[float]) -> dict:
-        v = sorted(values)
-        return {q: round(v[min(len(v) - 1, int(round(p * (len(v) - 1))))], 4) if v else float("nan")
-                for q, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
-
-    summary = {"requests": len(results), "failed": len(results) - len(ok), "wall_s": round(wall, 3),
-               "requests_per_s": round(len(ok) / wall, 3), "tokens_per_s": round(sum(r[2] for r in ok) / wall, 2),
-               "latency_s": pcts([r[0] for r in ok]), "ttft_s": pcts(ttft), "itl_s": pcts(itl),
-               "concurrency": concurrency, "prompt_len": prompt_len, "max_tokens": max_tokens}
+        wall = load.run(duration, lambda t, n: progress.update(task, completed=min(duration, t), done=n))
+    summary = {**summarize(load.records, wall), "concurrency": concurrency, "prompt_len": prompt_len,
+               "max_tokens": max_tokens, "hammer": hammer}
+    summary["requests_per_s"] = summary["goodput_rps"]
     if output == "json":
         out.print_json(json.dumps(summary))
     else:
         table = Table(box=None, show_header=False)
-        rows = [("requests", f"{summary['requests']} ({summary['failed']} failed)"),
-                ("throughput", f"{summary['requests_per_s']} req/s, {summary['tokens_per_s']} tokens/s")]
+        rows = [("requests", f"{summary['requests']}: {summary['ok']} answered, {summary['refused']} refused "
+                             f"(503/429), {summary['failed']} failed"),
+                ("goodput", f"{summary['goodput_rps']} req/s, {summary['tokens_per_s']} tokens/s")]
         for label, key in (("latency", "latency_s"), ("time to first token", "ttft_s"), ("inter-token latency", "itl_s")):
             rows.append((f"{label} p50 / p90 / p99", " / ".join(f"{summary[key][q] * 1e3:.0f} ms" for q in ("p50", "p90", "p99"))))
         for k, v in rows:
             table.add_row(k, v)
         out.print(table)
-    if not ok:
-        fail(f"no request succeeded ({len(results)} sent; {', '.join(sorted(set(session_errors))) or 'HTTP errors'})")
+    if not summary["ok"]:
+        fail(f"no request succeeded ({summary['requests']} sent; "
+             f"{', '.join(summary['errors']) or ('all refused' if summary['refused'] else 'HTTP errors')})")
 
 
 def main() -> None:
