@@ -7,10 +7,11 @@
 1. The knee: closed-loop clients (`moectl bench`'s load generator) at rising concurrency, each
    level for --phase-s; the knee is the lowest concurrency whose goodput (answered requests per
    second) is within 5% of the best level's.
-2. Overload at --overload x the knee, twice: clients that honour the `Retry-After` of a 503, and
-   clients that resend at once (`--hammer`). `overload-goodput-ratio` = the worse of the two
-   goodputs / the knee's; refused requests (503) are counted apart from failures (other errors,
-   which must be 0).
+2. Overload at --overload x the knee, and at --shed-clients (default 160, more than the app
+   admits: batch 32 + wait queue 64 + 8 in each replica, 32 in the proxy), each twice: clients
+   that honour the `Retry-After` of a 503, and clients that resend at once (`--hammer`).
+   `overload-goodput-ratio` = the worst of these goodputs / the knee's; refused requests (503)
+   are counted apart from failures (other errors, which must be 0).
 
 The app is the quickstart's (examples/standalone/quickstart.yaml: a random tiny Mixtral, 2 shard
 groups, maxBatchSize 32, maxQueuedRequests 64), so past batch + headroom + queue the Serve proxy
@@ -45,6 +46,7 @@ def parse_args():
     p.add_argument("--phase-s", type=float, default=30.0, help="seconds of load per phase")
     p.add_argument("--levels", default="8,16,32,64", help="concurrency levels searched for the knee")
     p.add_argument("--overload", type=float, default=2.5, help="overload concurrency as a multiple of the knee")
+    p.add_argument("--shed-clients", type=int, default=160, help="clients past what the app admits")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray head")
@@ -86,14 +88,25 @@ class StandaloneApp:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+def machine_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (all cores; /proc/stat)."""
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
 def phase(url: str, clients: int, seconds: float, a, vocab: int, hammer: bool = False) -> dict:
     load = LoadGen(url, clients, a.prompt_len, a.max_tokens, vocab, seed=clients, hammer=hammer, timeout_s=120)
+    cpu0, own0 = machine_cpu_s(), time.process_time()
     wall = load.run(seconds)
+    cpu, own = machine_cpu_s() - cpu0, time.process_time() - own0
     s = summarize(load.records, wall)
-    s.update(clients=clients, hammer=hammer)
+    # the clients run on the same cores as the app: their share says what the server had left
+    s.update(clients=clients, hammer=hammer, machine_cpu_per_s=round(cpu / wall, 2),
+             client_cpu_per_s=round(own / wall, 2))
     print(f"  {clients:4d} clients{' (hammer)' if hammer else ''}: goodput {s['goodput_rps']:.1f} req/s, "
           f"{s['ok']} answered, {s['refused']} refused, {s['failed']} failed, latency p50/p99 "
-          f"{s['latency_s']['p50']:.2f}/{s['latency_s']['p99']:.2f} s", flush=True)
+          f"{s['latency_s']['p50']:.2f}/{s['latency_s']['p99']:.2f} s; CPU busy {s['machine_cpu_per_s']:.2f} "
+          f"cores, of which the clients {s['client_cpu_per_s']:.2f}", flush=True)
     return s
 
 
@@ -106,12 +119,14 @@ def overload(url: str, a) -> dict:
     knee = next(s for s in levels if s["goodput_rps"] >= 0.95 * best)
     over = max(knee["clients"] + 1, int(round(a.overload * knee["clients"])))
     print(f"knee: {knee['clients']} clients ({knee['goodput_rps']:.1f} req/s); overload: {over} clients", flush=True)
-    honour = phase(url, over, a.phase_s, a, vocab)
-    hammer = phase(url, over, a.phase_s, a, vocab, hammer=True)
-    ratio = min(honour["goodput_rps"], hammer["goodput_rps"]) / knee["goodput_rps"]
-    return {"levels": levels, "knee": knee, "honour": honour, "hammer": hammer,
-            "overload_goodput_ratio": round(ratio, 3),
-            "failed": sum(s["failed"] for s in (*levels, honour, hammer))}
+    runs = {}
+    for label, clients in (("overload", over), ("shed", a.shed_clients)):
+        runs[label] = {"honour": phase(url, clients, a.phase_s, a, vocab),
+                       "hammer": phase(url, clients, a.phase_s, a, vocab, hammer=True)}
+    worst = min(s["goodput_rps"] for r in runs.values() for s in r.values())
+    return {"levels": levels, "knee": knee, **runs,
+            "overload_goodput_ratio": round(worst / knee["goodput_rps"], 3),
+            "failed": sum(s["failed"] for s in levels) + sum(s["failed"] for r in runs.values() for s in r.values())}
 
 
 def main() -> int:
@@ -131,9 +146,12 @@ def main() -> int:
     Path(a.out).write_text(json.dumps(result, indent=1))
     o = result["overload"]
     print(f"overload-goodput-ratio: {o['overload_goodput_ratio']}")
-    print(f"overload-honour-goodput-rps: {o['honour']['goodput_rps']}")
-    print(f"overload-hammer-goodput-rps: {o['hammer']['goodput_rps']}")
+    print(f"knee-clients: {o['knee']['clients']}")
     print(f"knee-goodput-rps: {o['knee']['goodput_rps']}")
+    for label in ("overload", "shed"):
+        for mode in ("honour", "hammer"):
+            r = o[label][mode]
+            print(f"{label}-{mode}-goodput-rps: {r['goodput_rps']} ({r['clients']} clients, {r['refused']} refused)")
     print(f"overload-failed-requests: {o['failed']}")
     return 0
 

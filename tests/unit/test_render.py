@@ -44,20 +44,23 @@ def test_gpus_are_rendered_for_the_ingress_and_the_shards():
     assert ingress["ray_actor_options"] == {"num_cpus": spec.ingress.num_cpus, "num_gpus": 1}
 
 
-def test_the_ingress_admits_a_batch_and_the_proxy_queues_and_refuses_the_rest():
+def test_the_ingress_admits_batch_and_queue_and_the_proxy_refuses_the_rest():
     """Overload is refused by Serve's router in the proxy (503 + Retry-After: 1), not by a
-    replica busy with the model: a replica takes a batch plus headroom, the proxy queues
-    spec.ingress.maxQueuedRequests more."""
-    from moe_workers.serve.app import ADMISSION_HEADROOM
+    replica busy with the model: a replica takes its batch, its wait queue and a headroom; the
+    proxy holds a few more; its engine never refuses what the gate let in."""
+    from moe_workers.serve.config import ADMISSION_HEADROOM, MIN_PROXY_QUEUE, AppArgs, engine_queue_limit
 
     spec = parse_spec({**VALID["spec"], "ingress": {"maxBatchSize": 12, "maxQueuedRequests": 40}})
-    ingress = _ingress_options(render_application("team-a", "mixtral", spec, initial_placement(2, 4, 2))["args"])
-    assert ingress["max_ongoing_requests"] == 12 + ADMISSION_HEADROOM
-    assert ingress["max_queued_requests"] == 40
+    args = render_application("team-a", "mixtral", spec, initial_placement(2, 4, 2))["args"]
+    ingress = _ingress_options(args)
+    assert ingress["max_ongoing_requests"] == 12 + 40 + ADMISSION_HEADROOM
+    assert ingress["max_queued_requests"] == 12  # a batch's worth
     assert ingress["backpressure"] == {"status_code": 503, "retry_after_s": 1}
-    none_wait = parse_spec({**VALID["spec"], "ingress": {"maxQueuedRequests": 0}})
-    args = render_application("team-a", "mixtral", none_wait, initial_placement(2, 4, 2))["args"]
-    assert _ingress_options(args)["max_queued_requests"] == 1  # Serve's least
+    # everything a replica takes beyond its batch may wait in its engine
+    assert engine_queue_limit(AppArgs.model_validate(args)) == ingress["max_ongoing_requests"] - 12
+    small = parse_spec({**VALID["spec"], "ingress": {"maxBatchSize": 2, "maxQueuedRequests": 0}})
+    ingress = _ingress_options(render_application("team-a", "mixtral", small, initial_placement(2, 4, 2))["args"])
+    assert ingress["max_queued_requests"] == MIN_PROXY_QUEUE and ingress["max_ongoing_requests"] == 2 + ADMISSION_HEADROOM
 
 
 def test_placement_change_leaves_args_alone():

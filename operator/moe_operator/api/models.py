@@ -196,10 +196,9 @@ class IngressSpec(ApiModel):
         default=64,
         ge=0,
         le=100_000,
-        description="Requests that may wait for a place in a replica's batch, queued in the Ray "
-        "Serve proxy; beyond this the proxy refuses them with 503 and Retry-After: 1 before they "
-        "reach a replica (0 is read as 1, Serve's least). A replica also refuses beyond this many "
-        "waiting for KV cache space.",
+        description="Requests a replica lets wait for a place in its batch (or KV cache space); "
+        "beyond them (and a few in flight) the Ray Serve proxy refuses requests with 503 and "
+        "Retry-After: 1 before they reach a replica.",
     )
     max_request_bytes: Bytes = Field(
         default="4Mi",

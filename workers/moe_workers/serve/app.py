@@ -10,26 +10,11 @@ the StatusBoard.
 from ray import serve
 
 from moe_workers.serve.board import StatusBoard
-from moe_workers.serve.config import INGRESS, AppArgs
+from moe_workers.serve.config import INGRESS, AppArgs, admission
 from moe_workers.serve.ingress import Ingress
 from moe_workers.serve.shard import ExpertShard
 
-__all__ = ["ExpertShard", "Ingress", "StatusBoard", "admission", "build_app"]
-
-
-# requests beside a full batch a replica takes (health, models, metrics, and those about to start
-# as others finish), so a full batch never blocks them behind the proxy's queue
-ADMISSION_HEADROOM = 8
-
-
-def admission(args: AppArgs) -> dict:
-    """The Ingress' admission gate, enforced by Serve's router in the proxy: a replica takes a
-    batch of requests (plus a little headroom); up to max_queued_requests more wait in the proxy
-    for a place; beyond that the proxy answers 503 with Retry-After: 1 without reaching a
-    replica, so refusing a request costs the proxy's HTTP handling and nothing of the model's."""
-    return {"max_ongoing_requests": args.max_batch_size + ADMISSION_HEADROOM,
-            "max_queued_requests": max(1, args.max_queued_requests),
-            "backpressure_config": {"status_code": 503, "retry_after_s": 1}}
+__all__ = ["ExpertShard", "Ingress", "StatusBoard", "build_app"]
 
 
 def build_app(args: AppArgs) -> serve.Application:

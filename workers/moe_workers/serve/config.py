@@ -67,6 +67,33 @@ class AppArgs(BaseModel):
         return [group_name(k) for k in range(self.num_groups)]
 
 
+# Beside its batch and wait queue a replica takes this many more requests (health, models and
+# metrics calls, and generations its queue then holds), so a full queue never blocks them
+ADMISSION_HEADROOM = 8
+# Requests that wait in the Serve proxy for a replica with room: a batch's worth, at least this
+# many. Serve's router counts a request as queued while it assigns it, so a burst of arrivals
+# (a batch finishing and its clients sending again) needs that much room even when the replicas
+# have some; more would wait in the proxy, where a queued request polls the replicas with a
+# backoff of up to 0.5 s; the replica's own queue is where waiting belongs.
+MIN_PROXY_QUEUE = 8
+
+
+def admission(args: AppArgs) -> dict:
+    """The Ingress' admission gate (Serve deployment options): a replica holds its batch, its
+    wait queue (max_queued_requests) and the headroom; a batch's worth more (at least
+    MIN_PROXY_QUEUE) wait in the proxy; the
+    proxy refuses the rest with 503 and Retry-After: 1 before any replica sees them, so refusing
+    costs the proxy's HTTP handling and nothing of the replica running the model."""
+    return {"max_ongoing_requests": args.max_batch_size + args.max_queued_requests + ADMISSION_HEADROOM,
+            "max_queued_requests": max(MIN_PROXY_QUEUE, args.max_batch_size),
+            "backpressure_config": {"status_code": 503, "retry_after_s": 1}}
+
+
+def engine_queue_limit(args: AppArgs) -> int:
+    """Requests the Ingress' engine lets wait: all the admission gate lets in beyond the batch."""
+    return args.max_queued_requests + ADMISSION_HEADROOM
+
+
 def serve_application(name: str, route_prefix: str, args: AppArgs, placement: dict[str, list[str]],
                       replicas_per_group: dict[str, int] | int = 1, tiers: dict | None = None,
                       overrides: dict[str, dict] | None = None, prefetch_lookahead: int = 0,

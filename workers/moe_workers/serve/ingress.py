@@ -26,7 +26,7 @@ from moe_workers.device import replica_device
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel, KVCache
 from moe_workers.model.layers import combine, group_by_expert
-from moe_workers.serve.config import AppArgs
+from moe_workers.serve.config import AppArgs, engine_queue_limit
 from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
@@ -143,7 +143,7 @@ class Ingress:
         ctx = serve.get_replica_context()
         self.metrics = IngressMetrics(ctx.replica_id.deployment_id.app_name, ctx.replica_id.unique_id)
         self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
-                             self.args.max_queued_requests, self.args.micro_batches,
+                             engine_queue_limit(self.args), self.args.micro_batches,
                              self.args.micro_batch_min_tokens, routing_stats=self.routing_stats,
                              observer=self.metrics)
         threading.Thread(target=self._export_routing, name="routing-metrics", daemon=True).start()
