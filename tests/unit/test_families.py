@@ -80,6 +80,21 @@ def test_our_writer_loads_in_transformers_with_every_tensor(tmp_path, family):
                                    atol=1e-4, rtol=1e-4)
 
 
+def test_written_checkpoints_are_readable_by_other_users(tmp_path):
+    """safetensors writes owner-only files; the operator's and Ray's Pods read the checkpoint as
+    another (non-root) user, so the writer gives its files the usual modes (one shard and several)."""
+    import stat
+
+    for sub, max_shard in (("one", 1 << 30), ("many", 20_000)):
+        write_random_checkpoint(tmp_path / sub, "mixtral", vocab_size=64, hidden_size=16, intermediate_size=16,
+                                num_layers=2, num_heads=2, num_kv_heads=1, num_experts=4, top_k=2,
+                                max_position_embeddings=32, max_shard_bytes=max_shard)
+        files = sorted((tmp_path / sub).iterdir())
+        assert len(files) >= 2 and (sub == "one") == (len(files) == 2)
+        for f in files:
+            assert f.stat().st_mode & stat.S_IROTH, f"{f.name} not readable by others: {oct(f.stat().st_mode)}"
+
+
 def test_deepseek_yarn_rope_with_mscale_matches_transformers(tmp_path):
     yarn = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}

@@ -11,6 +11,7 @@ score correction are random too, so a part that is read wrongly changes the outp
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -140,6 +141,12 @@ def write_random_checkpoint(path: str | Path, family: str = "mixtral", *, vocab_
         (path / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (path / "config.json").write_text(json.dumps(config, indent=2))
+    # safetensors writes its files owner-only (0600); a checkpoint is read by other users (the
+    # operator's and Ray's Pods run as non-root), so give them the modes any other file gets
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in path.glob("*.safetensors"):
+        f.chmod(0o666 & ~umask)
     return path
 
 
