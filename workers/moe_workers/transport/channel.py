@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -76,10 +77,21 @@ class _Conn:
     """A connection to a replica, with the buffer its small replies are read into, and its
     device link when the channel has one."""
 
-    def __init__(self, sock: socket.socket, link: PairLink | None = None):
+    def __init__(self, sock: socket.socket, link: PairLink | None = None, wait_s: float = 0.0):
         self.sock = sock
         self.link = link
         self.view = memoryview(bytearray(1 << 16))
+        self.wait_s = wait_s  # the kernel's limit on one send or receive (SO_SNDTIMEO / SO_RCVTIMEO)
+
+    def set_wait(self, seconds: float) -> None:
+        """Bound each send and receive in the kernel. The socket stays blocking: a Python
+        timeout would put a poll() before every send and receive and two syscalls more on each
+        wait (half the syscalls of a batch-1 exchange). A bound that passes is an OSError (EAGAIN)."""
+        seconds = max(0.001, seconds)  # 0 would mean no limit
+        tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self.wait_s = seconds
 
     def close(self) -> None:
         try:
@@ -258,14 +270,17 @@ class ExpertChannel:
                   exclude: set[str]) -> tuple[_Peer, _Conn] | None:
         """A connection to the least busy live replica of the group (among those that report
         hosting the part's experts, when any does), or None when the group has no live replica."""
-        keys = {(layer, e) for e in part.experts}
         while True:
             with self._lock:
                 peers = self._candidates(group, exclude)
                 if not peers:
                     return None
-                peers = [p for p in peers if keys <= p.member.experts] or peers
-                peer = min(peers, key=lambda p: (p.in_flight, p.sent, p.member.replica))
+                if len(peers) > 1:
+                    keys = {(layer, e) for e in part.experts}
+                    peers = [p for p in peers if keys <= p.member.experts] or peers
+                    peer = min(peers, key=lambda p: (p.in_flight, p.sent, p.member.replica))
+                else:
+                    peer = peers[0]
                 peer.in_flight += 1
                 peer.sent += 1
                 conn = peer.idle.pop() if peer.idle else None
@@ -295,7 +310,10 @@ class ExpertChannel:
             message = recv_bytes(sock, n).decode(errors="replace")
             if status != wire.OK:
                 raise wire.ProtocolError(f"{member.endpoint} refused the channel: {message}")
-            return _Conn(sock, link)
+            sock.settimeout(None)
+            conn = _Conn(sock, link)
+            conn.set_wait(self.timeout_s)
+            return conn
         except BaseException:
             sock.close()
             raise
@@ -318,7 +336,9 @@ class ExpertChannel:
         the connection's buffer; a large one goes straight into the output tensor."""
         sock, view, head = conn.sock, conn.view, wire.REPLY_HEADER.size
         try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            left = deadline - time.monotonic()
+            if abs(conn.wait_s - left) > min(0.05, self.timeout_s / 10):  # a retry pass, or a long step
+                conn.set_wait(left)
             got = _recv_at_least(sock, view, 0, head)
             reply, n = wire.decode_reply_header(view)
             if reply.seq != seq:

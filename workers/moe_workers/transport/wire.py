@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 MAGIC = b"MoE1"
@@ -29,6 +31,9 @@ STATUS_NAMES = {OK: "ok", ERROR: "error", DRAINING: "draining", DENIED: "denied"
 
 DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+# numpy holds the bytes (a numpy view costs a fraction of a torch op); bfloat16, which numpy
+# lacks, is held as uint16 and viewed as bfloat16 by torch
+_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
 
 HELLO_HEADER = struct.Struct("<4sBII")  # magic, kind, token length, link offer length
 ACK_HEADER = struct.Struct("<4sBI")  # magic, status, message length
@@ -62,8 +67,7 @@ class Request:
     flags: int = 0
 
 
-@dataclass(frozen=True)
-class Reply:
+class Reply(NamedTuple):  # a tuple: built once per exchange and replica on the hot path
     seq: int
     status: int
     rows: int
@@ -146,16 +150,18 @@ def decode_ack_header(buf: bytes) -> tuple[int, int]:
 def encode_request(seq: int, layer: int, rows: int, hidden: int, dtype: torch.dtype, experts: list[int],
                    counts: list[int], prefetch: list[tuple[int, int]] | None = None, flags: int = 0) -> bytes:
     """Header and variable part of a request (the tensor bytes follow separately)."""
-    prefetch = prefetch or []
     if len(experts) != len(counts):
         raise ProtocolError("experts and counts differ in length")
     if sum(counts) != rows:
         raise ProtocolError(f"counts sum to {sum(counts)}, not to the {rows} rows sent")
-    head = REQUEST_HEADER.pack(MAGIC, EXPERTS, dtype_code(dtype), flags, seq, layer, rows, hidden, len(experts),
-                               len(prefetch))
-    flat = [*experts, *counts, *(v for pair in prefetch for v in pair)]
-    body = struct.pack(f"<{len(flat)}i", *flat)
-    return head + body + bytes(_variable_size(len(experts), len(prefetch)) - len(body))
+    n, m = len(experts), len(prefetch) if prefetch else 0
+    pad = _variable_size(n, m) - 4 * (2 * n + 2 * m)
+    fmt = f"<4sBBBQIIIII{2 * n + 2 * m}i{pad}x"  # one pack: struct caches the compiled format
+    if m:
+        return struct.pack(fmt, MAGIC, EXPERTS, dtype_code(dtype), flags, seq, layer, rows, hidden, n, m,
+                           *experts, *counts, *(v for pair in prefetch for v in pair))
+    return struct.pack(fmt, MAGIC, EXPERTS, dtype_code(dtype), flags, seq, layer, rows, hidden, n, 0,
+                       *experts, *counts)
 
 
 def decode_request_header(buf) -> tuple[int, int, int, int, torch.dtype, int, int, int, int]:
@@ -220,10 +226,21 @@ def decode_reply_header(buf) -> tuple[Reply, int]:
 
 def as_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
+    if t.dtype is not torch.bfloat16 and t.is_contiguous():
+        return memoryview(t.numpy()).cast("B")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def tensor_view(buf: np.ndarray, start: int, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """A (rows, hidden) tensor over bytes `start:` of a uint8 numpy buffer, without a copy
+    (`start` a multiple of the dtype's size)."""
+    a = buf[start:start + rows * hidden * dtype.itemsize].view(_NUMPY[dtype]).reshape(rows, hidden)
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype is torch.bfloat16 else t
 
 
 def empty_rows(rows: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, memoryview]:
     """A fresh (rows, hidden) tensor and a writable view of its bytes to receive into."""
-    raw = torch.empty(rows * hidden * _itemsize(dtype), dtype=torch.uint8)
-    return raw.view(dtype).view(rows, hidden), memoryview(raw.numpy())
+    a = np.empty((rows, hidden), _NUMPY[dtype])
+    t = torch.from_numpy(a)
+    return (t.view(torch.bfloat16) if dtype is torch.bfloat16 else t), memoryview(a).cast("B")
