@@ -1,9 +1,11 @@
-"""Overload: goodput past the knee against goodput at the knee, on the quickstart app under
-`moectl up`, side by side in one run. Ends with `figure: value` lines.
+"""Overload and faults on the quickstart app under `moectl up`, each side by side with its own
+steady state in one run. Ends with `figure: value` lines.
 
-    python bench/chaos.py                  # the quickstart shape and limits
+    python bench/chaos.py                  # overload, then faults
+    python bench/chaos.py --only faults    # one of: overload, faults
     python bench/chaos.py --quick          # shorter phases
 
+Overload:
 1. The knee: closed-loop clients (`moectl bench`'s load generator) at rising concurrency, each
    level for --phase-s; the knee is the lowest concurrency whose goodput (answered requests per
    second) is within 5% of the best level's.
@@ -12,6 +14,18 @@
    that honour the `Retry-After` of a 503, and clients that resend at once (`--hammer`).
    `overload-goodput-ratio` = the worst of these goodputs / the knee's; refused requests (503)
    are counted apart from failures (other errors, which must be 0).
+
+Faults, one at a time under --fault-clients clients that honour Retry-After: --steady-s of load,
+the fault, then load until the app is whole again (the victim's replacement running: a new
+ExpertShard replica on the expert channel, a new Ingress process answering) and --settle-s more.
+Each reports failed and refused requests, p99 latency while the fault lasts against the steady
+state before it, the longest request, and seconds from the fault to full recovery:
+- SIGKILL of one ExpertShard replica, with 1 and with 2 replicas per group;
+- SIGKILL of the Ingress replica, with 1 and with 2 ingress replicas;
+- one ExpertShard replica stalled (SIGSTOP for --stall-s, then SIGCONT), with 2 replicas per group.
+Victims are found by pid: shard replicas from the app's /moe/v1/status, Ingress replicas by the
+process title Ray gives an actor (`ray::ServeReplica:<ns>.<app>:Ingress` idle,
+`ray::<app>:Ingress.<method>` in a call).
 
 The app is the quickstart's (examples/standalone/quickstart.yaml: a random tiny Mixtral, 2 shard
 groups, maxBatchSize 32, maxQueuedRequests 64), so past batch + headroom + queue the Serve proxy
@@ -23,19 +37,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator")]
 
+import requests  # noqa: E402
 import yaml  # noqa: E402
 
-from moe_operator.loadgen import LoadGen, model_info, summarize  # noqa: E402
+from moe_operator.loadgen import LoadGen, model_info, percentiles, summarize  # noqa: E402
 
 MOECTL = str(Path(sys.executable).with_name("moectl"))
 
@@ -50,6 +67,15 @@ def parse_args():
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray head")
+    p.add_argument("--only", choices=["overload", "faults"], help="run one part")
+    p.add_argument("--fault-clients", type=int, default=8, help="clients during the fault runs")
+    p.add_argument("--fault-num-cpus", type=int, default=4,
+                   help="logical CPUs of the fault runs' Ray head (2 ingress x 0.5 + 4 shard replicas x 0.25 + "
+                        "the StatusBoard do not fit in 2)")
+    p.add_argument("--steady-s", type=float, default=15.0, help="seconds of load before each fault")
+    p.add_argument("--settle-s", type=float, default=5.0, help="seconds of load after recovery")
+    p.add_argument("--stall-s", type=float, default=20.0, help="seconds a stalled replica stays stopped")
+    p.add_argument("--recovery-timeout-s", type=float, default=180.0)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "chaos.json"))
     return p.parse_args()
 
@@ -57,18 +83,27 @@ def parse_args():
 class StandaloneApp:
     """The quickstart manifest under `moectl up` on a fresh local Ray head, in its own state dir."""
 
-    def __init__(self, work: Path, num_cpus: int):
+    def __init__(self, work: Path, num_cpus: int, ingress_replicas: int = 1, replicas_per_group: int = 1):
         from moe_operator.standalone.local_ray import free_port
 
         self.work, self.port = work, free_port()
-        self.env = {**os.environ, "MOE_STATE_DIR": str(work / "state")}
-        subprocess.run([MOECTL, "init-model", str(work / "models" / "mixtral-tiny")], env=self.env, check=True,
-                       capture_output=True)
+        run = work / f"ingress{ingress_replicas}-shards{replicas_per_group}"  # state and log of this app
+        run.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "MOE_STATE_DIR": str(run / "state")}
+        if not (work / "models" / "mixtral-tiny" / "config.json").exists():
+            subprocess.run([MOECTL, "init-model", str(work / "models" / "mixtral-tiny")], env=self.env, check=True,
+                           capture_output=True)
         manifest = yaml.safe_load((REPO / "examples" / "standalone" / "quickstart.yaml").read_text())
         manifest["spec"]["experts"]["tiers"]["cold"]["path"] = str(work / "models" / ".expert-cache")
-        (work / "app.yaml").write_text(yaml.safe_dump(manifest))
-        self.log = work / "up.log"
-        self.proc = subprocess.Popen([MOECTL, "up", "-f", str(work / "app.yaml"), "--port", str(self.port),
+        manifest["spec"]["ingress"]["replicas"] = ingress_replicas
+        manifest["spec"]["experts"]["replicasPerGroup"] = replicas_per_group
+        self.name = manifest["metadata"]["name"]
+        self.ingress_replicas, self.replicas_per_group = ingress_replicas, replicas_per_group
+        self.groups = int(manifest["spec"]["experts"]["groups"])
+        app_file = work / f"{run.name}.yaml"  # beside the model: its directory is the allowed model root
+        app_file.write_text(yaml.safe_dump(manifest))
+        self.log = run / "up.log"
+        self.proc = subprocess.Popen([MOECTL, "up", "-f", str(app_file), "--port", str(self.port),
                                       "--num-cpus", str(num_cpus)], env=self.env, stdout=open(self.log, "w"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -79,6 +114,46 @@ class StandaloneApp:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"moectl up did not serve:\n{self.log.read_text()}")
             time.sleep(1)
+
+    def status(self) -> dict:
+        return requests.get(self.url + "/moe/v1/status", timeout=10).json()
+
+    def shard_pids(self) -> dict[str, list[int]]:
+        """group -> pids of its replicas on the expert channel (as the answering ingress sees them)."""
+        st = self.status()
+        on_channel = {m["endpoint"] for ms in st["channel"]["members"].values() for m in ms if not m["down"]}
+        out: dict[str, list[int]] = {}
+        for r in st["replicas"]:
+            if r.get("endpoint") in on_channel:
+                out.setdefault(r["group"], []).append(r["pid"])
+        return out
+
+    def ingress_pids(self) -> list[int]:
+        """Processes whose title Ray set to this app's Ingress replica actor."""
+        pids = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    title = (d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+                except OSError:
+                    continue
+                # idle: ray::ServeReplica:<ns>.<app>:Ingress; in a call: ray::<app>:Ingress.<method>
+                if title.startswith("ray::") and re.search(rf"\b{re.escape(self.name)}:Ingress(\.|$)", title):
+                    pids.append(int(d.name))
+        return sorted(pids)
+
+    def whole(self, gone: set[int]) -> bool:
+        """Every replica the manifest asks for runs, none of them a victim, every shard replica
+        on the channel, and the app answers."""
+        try:
+            shards = self.shard_pids()
+            ingress = self.ingress_pids()
+            requests.get(self.url + "/v1/models", timeout=5).raise_for_status()
+        except (requests.RequestException, ValueError, KeyError):
+            return False
+        return (len(shards) == self.groups and all(len(p) == self.replicas_per_group for p in shards.values())
+                and not gone & {p for ps in shards.values() for p in ps}
+                and len(ingress) == self.ingress_replicas and not gone & set(ingress))
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -129,30 +204,137 @@ def overload(url: str, a) -> dict:
             "failed": sum(s["failed"] for s in levels) + sum(s["failed"] for r in runs.values() for s in r.values())}
 
 
+def fault_run(app: StandaloneApp, label: str, inject, a, vocab: int) -> dict:
+    """Steady load, `inject()` (returns the victim pids and, for a stall, when the app may be
+    whole again), load until the app is whole and --settle-s more; the figures of each window."""
+    load = LoadGen(app.url, a.fault_clients, a.prompt_len, a.max_tokens, vocab, seed=7, timeout_s=120).start()
+    started = time.monotonic()
+    time.sleep(a.steady_s)
+    t_fault = time.monotonic()
+    victims, not_before = inject()
+    recovered = None
+    while time.monotonic() - t_fault < a.recovery_timeout_s:
+        if time.monotonic() >= not_before and app.whole(set(victims)):
+            recovered = time.monotonic()
+            break
+        time.sleep(0.25)
+    time.sleep(a.settle_s)
+    end = time.monotonic()
+    load.stop()
+    wall = time.monotonic() - started
+    steady = summarize(load.records, t_fault - started - 2.0, since=started + 2.0, until=t_fault)
+    during = summarize(load.records, (recovered or end) - t_fault, since=t_fault, until=recovered or end)
+    # latency of the requests the fault touched: in flight at some point between fault and recovery
+    touched = [r for r in load.records if r.end >= t_fault and r.start < (recovered or end)]
+    during["latency_s"] = percentiles([r.end - r.start for r in touched if r.ok])
+    after = summarize(load.records, end - (recovered or end), since=recovered or end)
+    total = summarize(load.records, wall)
+    longest = max((r.end - r.start for r in load.records), default=0.0)
+    out = {"fault": label, "victims": victims, "recovery_s": round(recovered - t_fault, 2) if recovered else None,
+           "failed": total["failed"], "refused": total["refused"], "answered": total["ok"],
+           "errors": total["errors"], "longest_request_s": round(longest, 2),
+           "steady_p99_s": steady["latency_s"]["p99"], "fault_p99_s": during["latency_s"]["p99"],
+           "steady_goodput_rps": steady["goodput_rps"], "fault_goodput_rps": during["goodput_rps"],
+           "after_goodput_rps": after["goodput_rps"], "ingress_replicas": app.ingress_replicas,
+           "replicas_per_group": app.replicas_per_group}
+    rec = f"{out['recovery_s']:.1f} s" if recovered else f"not within {a.recovery_timeout_s:g} s"
+    print(f"  {label}: {out['failed']} failed, {out['refused']} refused, {out['answered']} answered; p99 "
+          f"{out['steady_p99_s']:.2f} s steady, {out['fault_p99_s']:.2f} s during; longest request "
+          f"{longest:.1f} s; recovered in {rec}", flush=True)
+    return out
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def faults(work: Path, a) -> list[dict]:
+    """Each fault on an app with one replica of everything, and on one with two."""
+    runs = []
+    for ingress_replicas, per_group in ((1, 1), (2, 2)):
+        app = StandaloneApp(work, a.fault_num_cpus, ingress_replicas, per_group)
+        try:
+            app.wait_serving()
+            deadline = time.monotonic() + 120
+            while not app.whole(set()):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the app with {ingress_replicas} ingress and {per_group} replicas per group "
+                                     f"never had all its replicas: {app.shard_pids()}, ingress {app.ingress_pids()}")
+                time.sleep(1)
+            vocab = int(model_info(app.url).get("vocab_size", 256))
+            print(f"faults with {ingress_replicas} ingress replica(s), {per_group} replica(s) per shard group:",
+                  flush=True)
+            LoadGen(app.url, 2, a.prompt_len, a.max_tokens, vocab).run(3.0)  # warm-up, not reported
+
+            def kill_shard():
+                pid = sorted(app.shard_pids().items())[0][1][0]
+                _kill(pid)
+                return [pid], 0.0
+
+            def kill_ingress():
+                pid = app.ingress_pids()[0]
+                _kill(pid)
+                return [pid], 0.0
+
+            def stall_shard():
+                pid = sorted(app.shard_pids().items())[0][1][0]
+                os.kill(pid, signal.SIGSTOP)
+                threading.Timer(a.stall_s, os.kill, (pid, signal.SIGCONT)).start()
+                return [], time.monotonic() + a.stall_s  # the same process comes back
+
+            suffix = "1-replica" if per_group == 1 else f"{per_group}-replicas"
+            runs.append(fault_run(app, f"shard-kill-{suffix}", kill_shard, a, vocab))
+            runs.append(fault_run(app, f"ingress-kill-{suffix}", kill_ingress, a, vocab))
+            if per_group > 1:
+                runs.append(fault_run(app, f"shard-stall-{suffix}", stall_shard, a, vocab))
+        finally:
+            app.stop()
+    return runs
+
+
 def main() -> int:
     a = parse_args()
     if a.quick:
-        a.phase_s = 10.0
+        a.phase_s, a.steady_s, a.stall_s = 10.0, 8.0, 10.0
     work = Path(tempfile.mkdtemp(prefix="moe-bench-chaos-"))
-    app = StandaloneApp(work, a.num_cpus)
-    try:
-        app.wait_serving()
-        print(f"quickstart app serving at {app.url} (moectl up, local Ray head with {a.num_cpus} CPUs)", flush=True)
-        result = {"overload": overload(app.url, a), "phase_s": a.phase_s, "prompt_len": a.prompt_len,
-                  "max_tokens": a.max_tokens}
-    finally:
-        app.stop()
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    o = result["overload"]
-    print(f"overload-goodput-ratio: {o['overload_goodput_ratio']}")
-    print(f"knee-clients: {o['knee']['clients']}")
-    print(f"knee-goodput-rps: {o['knee']['goodput_rps']}")
-    for label in ("overload", "shed"):
-        for mode in ("honour", "hammer"):
-            r = o[label][mode]
-            print(f"{label}-{mode}-goodput-rps: {r['goodput_rps']} ({r['clients']} clients, {r['refused']} refused)")
-    print(f"overload-failed-requests: {o['failed']}")
+    result = {"phase_s": a.phase_s, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens}
+    if a.only in (None, "overload"):
+        app = StandaloneApp(work, a.num_cpus)
+        try:
+            app.wait_serving()
+            print(f"quickstart app serving at {app.url} (moectl up, local Ray head with {a.num_cpus} CPUs)",
+                  flush=True)
+            result["overload"] = overload(app.url, a)
+        finally:
+            app.stop()
+    if a.only in (None, "faults"):
+        result["faults"] = faults(work, a)
+    out = Path(a.out)
+    if out.exists():  # one part run alone keeps the other part's last figures
+        result = {**json.loads(out.read_text()), **result}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    if "overload" in result and a.only in (None, "overload"):
+        o = result["overload"]
+        print(f"overload-goodput-ratio: {o['overload_goodput_ratio']}")
+        print(f"knee-clients: {o['knee']['clients']}")
+        print(f"knee-goodput-rps: {o['knee']['goodput_rps']}")
+        for label in ("overload", "shed"):
+            for mode in ("honour", "hammer"):
+                r = o[label][mode]
+                print(f"{label}-{mode}-goodput-rps: {r['goodput_rps']} ({r['clients']} clients, {r['refused']} refused)")
+        print(f"overload-failed-requests: {o['failed']}")
+    if "faults" in result and a.only in (None, "faults"):
+        fs = result["faults"]
+        redundant = [f for f in fs if f["replicas_per_group"] > 1 and "kill" in f["fault"]]
+        kills = [f for f in fs if "kill" in f["fault"]]
+        for f in fs:
+            print(f"{f['fault']}: failed {f['failed']}, refused {f['refused']}, recovery-s {f['recovery_s']}, "
+                  f"p99 {f['steady_p99_s']} -> {f['fault_p99_s']} s, longest {f['longest_request_s']} s")
+        print(f"failed-requests-with-redundancy: {sum(f['failed'] for f in redundant)}")
+        print(f"refused-requests-with-redundancy: {sum(f['refused'] for f in redundant)}")
+        print(f"worst-recovery-s: {max((f['recovery_s'] or float('inf')) for f in kills)}")
+        print(f"longest-request-s: {max(f['longest_request_s'] for f in fs)}")
     return 0
 
 
