@@ -12,6 +12,7 @@ import torch
 
 from moe_workers.transport import ExchangeFailed, ExchangeServer, ExpertChannel, ExpertsUnavailable, Member, Part
 from moe_workers.transport import wire
+from waiting import wait_for
 
 TOKEN = "secret-token"
 
@@ -264,3 +265,30 @@ def test_an_unknown_link_backend_is_refused_at_hello(servers):
         c.sendall(wire.encode_hello(TOKEN, {"backend": "carrier-pigeon", "host": "127.0.0.1", "port": 1}))
         status, n = wire.decode_ack_header(c.recv(wire.ACK_HEADER.size))
         assert status == wire.ERROR and b"unknown link backend" in c.recv(n)
+
+
+def test_a_replica_whose_port_refuses_is_reported_gone_and_leaves_the_membership(servers):
+    a, b = servers(), servers()
+    listed = [Member("g0", "ra", a.endpoint), Member("g0", "rb", b.endpoint)]
+    forgotten = []
+
+    def forget(member):  # what the ingress tells the StatusBoard
+        forgotten.append(member)
+        listed[:] = [m for m in listed if m.replica != member.replica]
+
+    ch = ExpertChannel(lambda: (list(listed), TOKEN), timeout_s=5.0, down_s=0.05, refresh_s=0.05, on_refused=forget)
+    try:
+        wait_for(lambda: len(ch.members().get("g0", [])) == 2, timeout_s=5, what="both replicas on the channel", interval_s=0.05)
+        x = torch.randn(2, 8)
+        a.close()  # killed: its connections drop, its port refuses
+        deadline = time.monotonic() + 5
+        while not forgotten and time.monotonic() < deadline:
+            out = ch.exchange(0, {"g0": Part([1], [2], x)})
+            assert torch.equal(out["g0"], _expected(0, x, [1], [2]))
+            time.sleep(0.06)
+        assert [m.replica for m in forgotten] == ["ra"]
+        wait_for(lambda: [r["replica"] for r in ch.members()["g0"]] == ["rb"], timeout_s=5,
+                 what="the dead replica off the channel", interval_s=0.05)
+        assert b.requests > 0
+    finally:
+        ch.close()

@@ -33,6 +33,13 @@ class StatusBoard:
         """A replica that is stopping leaves at once (it answers DRAINING meanwhile)."""
         self.reports.pop(replica, None)
 
+    def forget(self, replica: str, endpoint: str) -> None:
+        """An ingress found the replica's channel port closed (its process died): it leaves now
+        rather than when its report ages out. A live replica reports again within 2 s."""
+        got = self.reports.get(replica)
+        if got is not None and got[1].get("endpoint") == endpoint:
+            del self.reports[replica]
+
     def _fresh(self, max_age_s: float) -> list[tuple[float, dict]]:
         now = time.monotonic()
         self.reports = {r: v for r, v in self.reports.items() if now - v[0] <= max_age_s}  # gone replicas age out

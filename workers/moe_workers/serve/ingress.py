@@ -134,7 +134,8 @@ class Ingress:
         self.shards = shards  # bound so Serve deploys them; their traffic goes through the channel
         self.board = board
         self.channel = ExpertChannel(self._members if board is not None else None,
-                                     timeout_s=self.args.exchange_timeout_s)
+                                     timeout_s=self.args.exchange_timeout_s,
+                                     on_refused=self._forget if board is not None else None)
         self._group_tokens_exported: dict[str, int] = {}
         self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
         self.prefetch_lookahead = 0
@@ -177,6 +178,11 @@ class Ingress:
         """The channel's membership, from the StatusBoard (called by the channel's poller thread)."""
         got = self.board.members.remote().result(timeout_s=10)
         return [Member.from_report(m) for m in got["members"]], got["token"]
+
+    def _forget(self, member: Member) -> None:
+        """A shard replica whose channel port refused us is dead: off the board now (the
+        channel's membership thread calls this)."""
+        self.board.forget.remote(member.replica, member.endpoint).result(timeout_s=10)
 
     def _export_routing(self, every_s: float = 5.0) -> None:
         while True:

@@ -121,9 +121,14 @@ class _Peer:
 class ExpertChannel:
     def __init__(self, source: MembershipSource | None = None, timeout_s: float = 60.0, connect_timeout_s: float = 2.0,
                  refresh_s: float = 1.0, down_s: float = 2.0, device_link: str | None = None,
-                 link_host: str = "127.0.0.1"):
+                 link_host: str = "127.0.0.1", on_refused: Callable[[Member], None] | None = None):
         """`device_link`: None (tensor bytes on the socket), or a backend ("nccl" for CUDA rows,
-        "gloo") for a device link per connection, its store on `link_host` (this side's address)."""
+        "gloo") for a device link per connection, its store on `link_host` (this side's address).
+        `on_refused(member)`: called from the membership thread for a replica whose port refused
+        a connection (its process is gone), so the membership source can drop it before its
+        reports age out; the channel leaves it once the source no longer lists it."""
+        self.on_refused = on_refused
+        self._refused: dict[str, Member] = {}
         self.timeout_s = timeout_s
         self.device_link = device_link
         self.link_host = link_host
@@ -177,6 +182,14 @@ class ExpertChannel:
 
     def _poll(self) -> None:
         while not self._stop.is_set():
+            with self._lock:
+                refused, self._refused = list(self._refused.values()), {}
+            for member in refused:
+                try:
+                    if self.on_refused is not None:
+                        self.on_refused(member)
+                except Exception:  # noqa: BLE001 - only a shortcut: the source ages the replica out anyway
+                    pass
             try:
                 members, token = self._source()  # type: ignore[misc]
                 self.update(members, token)
@@ -289,10 +302,12 @@ class ExpertChannel:
                 return peer, conn
             try:
                 return peer, self._connect(peer.member, token)
-            except (OSError, wire.ProtocolError, LinkError):
+            except (OSError, wire.ProtocolError, LinkError) as err:
                 with self._lock:
                     peer.in_flight -= 1
                     peer.down_until = time.monotonic() + self.down_s
+                    if isinstance(err, ConnectionRefusedError):
+                        self._refused[peer.member.replica] = peer.member
                 self._nudge.set()
 
     def _connect(self, member: Member, token: str) -> _Conn:

@@ -105,6 +105,10 @@ class ExchangeServer:
     def close(self) -> None:
         self._closed.set()
         try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread: a bare close leaves the port open
+        except OSError:
+            pass
+        try:
             self._listener.close()
         except OSError:
             pass
