@@ -244,10 +244,6 @@ def fault_run(app: StandaloneApp, label: str, inject, a, vocab: int) -> dict:
     return out
 
 
-def _kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-
-
 def faults(work: Path, a) -> list[dict]:
     """Each fault on an app with one replica of everything, and on one with two."""
     runs = []
@@ -266,25 +262,22 @@ def faults(work: Path, a) -> list[dict]:
                   flush=True)
             LoadGen(app.url, 2, a.prompt_len, a.max_tokens, vocab).run(3.0)  # warm-up, not reported
 
-            def kill_shard():
-                pid = sorted(app.shard_pids().items())[0][1][0]
-                _kill(pid)
-                return [pid], 0.0
+            def first_shard_pid() -> int:  # the first replica of the first group
+                return sorted(app.shard_pids().items())[0][1][0]
 
-            def kill_ingress():
-                pid = app.ingress_pids()[0]
-                _kill(pid)
+            def kill(pid: int):
+                os.kill(pid, signal.SIGKILL)
                 return [pid], 0.0
 
             def stall_shard():
-                pid = sorted(app.shard_pids().items())[0][1][0]
+                pid = first_shard_pid()
                 os.kill(pid, signal.SIGSTOP)
                 threading.Timer(a.stall_s, os.kill, (pid, signal.SIGCONT)).start()
                 return [], time.monotonic() + a.stall_s  # the same process comes back
 
             suffix = "1-replica" if per_group == 1 else f"{per_group}-replicas"
-            runs.append(fault_run(app, f"shard-kill-{suffix}", kill_shard, a, vocab))
-            runs.append(fault_run(app, f"ingress-kill-{suffix}", kill_ingress, a, vocab))
+            runs.append(fault_run(app, f"shard-kill-{suffix}", lambda: kill(first_shard_pid()), a, vocab))
+            runs.append(fault_run(app, f"ingress-kill-{suffix}", lambda: kill(app.ingress_pids()[0]), a, vocab))
             if per_group > 1:
                 runs.append(fault_run(app, f"shard-stall-{suffix}", stall_shard, a, vocab))
         finally:

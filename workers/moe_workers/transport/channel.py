@@ -77,11 +77,11 @@ class _Conn:
     """A connection to a replica, with the buffer its small replies are read into, and its
     device link when the channel has one."""
 
-    def __init__(self, sock: socket.socket, link: PairLink | None = None, wait_s: float = 0.0):
+    def __init__(self, sock: socket.socket, link: PairLink | None = None):
         self.sock = sock
         self.link = link
         self.view = memoryview(bytearray(1 << 16))
-        self.wait_s = wait_s  # the kernel's limit on one send or receive (SO_SNDTIMEO / SO_RCVTIMEO)
+        self.wait_s = 0.0  # the kernel's limit on one send or receive (SO_SNDTIMEO / SO_RCVTIMEO); 0: none
 
     def set_wait(self, seconds: float) -> None:
         """Bound each send and receive in the kernel. The socket stays blocking: a Python
@@ -186,8 +186,7 @@ class ExpertChannel:
                 refused, self._refused = list(self._refused.values()), {}
             for member in refused:
                 try:
-                    if self.on_refused is not None:
-                        self.on_refused(member)
+                    self.on_refused(member)  # type: ignore[misc] - recorded only when set
                 except Exception:  # noqa: BLE001 - only a shortcut: the source ages the replica out anyway
                     pass
             try:
@@ -306,7 +305,7 @@ class ExpertChannel:
                 with self._lock:
                     peer.in_flight -= 1
                     peer.down_until = time.monotonic() + self.down_s
-                    if isinstance(err, ConnectionRefusedError):
+                    if isinstance(err, ConnectionRefusedError) and self.on_refused is not None:
                         self._refused[peer.member.replica] = peer.member
                 self._nudge.set()
 

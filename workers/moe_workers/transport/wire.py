@@ -156,12 +156,9 @@ def encode_request(seq: int, layer: int, rows: int, hidden: int, dtype: torch.dt
         raise ProtocolError(f"counts sum to {sum(counts)}, not to the {rows} rows sent")
     n, m = len(experts), len(prefetch) if prefetch else 0
     pad = _variable_size(n, m) - 4 * (2 * n + 2 * m)
-    fmt = f"<4sBBBQIIIII{2 * n + 2 * m}i{pad}x"  # one pack: struct caches the compiled format
-    if m:
-        return struct.pack(fmt, MAGIC, EXPERTS, dtype_code(dtype), flags, seq, layer, rows, hidden, n, m,
-                           *experts, *counts, *(v for pair in prefetch for v in pair))
-    return struct.pack(fmt, MAGIC, EXPERTS, dtype_code(dtype), flags, seq, layer, rows, hidden, n, 0,
-                       *experts, *counts)
+    fmt = f"{REQUEST_HEADER.format}{2 * n + 2 * m}i{pad}x"  # one pack: struct caches the compiled format
+    return struct.pack(fmt, MAGIC, EXPERTS, dtype_code(dtype), flags, seq, layer, rows, hidden, n, m,
+                       *experts, *counts, *(v for pair in prefetch or () for v in pair))
 
 
 def decode_request_header(buf) -> tuple[int, int, int, int, torch.dtype, int, int, int, int]:
@@ -231,16 +228,19 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def _as_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype is torch.bfloat16 else t
+
+
 def tensor_view(buf: np.ndarray, start: int, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     """A (rows, hidden) tensor over bytes `start:` of a uint8 numpy buffer, without a copy
     (`start` a multiple of the dtype's size)."""
-    a = buf[start:start + rows * hidden * dtype.itemsize].view(_NUMPY[dtype]).reshape(rows, hidden)
-    t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if dtype is torch.bfloat16 else t
+    return _as_torch(buf[start:start + rows * hidden * dtype.itemsize].view(_NUMPY[dtype]).reshape(rows, hidden),
+                     dtype)
 
 
 def empty_rows(rows: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, memoryview]:
     """A fresh (rows, hidden) tensor and a writable view of its bytes to receive into."""
     a = np.empty((rows, hidden), _NUMPY[dtype])
-    t = torch.from_numpy(a)
-    return (t.view(torch.bfloat16) if dtype is torch.bfloat16 else t), memoryview(a).cast("B")
+    return _as_torch(a, dtype), memoryview(a).cast("B")
