@@ -17,11 +17,14 @@ from moe_operator.standalone.local_ray import free_port
 
 
 class Prometheus:
-    def __init__(self, binary: Path, work_dir: Path, metrics_urls: list[str], interval_s: int = 1):
+    def __init__(self, binary: Path, work_dir: Path, metrics_urls: list[str], interval_s: int = 5):
+        """Scrapes every `interval_s`, each scrape allowed as long (a test session's Ray exports
+        MBs of series by its end: a 1 s scrape timed out on a loaded machine and saw nothing)."""
         self.binary, self.work_dir = binary, work_dir
         self.port = free_port()
         targets = [urlparse(u) for u in metrics_urls]
-        config = {"global": {"scrape_interval": f"{interval_s}s", "evaluation_interval": f"{interval_s}s"},
+        config = {"global": {"scrape_interval": f"{interval_s}s", "scrape_timeout": f"{interval_s}s",
+                             "evaluation_interval": f"{interval_s}s"},
                   "scrape_configs": [{"job_name": "ray", "metrics_path": targets[0].path or "/metrics",
                                       "static_configs": [{"targets": [t.netloc for t in targets]}]}]}
         work_dir.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ import requests
 import torch
 
 from checkpoints import make_mixtral
+from flood import flood
 from moe_workers.model.inprocess import InProcessModel
 from moe_workers.serve.config import serve_application
 from serve_rest import delete_all, deploy
@@ -137,14 +138,21 @@ def test_expert_load_recorded_per_group(served):
 
 
 def test_overload_gets_503_with_retry_after_and_others_succeed(served):
-    url, reference = served[0], served[1]
+    """48 requests while none can finish (shards stopped): the Ingress holds its batch, queue and
+    headroom, Serve's proxy about a batch more, and the rest are refused at once with 503 +
+    Retry-After; resumed, every admitted request gets the reference's tokens."""
+    url, reference, (args, _) = served[0], served[1], served[2]
     prompt = [7, 8, 9]
     want = reference.generate([prompt], max_tokens=40)[0]
-    with concurrent.futures.ThreadPoolExecutor(48) as pool:
-        responses = list(pool.map(lambda _: _complete(url, prompt=prompt, max_tokens=40, temperature=0), range(48)))
+
+    def send(_):
+        r = _complete(url, prompt=prompt, max_tokens=40, temperature=0)
+        return r.status_code, r
+    responses = [r for _, r in flood(url, send, 48)]
     codes = [r.status_code for r in responses]
     assert set(codes) <= {200, 503}, codes
-    assert 503 in codes and 200 in codes, codes
+    # at least a batch was served (Serve's admission count is not exact under a burst)
+    assert codes.count(200) >= args.max_batch_size, codes
     # the overflow is refused by Serve's router in the proxy, before the Ingress replica
     refused = [r for r in responses if r.status_code == 503]
     assert any("dropped due to backpressure" in r.text for r in refused), [r.text for r in refused]
@@ -153,8 +161,7 @@ def test_overload_gets_503_with_retry_after_and_others_succeed(served):
             assert r.headers.get("Retry-After") == "1"
             assert "backpressure" in r.text or "overloaded" in r.json()["error"]["message"], r.text
         else:
-            got = r.json()["choices"][0]["token_ids"]
-            assert got == want[: len(got)]
+            assert r.json()["choices"][0]["token_ids"] == want
     assert _complete(url, prompt=[3, 4], max_tokens=2).status_code == 200
 
 
