@@ -177,3 +177,21 @@ def test_the_rest_backend_raises_unschedulable_from_the_same_message():
     slow_init = {"deployments": {"Ingress": {"status": "UPDATING", "message": (
         "Deployment 'Ingress' in application 'x' has 1 replicas that have taken more than 30s to initialize.")}}}
     assert unschedulable_message("x", slow_init) is None  # placed, only slow: still Deploying
+    # the same words for a worker slow to start while the CPUs are there (seen on a loaded
+    # 2-core machine, 5 s after a redeploy): only slow, not unschedulable
+    slow_start = {"deployments": {"ExpertShard-0": {"status": "UPDATING", "message": NOT_PLACED.replace(
+        'total resources available: {"CPU": 0.99}', 'total resources available: {"CPU": 4.99}')}}}
+    assert unschedulable(slow_start) == [] and unschedulable_message("x", slow_start) is None
+
+
+def test_placement_group_bundles_are_summed_and_unreadable_figures_count_as_short():
+    from moe_operator.backends.serve_status import short_of_resources
+
+    def words(required, available):
+        return (f"... to be scheduled. Resources required for each replica: {required}, total resources "
+                f"available: {available}. Use `ray status` for more details.")
+    assert short_of_resources(words('[{"CPU": 1.0}, {"CPU": 1.0}]', '{"CPU": 1.5}'))
+    assert not short_of_resources(words('[{"CPU": 1.0}, {"CPU": 1.0}]', '{"CPU": 2.0}'))
+    assert short_of_resources(words('{"CPU": 1.0, "GPU": 1.0}', '{"CPU": 8.0}'))  # no GPU at all
+    assert short_of_resources(words("UNKNOWN", "UNKNOWN"))
+    assert short_of_resources("has 1 replicas that have taken more than 5s to be scheduled")

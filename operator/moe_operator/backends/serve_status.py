@@ -4,12 +4,37 @@ Serve reports a replica that its scheduler cannot place only in the deployment's
 RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s by default): "... has N replicas that have taken more than
 30s to be scheduled ... Resources required for each replica: {...}, total resources available:
 {...}". The application stays DEPLOYING forever; this turns that into a reason the user can act on.
+The same words come for a replica whose worker process is slow to start while the resources are
+there (a loaded machine, a large import): then the figures show enough available, and the app
+is only slow, not unschedulable.
 """
 
 from __future__ import annotations
 
+import json
+import re
+
 _NOT_PLACED = "to be scheduled"
 _RESOURCES = "Resources required for each replica"
+_FIGURES = re.compile(r"Resources required for each replica: (.*?), total resources available: (.*?)\. Use ")
+
+
+def short_of_resources(message: str) -> bool:
+    """Whether Ray's figures in `message` show a replica needing more of a resource than is
+    available (placement-group bundles summed). Figures it cannot read count as short: Ray
+    said it has not placed the replica."""
+    m = _FIGURES.search(message)
+    if not m:
+        return True
+    try:
+        required, available = json.loads(m.group(1)), json.loads(m.group(2))
+    except ValueError:
+        return True
+    need: dict[str, float] = {}
+    for bundle in required if isinstance(required, list) else [required]:
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0.0) + float(v)
+    return any(v > float(available.get(k, 0.0)) + 1e-9 for k, v in need.items())
 
 
 def unschedulable(app: dict) -> list[tuple[str, str]]:
@@ -18,7 +43,8 @@ def unschedulable(app: dict) -> list[tuple[str, str]]:
     out = []
     for name, d in sorted((app.get("deployments") or {}).items()):
         message = d.get("message") or ""
-        if d.get("status") != "HEALTHY" and _NOT_PLACED in message and _RESOURCES in message:
+        if d.get("status") != "HEALTHY" and _NOT_PLACED in message and _RESOURCES in message \
+                and short_of_resources(message):
             out.append((name, message))
     return out
 
