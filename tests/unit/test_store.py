@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.random_init import write_random_mixtral
-from moe_workers.store.store import COLD, HOT, SOURCE, WARM, TierConfig, TierConfigError, TieredExpertStore
+from moe_workers.store.store import (COLD, HOT, PREFETCH_EVICT_ACCURACY, SOURCE, WARM, TierConfig, TierConfigError,
+                                     TieredExpertStore)
 from moe_workers.store.versions import SwapError, content_digest, file_sha256, load_expert_file
 
 LAYERS, EXPERTS = 2, 4
@@ -174,6 +175,39 @@ def test_prefetch_promotes_and_is_counted(model_dir, tmp_path):
         pass
     st_ = s.stats.as_dict()
     assert st_["prefetch_issued"] == 2 and st_["prefetch_used"] == 1 and st_["prefetch_accuracy"] == 0.5
+    s.close()
+
+
+def test_prefetch_evicts_only_while_hints_mostly_come_true(model_dir, tmp_path):
+    """Hints that keep missing stop evicting resident experts (a wrong hint would cost a read
+    and the evicted expert's next use); they still fill free room, and evict again once they
+    come true."""
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=EXPERTS * n, warm_budget=0)
+    s.configure(ALL)  # layer 0 hot; layer 1 cold: a hot tier with no free room
+    for _ in range(8):  # hints for layer 1 that its calls never use
+        s.prefetch([(1, 0)])
+        s.drain_prefetch()
+        with s.use([(1, 1)]):
+            pass
+    assert s.hints.accuracy < PREFETCH_EVICT_ACCURACY
+    before = s.stats.prefetch_skipped
+    victim_layer_tiers = [s.entries[k].tier for k in ALL]
+    s.prefetch([(1, 2)])
+    s.drain_prefetch()
+    assert s.entries[(1, 2)].tier == COLD and s.stats.prefetch_skipped == before + 1
+    assert [s.entries[k].tier for k in ALL] == victim_layer_tiers  # nothing evicted for it
+    assert s.stats.as_dict()["hint_accuracy"] == s.hints.accuracy
+    for _ in range(50):  # hints that come true (about 44 bring an EWMA over 64 from 0 to 0.5)
+        s.prefetch([(1, 3)])
+        s.drain_prefetch()
+        with s.use([(1, 3)]):
+            pass
+    assert s.hints.accuracy >= PREFETCH_EVICT_ACCURACY
+    s.prefetch([(1, 2)])
+    s.drain_prefetch()
+    assert s.entries[(1, 2)].tier == HOT  # evicted another expert for it
+    assert_within_budgets(s)
     s.close()
 
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from moe_workers.store.policy import LFU, LRU, RecencyFrequency, belady_hits, make_policy, policy_hits
+from moe_workers.store.policy import LFU, LRU, HintTracker, RecencyFrequency, belady_hits, make_policy, policy_hits
 
 
 def test_lru_evicts_least_recent():
@@ -103,3 +103,26 @@ def test_recency_frequency_forgets_a_shifted_popularity_lfu_does_not():
             p.access((0, "new"))
     assert rf.victim([(0, "old"), (0, "new")]) == (0, "old")
     assert lfu.victim([(0, "old"), (0, "new")]) == (0, "new")
+
+
+def test_hint_tracker_settles_hints_by_the_next_call_of_their_layer():
+    t = HintTracker(window=4)
+    assert t.accuracy is None
+    t.hinted([(1, 0), (1, 2)])
+    t.used([(0, 5)])  # another layer: settles nothing
+    assert t.accuracy is None and t.settled == 0
+    t.used([(1, 0), (1, 3)])  # (1, 0) hit, (1, 2) missed
+    assert t.settled == 2 and t.accuracy == pytest.approx(0.75)  # first 1.0 (hit), then 1 + (0 - 1) / 4
+    t.used([(1, 2)])  # already settled: no double count
+    assert t.settled == 2
+
+
+def test_hint_tracker_counts_hints_no_call_used_as_misses():
+    t = HintTracker(window=2)
+    t.hinted([(3, 1)])
+    t.hinted([(3, 1)])  # the layer came again without a call here: the first hint missed
+    assert t.settled == 1 and t.accuracy == 0.0
+    t.used([(3, 1)])
+    assert t.settled == 2 and t.accuracy == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        HintTracker(window=0)

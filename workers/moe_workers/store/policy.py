@@ -131,6 +131,45 @@ class RecencyFrequency(Policy):
         return self._log_value(key, now, empty=-math.inf, log=True) + 1e-9 * self.last.get(key, -1)
 
 
+class HintTracker:
+    """How often prefetch hints come true. Hints name experts a layer's next call will likely
+    use; that call's experts (per layer: the key's group) settle them: each hinted expert is a
+    hit if the call used it. A layer hinted again before any call settled its hints (this replica
+    hosted none of that step's experts there) counts the old ones as misses. `accuracy`: an
+    exponentially weighted share of hits over about `window` hints (None before the first)."""
+
+    def __init__(self, window: int = 64) -> None:
+        if window <= 0:
+            raise ValueError("window must be positive")
+        self.alpha = 1.0 / window
+        self.pending: dict[Hashable, set[Hashable]] = {}
+        self.accuracy: float | None = None
+        self.settled = 0
+
+    def hinted(self, keys: Iterable[Hashable]) -> None:
+        fresh: dict[Hashable, set[Hashable]] = {}
+        for k in keys:
+            fresh.setdefault(RecencyFrequency._group(k), set()).add(k)
+        for g, ks in fresh.items():
+            stale = self.pending.get(g)
+            if stale:
+                self._settle(stale, set())
+            self.pending[g] = ks
+
+    def used(self, keys: Iterable[Hashable]) -> None:
+        used = set(keys)
+        for g in sorted({RecencyFrequency._group(k) for k in used}, key=lambda x: (x is None, x)):
+            hinted = self.pending.pop(g, None)
+            if hinted:
+                self._settle(hinted, used)
+
+    def _settle(self, hinted: set[Hashable], used: set[Hashable]) -> None:
+        for k in sorted(hinted, key=_order):
+            hit = 1.0 if k in used else 0.0
+            self.accuracy = hit if self.accuracy is None else self.accuracy + self.alpha * (hit - self.accuracy)
+            self.settled += 1
+
+
 def make_policy(name: str) -> Policy:
     if name == "RecencyFrequency":
         return RecencyFrequency()

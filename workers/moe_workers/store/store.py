@@ -36,8 +36,9 @@ from moe_workers.model.index import safetensors_header as _safetensors_header
 
 from .cold import ColdCache
 from .config import TierConfig, TierConfigError
+from .fileread import TruncatedFile, read_ranges
 from moe_workers.device import DeviceOps, ops_for
-from .policy import Policy, make_policy
+from .policy import HintTracker, Policy, make_policy
 from .slots import SlotPool
 from .versions import CHECKPOINT, SwapError, Version, content_digest, match_parts
 
@@ -47,28 +48,13 @@ _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 TIERS = (HOT, WARM, COLD)
+# A prefetch may evict resident experts only while at least this share of recent hints came
+# true; below it, it fills free room only. With the router's hints right 28% of the time and
+# RAM short of the experts, evicting for them doubled the reads from disk and halved decode
+# (bench/tiering.py, served: RAM at 50% of a shard's experts, batch 1).
+PREFETCH_EVICT_ACCURACY = 0.5
 
 Key = tuple[int, int]  # (layer, expert)
-
-
-def _copy_mapped(fd: int, ranges: list[tuple[int, int, int]], slot: torch.Tensor, path) -> None:
-    """slot[s:s + n] <- file[f:f + n] for each (f, s, n), through one populated mapping of the
-    file that is gone when this returns."""
-    import mmap
-    import warnings
-
-    m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
-    try:
-        for file_offset, slot_offset, nbytes in ranges:
-            if file_offset + nbytes > len(m):
-                raise SwapError(f"{path}: truncated cache file")
-            with warnings.catch_warnings():  # a read-only buffer: nothing writes it, torch only reads it
-                warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=file_offset)
-            slot[slot_offset:slot_offset + nbytes].copy_(src)  # torch's copy, on the thread's intra-op threads
-            del src
-    finally:
-        m.close()
 
 
 class StoreFull(RuntimeError):
@@ -102,14 +88,18 @@ class StoreStats:
     demotions: int = 0
     prefetch_issued: int = 0  # prefetches that moved an expert up
     prefetch_used: int = 0  # of those, used by a batch before leaving the tier
-    prefetch_skipped: int = 0  # no room without evicting experts in use
+    prefetch_skipped: int = 0  # no room without evicting experts in use (or hints too often wrong to evict)
+    hint_accuracy: float | None = None  # share of recent hints a call then used (HintTracker)
+    cold_reads: dict[str, int] = field(default_factory=lambda: {"cache": 0, "disk": 0})  # where cold files' bytes were
 
     def as_dict(self) -> dict:
         acc = self.prefetch_used / self.prefetch_issued if self.prefetch_issued else None
         return {"hits": dict(self.hits), "misses": dict(self.misses), "bytes_moved": dict(self.bytes_moved),
                 "promotions": self.promotions, "demotions": self.demotions,
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
-                "prefetch_skipped": self.prefetch_skipped, "prefetch_accuracy": acc}
+                "prefetch_skipped": self.prefetch_skipped, "prefetch_accuracy": acc,
+                "hint_accuracy": self.hint_accuracy,
+                "cold_reads": dict(self.cold_reads)}
 
 
 MoveHook = Callable[[str, str, float, int], None]  # (from tier, to tier, seconds, bytes)
@@ -145,6 +135,7 @@ class TieredExpertStore:
         self._cv = threading.Condition(threading.RLock())
         self._swap_locks: dict[Key, threading.Lock] = {}
         self._prefetch_q: queue.SimpleQueue = queue.SimpleQueue()  # keys, drain events, None to stop
+        self.hints = HintTracker()
         self._prefetch_thread: threading.Thread | None = None
         self.wait_timeout_s = 60.0
         # entries released while pinned or being moved: they keep their memory (and its count)
@@ -369,6 +360,10 @@ class TieredExpertStore:
         the only pins it can wait on belong to calls that are computing (and will unpin), never
         to a call waiting in turn for its pins."""
         deadline = time.monotonic() + self.wait_timeout_s
+        if self.config.prefetch:
+            with self._cv:
+                self.hints.used(keys)
+                self.stats.hint_accuracy = self.hints.accuracy
         entries = self._pin(keys, deadline, fast_only=True)
         admitted = False
         try:
@@ -436,9 +431,13 @@ class TieredExpertStore:
 
     def prefetch(self, keys: Iterable[Key]) -> None:
         """Hint: these experts are needed soon. Promoted in the background, never by evicting
-        experts in use; unknown keys (hosted elsewhere) are ignored."""
+        experts in use, and by evicting others only while hints mostly come true
+        (PREFETCH_EVICT_ACCURACY); unknown keys (hosted elsewhere) are ignored."""
         if not self.config.prefetch:
             return
+        keys = [k for k in keys if k in self.entries]
+        with self._cv:
+            self.hints.hinted(keys)
         if self._prefetch_thread is None:
             self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch", daemon=True)
             self._prefetch_thread.start()
@@ -474,7 +473,8 @@ class TieredExpertStore:
         waits), "preload" (fills free room only). `entry`: the one a batch pinned (it stays that
         batch's even if the expert is removed from the replica meanwhile)."""
         demand = mode == "demand"
-        evict = mode != "preload"
+        evict = demand or mode == "prefetch" and (self.hints.accuracy is None
+                                                  or self.hints.accuracy >= PREFETCH_EVICT_ACCURACY)
         with self._cv:
             deadline = time.monotonic() + self.wait_timeout_s
             while True:
@@ -656,7 +656,7 @@ class TieredExpertStore:
             self.on_move(src, dst, time.perf_counter() - t0, e.nbytes if dst == WARM else 0)
 
     def _read_cold(self, key: Key, version: Version, target: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Read from the cold file (mmap), else from the version's source (filling the cold cache)."""
+        """Read from the cold file, else from the version's source (filling the cold cache)."""
         with self._cv:
             path = self.cold.get(key, version.digest) if self.cold is not None else None
         if path is not None:
@@ -678,12 +678,11 @@ class TieredExpertStore:
 
     def _read_file_into(self, tier: str, path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
         """Read a cold file straight into a host slot. When the file's data region is w1, w2, w3
-        back to back, as the slot lays them out (cache files are written so), it is copied in one
-        piece, otherwise tensor by tensor, from a mapping made with MAP_POPULATE (the kernel reads
-        the file in with readahead, several requests in flight from the disk) and unmapped at
-        once: no pages stay resident beyond the slot. See bench/tiering.py: from the disk this
-        beat an O_DIRECT reader; from the page cache it runs at about half a memcpy. Falls back to
-        safetensors' mapping (with dtype conversion) when the file's dtype is not the compute one."""
+        back to back, as the slot lays them out (cache files are written so), it is read in one
+        piece, otherwise tensor by tensor (fileread: from the page cache with parallel preadv2,
+        from the disk through a populated mapping; no pages stay mapped beyond the slot). Falls
+        back to safetensors' mapping (with dtype conversion) when the file's dtype is not the
+        compute one."""
         header_len, header = _safetensors_header(path)
         with open(path, "rb", buffering=0) as f:
             fd = f.fileno()
@@ -709,7 +708,12 @@ class TieredExpertStore:
                     offset += nbytes
                 if all(r[0] - ranges[0][0] == r[1] for r in ranges):  # one contiguous region: one copy
                     ranges = [(ranges[0][0], 0, offset)]
-                _copy_mapped(fd, ranges, buf, path)
+                try:
+                    where = read_ranges(fd, ranges, buf)
+                except TruncatedFile as err:
+                    raise SwapError(f"{path}: {err}") from None
+                with self._cv:
+                    self.stats.cold_reads[where] += 1
             except BaseException:
                 with self._cv:
                     self.pools[tier].give(buf, slot_after)
