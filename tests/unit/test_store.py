@@ -178,6 +178,22 @@ def test_prefetch_promotes_and_is_counted(model_dir, tmp_path):
     s.close()
 
 
+def test_warm_to_hot_exchanges_places_when_every_expert_fits_in_ram(model_dir, tmp_path):
+    """Hot and warm together hold every expert: a layer's call moves its experts up and the hot
+    ones down into the room they leave, and no expert is pushed to disk on the way."""
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=EXPERTS * n, warm_budget=(LAYERS - 1) * EXPERTS * n)
+    s.configure(ALL)
+    for step in range(3):
+        for layer in range(LAYERS):
+            with s.use([(layer, e) for e in range(EXPERTS)]):
+                assert all(s.entries[(layer, e)].tier == HOT for e in range(EXPERTS))
+            assert all(s.entries[k].tier in (HOT, WARM) for k in ALL), (step, layer)
+            assert_within_budgets(s)
+    assert s.stats.misses[WARM] == 0 and s.stats.hits[WARM] > 0  # every miss of hot found in RAM
+    s.close()
+
+
 def test_prefetch_evicts_only_while_hints_mostly_come_true(model_dir, tmp_path):
     """Hints that keep missing stop evicting resident experts (a wrong hint would cost a read
     and the evicted expert's next use); they still fill free room, and evict again once they

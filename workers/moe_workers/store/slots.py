@@ -44,8 +44,13 @@ class SlotPool:
 
     def resize(self, capacity: int | None) -> None:
         self.capacity = capacity
-        while self.free and (capacity is None and len(self.free) > 2 or
-                             capacity is not None and self.allocated > capacity):
+        self.trim()
+
+    def trim(self) -> None:
+        """Drop free slots while the pool holds more than its capacity (a slot that came in with
+        its expert from another pool may have pushed it over)."""
+        while self.free and (self.capacity is None and len(self.free) > 2 or
+                             self.capacity is not None and self.allocated > self.capacity):
             self._drop(*self.free.pop())
 
     def _drop(self, buf: torch.Tensor, after: list) -> None:
