@@ -24,6 +24,7 @@ class SlotPool:
         self.free: list[tuple[torch.Tensor, list]] = []  # (slot, events its last readers recorded)
         self.dropping: list[tuple[torch.Tensor, list]] = []  # over capacity, waiting for their readers
         self.allocated = 0
+        self.allocations = 0  # buffers ever allocated (a reused slot is not counted again)
 
     def take(self) -> tuple[torch.Tensor, list]:
         """A slot, and the events a copy into it must wait for."""
@@ -32,6 +33,7 @@ class SlotPool:
             return self.free.pop()
         buf = self.ops.alloc(self.slot_bytes, self.host)
         self.allocated += 1  # counted once it exists: a failed allocation changes nothing
+        self.allocations += 1
         return buf, []
 
     def give(self, buf: torch.Tensor, after: list | None = None) -> None:
@@ -45,6 +47,19 @@ class SlotPool:
     def resize(self, capacity: int | None) -> None:
         self.capacity = capacity
         self.trim()
+
+    def hand_free_to(self, other: "SlotPool") -> bool:
+        """One free slot of this pool, over its capacity, becomes the other pool's (same memory
+        kind only): a move that pushed this pool over and left the other short reuses the slot
+        instead of freeing one buffer and faulting in another."""
+        if self.capacity is None or self.allocated <= self.capacity or not self.free:
+            return False
+        if (other.host, other.device) != (self.host, self.device):
+            return False
+        other.free.append(self.free.pop())
+        self.allocated -= 1
+        other.allocated += 1
+        return True
 
     def trim(self) -> None:
         """Drop free slots while the pool holds more than its capacity (a slot that came in with
