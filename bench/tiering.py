@@ -1,22 +1,26 @@
 """Tiered expert store: moves against the raw physical operation, policies against the optimum,
-serving with small hot tiers, and memory against budgets. Side by side in one run.
+serving with RAM short of the experts, and memory against budgets. Side by side in one run.
 
     python bench/tiering.py            # the bench/serving model (hidden 1024, 8 experts, 4 layers)
     python bench/tiering.py --quick    # a small model, for a smoke run
 
-1. promote-ratio: cold->warm promotion throughput against a raw sequential read of the same
-   files into a preallocated buffer; warm->hot (into free hot room) against a raw copy (memcpy)
-   of the same bytes into preallocated memory. Without an accelerator warm->hot moves the slot
-   between pools and copies nothing, so only cold->warm counts for promote-ratio there. Page cache warm
-   for both sides (the files were just written). Best of 9 rounds.
-2. hit-ratio-vs-optimal: hits of the default policy (RecencyFrequency), LRU and LFU against
-   Belady's offline optimum on the same trace, for synthetic routing traces (Zipf popularity,
-   temporal locality: the next token keeps its top-1 expert with probability p) and for a trace
-   recorded from the model itself, at cache sizes of 25% and 50% of the experts; for synthetic
-   traces also an online bound: a policy that knows the true popularity (not the future).
-3. Served decode tokens/s with each shard's hot budget at 25% and 50% of its experts (the rest
-   warm) against 100%, and each replica's peak resident memory against hot + warm budgets plus
-   the process's own baseline (rss-over-budget-ratio).
+1. cold-promote-ratio: cold->warm promotion with the page cache dropped for the cache files
+   (fsync + posix_fadvise DONTNEED; mincore confirms) against O_DIRECT reads of the same bytes
+   (1, 4 and 16 readers: the disk's speed is the best); cached-promote-ratio: cold->warm from the
+   page cache against a memcpy (torch copy_) of the same bytes between preallocated buffers.
+   Without an accelerator warm->hot hands the slot between pools and copies nothing. Best of 5.
+2. hit-ratio-vs-online-bound: hits of the default policy (RecencyFrequency), LRU and LFU against
+   the better of two online bounds (a policy told the true popularity; the same plus the trace's
+   temporal locality and each layer's last top-1 expert), with Belady's offline optimum as
+   context, for synthetic routing traces (Zipf popularity, temporal locality: the next token
+   keeps its top-1 expert with probability p, popularity drift) and a trace recorded from the
+   model itself, at cache sizes of 25% and 50% of the experts.
+3. warm25-tps-ratio / warm50-tps-ratio: served decode tokens/s with each shard's RAM (hot + warm,
+   one memory without an accelerator) at 25% / 50% of its experts and the rest on disk (the page
+   cache dropped for the cold files and the checkpoint before each run) against all in RAM,
+   worst over batch 1 and 16, with prefetch on (the default) and off (the -noprefetch figures);
+   and each replica's peak resident memory against its budgets plus its own baseline
+   (rss-over-budget-ratio).
 Ends with `figure: value` lines.
 """
 
@@ -333,10 +337,37 @@ def bench_policies(traces: dict[str, tuple[list, list | None]], num_experts_tota
     return out
 
 
-# -- 3. served with small hot tiers ----------------------------------------------------------------
+# -- 3. served when the experts do not fit in RAM ----------------------------------------------------
 
 
-def bench_served(path: Path, shape: dict, work_dir: Path, batch: int, tokens: int) -> dict:
+def cache_files(*dirs: Path) -> list[str]:
+    """The safetensors files under these directories (the cold cache and the checkpoint)."""
+    return sorted(str(f) for d in dirs for f in Path(d).rglob("*.safetensors"))
+
+
+def store_delta(after: list[dict], before: list[dict]) -> dict:
+    """What the shards' stores did between two status reads: expert uses, those found in RAM
+    (hot or warm) and those read from the cold tier, and prefetches."""
+    out = {"uses": 0, "in_ram": 0, "cold": 0, "cold_reads_cache": 0, "cold_reads_disk": 0,
+           "prefetch_issued": 0, "prefetch_used": 0}
+    for a, b in zip(after, before):
+        out["uses"] += a["hits"]["hot"] + a["misses"]["hot"] - b["hits"]["hot"] - b["misses"]["hot"]
+        out["in_ram"] += a["hits"]["hot"] + a["hits"]["warm"] - b["hits"]["hot"] - b["hits"]["warm"]
+        out["cold"] += a["misses"]["warm"] - b["misses"]["warm"]
+        for where in ("cache", "disk"):  # every read of a cold file (prefetches too)
+            out[f"cold_reads_{where}"] += a["cold_reads"][where] - b["cold_reads"][where]
+        for k in ("prefetch_issued", "prefetch_used"):
+            out[k] += a[k] - b[k]
+    accuracy = [a["hint_accuracy"] for a in after if a.get("hint_accuracy") is not None]
+    out["hint_accuracy"] = round(sum(accuracy) / len(accuracy), 2) if accuracy else None
+    return out
+
+
+def bench_served(path: Path, shape: dict, work_dir: Path, batches: tuple[int, ...], tokens: int) -> dict:
+    """Decode tokens/s with each shard's RAM (hot + warm: one memory without an accelerator) at
+    100%, 50% and 25% of its experts, the rest in the cold tier on disk, the page cache dropped for
+    the cold files and the checkpoint before each run; prefetch on (router hints one sparse layer
+    ahead, the store's prefetch thread) and off; at each batch size."""
     from moe_operator.backends.ray_rest import RayServeClient
     from moe_operator.standalone.local_ray import LocalRayHead
     from moe_workers.model.config import MoEConfig
@@ -346,8 +377,10 @@ def bench_served(path: Path, shape: dict, work_dir: Path, batch: int, tokens: in
     layers, experts = shape["num_layers"], shape["num_experts"]
     one = MoEConfig.from_dir(path).expert_bytes
     per_shard = layers * experts // groups
+    per_layer = experts // groups  # the hot tier holds at least one layer's experts (one call's)
     placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in range(layers) for e in range(experts) if e % groups == g]
                  for g in range(groups)}
+    cold_dir = work_dir / "served-cold"
     head = LocalRayHead(work_dir=Path(tempfile.mkdtemp(prefix="moe-bench-ray-")), num_cpus=8).start()
     out = {}
     try:
@@ -355,48 +388,74 @@ def bench_served(path: Path, shape: dict, work_dir: Path, batch: int, tokens: in
         from ray import serve
 
         client = RayServeClient(head.dashboard_url, head.token)
-        args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=groups, max_batch_size=batch,
-                       kv_cache_budget_bytes=2**30, max_queued_requests=256, max_model_len=256,
-                       ingress_num_cpus=1, shard_num_cpus=1, ingress_torch_threads=2)
         url = f"http://127.0.0.1:{head.serve_http_port}"
-        for frac in (1.0, 0.5, 0.25):
-            hot = max(int(per_shard * frac), experts // groups) * one
-            warm = per_shard * one - hot
-            tiers = {"hot_budget": hot, "warm_budget": warm, "cold_dir": str(work_dir / "served-cold")}
-            client.put({"http_options": {"host": "127.0.0.1", "port": head.serve_http_port},
-                        "applications": [serve_application("bench", "/", args, placement, tiers=tiers,
-                                                           prefetch_lookahead=1)]})
-            client.wait_running(["bench"], timeout_s=900)
-            shards = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="bench") for g in range(groups)]
-            # the budgets apply in place: wait until every shard reports them
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
+        for batch in batches:
+            args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=groups, max_batch_size=batch,
+                           kv_cache_budget_bytes=2**30, max_queued_requests=256, max_model_len=256,
+                           ingress_num_cpus=1, shard_num_cpus=1, ingress_torch_threads=2)
+            # all in RAM first and last: the reference is their mean (this machine drifts within a run)
+            for frac, prefetch, rep in ((1.0, True, 0), (0.5, True, 0), (0.5, False, 0), (0.25, True, 0),
+                                        (0.25, False, 0), (1.0, True, 1)):
+                ram = max(int(per_shard * frac), per_layer)
+                hot = per_layer * one
+                tiers = {"hot_budget": hot, "warm_budget": ram * one - hot, "cold_dir": str(cold_dir),
+                         "prefetch": prefetch}
+                client.put({"http_options": {"host": "127.0.0.1", "port": head.serve_http_port},
+                            "applications": [serve_application("bench", "/", args, placement, tiers=tiers,
+                                                               prefetch_lookahead=1 if prefetch else 0)]})
+                client.wait_running(["bench"], timeout_s=900)
+                shards = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="bench") for g in range(groups)]
+                # budgets apply in place: wait until every shard holds them
+                deadline = time.monotonic() + 300
+                while time.monotonic() < deadline:
+                    st = [s.status.remote().result() for s in shards]
+                    if all(x["budgets"]["warm"] == ram * one - hot for x in st):
+                        break
+                    time.sleep(1)
+                ps = prompts(batch, 8, shape["vocab_size"], 2)
+
+                def run(n):
+                    t0 = time.perf_counter()
+                    with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+                        list(pool.map(lambda p: requests.post(url + "/v1/completions", json={
+                            "prompt": p, "max_tokens": n, "temperature": 0}, timeout=3600).raise_for_status(), ps))
+                    return time.perf_counter() - t0
+
+                run(2)  # warm-up: the app's first requests
+                files = cache_files(cold_dir, path)
+                drop_page_cache(files)
+                resident_before = resident_fraction(files)
+                before = [s.status.remote().result()["store"] for s in shards]
+                one_tok, full = run(1), run(tokens)
                 st = [s.status.remote().result() for s in shards]
-                if all(x["budgets"]["hot"] == hot for x in st):
-                    break
-                time.sleep(1)
-            ps = prompts(batch, 8, shape["vocab_size"], 2)
-
-            def run(n):
-                t0 = time.perf_counter()
-                with concurrent.futures.ThreadPoolExecutor(batch) as pool:
-                    list(pool.map(lambda p: requests.post(url + "/v1/completions", json={
-                        "prompt": p, "max_tokens": n, "temperature": 0}, timeout=3600).raise_for_status(), ps))
-                return time.perf_counter() - t0
-
-            run(2)  # warm-up
-            one_tok, full = run(1), run(tokens)
-            st = [s.status.remote().result() for s in shards]
-            out[f"hot{int(frac * 100)}"] = {
-                "hot_budget": hot, "warm_budget": warm, "decode_tps": batch * (tokens - 1) / (full - one_tok),
-                "replicas": [{"group": x["group"], "peak_rss_bytes": x["peak_rss_bytes"],
-                              "baseline_rss_bytes": x["baseline_rss_bytes"], "store": x["store"],
-                              "tiers": x["tiers"]} for x in st],
-            }
-            print(f"  hot {int(frac * 100)}%: {out[f'hot{int(frac * 100)}']['decode_tps']:.1f} tok/s", flush=True)
+                moved = store_delta([x["store"] for x in st], before)
+                if not prefetch:
+                    moved.pop("hint_accuracy")  # the figure of the last run with hints
+                label = f"b{batch}-ram{int(frac * 100)}" + (f"-{rep}" if frac == 1.0 else "-prefetch" if prefetch
+                                                             else "-noprefetch")
+                out[label] = {
+                    "batch": batch, "ram_fraction": frac, "prefetch": prefetch, "hot_budget": hot,
+                    "warm_budget": ram * one - hot, "decode_tps": batch * (tokens - 1) / (full - one_tok),
+                    "resident_before": resident_before, "resident_after": resident_fraction(files),
+                    "store_delta": moved,
+                    "replicas": [{"group": x["group"], "peak_rss_bytes": x["peak_rss_bytes"],
+                                  "baseline_rss_bytes": x["baseline_rss_bytes"], "store": x["store"],
+                                  "tiers": x["tiers"]} for x in st],
+                }
+                row = out[label]
+                print(f"  batch {batch:2}  RAM {int(frac * 100):3}%  prefetch {'on ' if prefetch else 'off'}: "
+                      f"{row['decode_tps']:7.2f} tok/s  (page cache of the cold files: {resident_before:.0%} before, "
+                      f"{row['resident_after']:.0%} after; {moved})", flush=True)
         client.delete_all()
-        ray.shutdown()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # now: the driver dies with the head (lost GCS) before Python would print it
+        raise
     finally:
+        import ray as ray_module
+
+        ray_module.shutdown()
         head.stop()
     return out
 
@@ -465,18 +524,30 @@ def main() -> int:
 
 
 def _served(a, path, shape, work, results: dict, figures: dict) -> int:
-    print("\n3. served decode with small hot tiers (2 shard groups, the rest of each shard's experts warm)",
-          flush=True)
-    sv = results["served"] = bench_served(path, shape, work, batch=4 if a.quick else 8,
-                                          tokens=8 if a.quick else 16)
-    base = sv["hot100"]["decode_tps"]
-    for k in ("hot50", "hot25"):
-        figures[f"{k}-tps-ratio"] = sv[k]["decode_tps"] / base
-    ratios = []
-    for k, row in sv.items():
-        for r in row["replicas"]:
-            ratios.append(r["peak_rss_bytes"] / (row["hot_budget"] + row["warm_budget"] + r["baseline_rss_bytes"]))
+    print("\n3. served decode when the experts do not fit in RAM (2 shard groups; the rest of each shard's "
+          "experts on disk, the page cache dropped before each run)", flush=True)
+    batches = (1, 4) if a.quick else (1, 16)
+    sv = results["served"] = bench_served(path, shape, work, batches=batches, tokens=8 if a.quick else 48)
+    base = {b: (sv[f"b{b}-ram100-0"]["decode_tps"] + sv[f"b{b}-ram100-1"]["decode_tps"]) / 2 for b in batches}
+    results["served_all_in_ram_tps"] = base
+    for frac in (25, 50):
+        for on in (True, False):
+            ratios = [sv[f"b{b}-ram{frac}-{'prefetch' if on else 'noprefetch'}"]["decode_tps"] / base[b]
+                      for b in batches]
+            suffix = "" if on else "-noprefetch"
+            figures[f"warm{frac}-tps-ratio{suffix}"] = min(ratios)
+            for b, r in zip(batches, ratios):
+                results.setdefault("served_ratios", {})[f"warm{frac}{suffix}-b{b}"] = r
+    files = cache_files(work / "served-cold")  # the disk the cold tier read from, with 4 O_DIRECT readers
+    drop_page_cache(files)
+    figures["served-disk-GB-per-s"] = sum(os.path.getsize(f) for f in files) / direct_read(files, 16 << 20, 4) / 1e9
+    # the same replicas run every budget (applied in place), so a replica's lifetime peak RSS is
+    # held against the largest budgets it had (all in RAM) plus its own baseline
+    budget = max(row["hot_budget"] + row["warm_budget"] for row in sv.values())
+    ratios = [r["peak_rss_bytes"] / (budget + r["baseline_rss_bytes"]) for row in sv.values() for r in row["replicas"]]
     figures["rss-over-budget-ratio"] = max(ratios)
+    print("  decode tokens/s against all in RAM: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in results["served_ratios"].items()))
     print(f"  peak RSS / (hot + warm + baseline), worst replica: {max(ratios):.2f}")
     return _finish(a, results, figures)
 
