@@ -43,6 +43,7 @@ import requests  # noqa: E402
 import torch  # noqa: E402
 
 from serving import ensure_checkpoint, model_shape, prompts  # noqa: E402
+from moe_workers.store.fileread import drop_from_page_cache  # noqa: E402
 
 
 def parse_args():
@@ -56,17 +57,6 @@ def parse_args():
 
 
 # -- 1. promotion against raw operations --------------------------------------------------------
-
-
-def drop_page_cache(files) -> None:
-    """Evict these files' pages from the page cache (written back first: dirty pages stay)."""
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def resident_fraction(files) -> float:
@@ -169,11 +159,11 @@ def bench_promotion(path: Path, work_dir: Path, repeats: int = 5) -> dict:
     dsts = [torch.empty(n, dtype=torch.uint8).fill_(0) for _ in keys]
     for _ in range(repeats):
         to_cold()
-        drop_page_cache(files)
+        drop_from_page_cache(files)
         resident_after_drop.append(resident_fraction(files))
         best["cold_warm_disk"] = min(best["cold_warm_disk"], promote_all())
         for threads, block in ((1, 64 << 20), (4, 16 << 20), (16, 4 << 20)):
-            drop_page_cache(files)
+            drop_from_page_cache(files)
             best[f"direct_{threads}"] = min(best[f"direct_{threads}"], direct_read(files, block, threads))
         to_cold()  # the files are in the page cache now (just read)
         for f in files:
@@ -423,7 +413,7 @@ def bench_served(path: Path, shape: dict, work_dir: Path, batches: tuple[int, ..
 
                 run(2)  # warm-up: the app's first requests
                 files = cache_files(cold_dir, path)
-                drop_page_cache(files)
+                drop_from_page_cache(files)
                 resident_before = resident_fraction(files)
                 before = [s.status.remote().result()["store"] for s in shards]
                 one_tok, full = run(1), run(tokens)
@@ -539,7 +529,7 @@ def _served(a, path, shape, work, results: dict, figures: dict) -> int:
             for b, r in zip(batches, ratios):
                 results.setdefault("served_ratios", {})[f"warm{frac}{suffix}-b{b}"] = r
     files = cache_files(work / "served-cold")  # the disk the cold tier read from, with 4 O_DIRECT readers
-    drop_page_cache(files)
+    drop_from_page_cache(files)
     figures["served-disk-GB-per-s"] = sum(os.path.getsize(f) for f in files) / direct_read(files, 16 << 20, 4) / 1e9
     # the same replicas run every budget (applied in place), so a replica's lifetime peak RSS is
     # held against the largest budgets it had (all in RAM) plus its own baseline

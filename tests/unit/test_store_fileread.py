@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from moe_workers.store.fileread import MIN_PART_BYTES, TruncatedFile, _parts, read_ranges
+from moe_workers.store.fileread import MIN_PART_BYTES, TruncatedFile, _parts, drop_from_page_cache, read_ranges
 
 
 def _file(tmp_path, nbytes: int) -> tuple[str, bytes]:
@@ -17,15 +17,6 @@ def _file(tmp_path, nbytes: int) -> tuple[str, bytes]:
     path = tmp_path / "expert.bin"
     path.write_bytes(data)
     return str(path), data
-
-
-def _drop(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def test_cached_bytes_are_read_with_preadv_across_threads(tmp_path):
@@ -46,7 +37,7 @@ def test_uncached_bytes_come_from_the_disk_through_the_mapping(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     try:
         for _ in range(50):  # pages under writeback may survive a drop: until RWF_NOWAIT refuses one
-            _drop(path)
+            drop_from_page_cache([path])
             try:
                 os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
             except BlockingIOError:
@@ -54,7 +45,7 @@ def test_uncached_bytes_come_from_the_disk_through_the_mapping(tmp_path):
             time.sleep(0.05)
         else:
             pytest.fail(f"{path} stayed in the page cache after 50 drops")
-        _drop(path)  # again: the refused read may have started the kernel's readahead
+        drop_from_page_cache([path])  # again: the refused read may have started the kernel's readahead
         slot = torch.zeros(len(data), dtype=torch.uint8)
         # two ranges in swapped order: each lands where the slot wants it
         half = len(data) // 2
