@@ -187,7 +187,7 @@ def test_tier_metrics_exported_in_prometheus_format(setup, ray_head):
     assert complete(setup["url"], [3, 4, 5]).status_code == 200
     wanted = ("ray_moe_tier_bytes{", "ray_moe_tier_experts{", "ray_moe_tier_budget_bytes{", "ray_moe_tier_hits",
               "ray_moe_tier_misses", "ray_moe_tier_promotion_seconds_bucket{", "ray_moe_tier_moved_bytes",
-              "ray_moe_hotswaps", "ray_moe_prefetch_issued")
+              "ray_moe_hotswaps", "ray_moe_prefetch_issued", "ray_moe_prefetch_hint_accuracy{")
     deadline = time.monotonic() + 90
     missing = wanted
     while time.monotonic() < deadline:

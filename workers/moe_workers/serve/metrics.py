@@ -39,6 +39,9 @@ class ShardMetrics:
                                        tag_keys=tags)
         self.prefetch_used = Counter("moe_prefetch_used", description="Prefetched experts used before eviction.",
                                      tag_keys=tags)
+        self.hint_accuracy = Gauge("moe_prefetch_hint_accuracy",
+                                   description="Share of recent prefetch hints the layer's next call used.",
+                                   tag_keys=tags)
         self.swaps = Counter("moe_hotswaps", description="Hot-swaps by outcome.", tag_keys=tags + ("outcome",))
         self.swap_seconds = Histogram("moe_hotswap_seconds", description="Hot-swap duration, request to serving.",
                                       boundaries=[0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30], tag_keys=tags)
@@ -79,6 +82,8 @@ class ShardMetrics:
             if b is not None:
                 self.tier_budget.set(b, tags=self._tags(tier=tier))
         st = store.stats
+        if st.hint_accuracy is not None:
+            self.hint_accuracy.set(st.hint_accuracy, tags=self._tags())
         with self._lock:
             for tier in TIERS:
                 self._inc(self.hits, f"hit.{tier}", st.hits[tier], tier=tier)
