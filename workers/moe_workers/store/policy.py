@@ -44,6 +44,11 @@ class Policy:
         raise NotImplementedError
 
 
+def _layer(key: Hashable) -> Hashable:
+    """A (layer, expert) key's layer; other keys share one group."""
+    return key[0] if isinstance(key, tuple) and key else None
+
+
 def _order(key: Hashable):
     return key if isinstance(key, tuple) else (str(key),)
 
@@ -105,12 +110,8 @@ class RecencyFrequency(Policy):
         self.group_clock: dict[Hashable, int] = {}
         self.last: dict[Hashable, int] = {}
 
-    @staticmethod
-    def _group(key: Hashable) -> Hashable:
-        return key[0] if isinstance(key, tuple) and key else None
-
     def _record(self, key: Hashable) -> None:
-        g = self._group(key)
+        g = _layer(key)
         now = self.group_clock.get(g, 0) + 1
         self.group_clock[g] = now
         self.value[key] = self._log_value(key, now, empty=0.0, log=False) + 1.0
@@ -126,7 +127,7 @@ class RecencyFrequency(Policy):
         return self.value[key] * math.exp(-self.decay * age)
 
     def score(self, key: Hashable) -> float:
-        now = self.group_clock.get(self._group(key), 0)
+        now = self.group_clock.get(_layer(key), 0)
         # the recency term (< 1e-6 of a halving) only orders keys with equal values
         return self._log_value(key, now, empty=-math.inf, log=True) + 1e-9 * self.last.get(key, -1)
 
@@ -149,7 +150,7 @@ class HintTracker:
     def hinted(self, keys: Iterable[Hashable]) -> None:
         fresh: dict[Hashable, set[Hashable]] = {}
         for k in keys:
-            fresh.setdefault(RecencyFrequency._group(k), set()).add(k)
+            fresh.setdefault(_layer(k), set()).add(k)
         for g, ks in fresh.items():
             stale = self.pending.get(g)
             if stale:
@@ -158,7 +159,7 @@ class HintTracker:
 
     def used(self, keys: Iterable[Hashable]) -> None:
         used = set(keys)
-        for g in sorted({RecencyFrequency._group(k) for k in used}, key=lambda x: (x is None, x)):
+        for g in sorted({_layer(k) for k in used}, key=lambda x: (x is None, x)):
             hinted = self.pending.pop(g, None)
             if hinted:
                 self._settle(hinted, used)

@@ -704,7 +704,6 @@ class TieredExpertStore:
         header_len, header = _safetensors_header(path)
         with open(path, "rb", buffering=0) as f:
             fd = f.fileno()
-            size = os.fstat(fd).st_size
             want = {name for name, _ in self.model.expert_parts()}
             if set(header) - {"__metadata__"} != want or any(
                     header[w]["dtype"] != _SAFETENSORS_DTYPES.get(self.dtype) for w in want):
@@ -719,15 +718,14 @@ class TieredExpertStore:
                 for w, dst in views.items():
                     begin, end = header[w]["data_offsets"]
                     nbytes = dst.numel() * dst.element_size()
-                    if list(header[w]["shape"]) != list(dst.shape) or end - begin != nbytes \
-                            or 8 + header_len + end > size:
+                    if list(header[w]["shape"]) != list(dst.shape) or end - begin != nbytes:
                         raise SwapError(f"{path}: cache file does not match the model ({w})")
                     ranges.append((8 + header_len + begin, offset, nbytes))
                     offset += nbytes
                 if all(r[0] - ranges[0][0] == r[1] for r in ranges):  # one contiguous region: one copy
                     ranges = [(ranges[0][0], 0, offset)]
                 try:
-                    where = read_ranges(fd, ranges, buf)
+                    where = read_ranges(fd, ranges, buf)  # checks the file holds every range first
                 except TruncatedFile as err:
                     raise SwapError(f"{path}: {err}") from None
                 with self._cv:
