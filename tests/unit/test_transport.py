@@ -178,6 +178,62 @@ def test_a_silent_replica_costs_at_most_the_timeout(servers):
     release.set()
 
 
+def test_a_stalled_replica_is_hedged_to_another_and_comes_back_when_it_answers(servers):
+    """r0 stops answering (a SIGSTOPped process): after the hedge delay its part goes to r1 and
+    the exchange ends well before the timeout; r0 is set aside until its late reply arrives, then
+    takes work again."""
+    stalled = threading.Event()
+    release = threading.Event()
+
+    def stalls(layer, x, experts, counts, prefetch, out):
+        if stalled.is_set():
+            release.wait(10)
+        _scale_by_expert(layer, x, experts, counts, prefetch, out)
+
+    slow, fast = servers(stalls), servers()
+    ch = _channel([Member("g0", "r0", slow.endpoint), Member("g0", "r1", fast.endpoint)], timeout_s=5.0,
+                  hedge_after_s=0.2, hedge_factor=4.0)
+    x = torch.randn(2, 8)
+    for _ in range(4):
+        ch.exchange(0, {"g0": Part([1], [2], x)})
+    assert slow.requests > 0 and fast.requests > 0 and ch.stats["hedged"] == 0
+    stalled.set()
+    t0 = time.monotonic()
+    for _ in range(4):  # r0's turn comes within two exchanges; it is hedged once, then set aside
+        assert torch.equal(ch.exchange(3, {"g0": Part([1], [2], x)})["g0"], _expected(3, x, [1], [2]))
+    assert ch.stats["hedged"] == 1 and ch.stats["unavailable"] == 0
+    assert time.monotonic() - t0 < 2.0  # the hedge delay (0.2 s or 4x a fast exchange), not 5 s
+    assert [m["down"] for m in ch.members()["g0"]] == [True, False]
+    before = fast.requests
+    t1 = time.monotonic()
+    for _ in range(5):  # set aside: no more waits on it
+        ch.exchange(0, {"g0": Part([1], [2], x)})
+    assert fast.requests == before + 5 and time.monotonic() - t1 < 1.0
+    stalled.clear()
+    release.set()  # its late reply arrives, is dropped, and the replica is live again
+    wait_for(lambda: not ch.members()["g0"][0]["down"], timeout_s=5, what="r0 live again")
+    served = slow.requests
+    for _ in range(4):
+        ch.exchange(0, {"g0": Part([1], [2], x)})
+    assert slow.requests > served
+
+
+def test_hedging_off_waits_for_the_slow_replica(servers):
+    release = threading.Event()
+
+    def slow(layer, x, experts, counts, prefetch, out):
+        release.wait(10)
+        _scale_by_expert(layer, x, experts, counts, prefetch, out)
+
+    a, b = servers(slow), servers()
+    ch = _channel([Member("g0", "r0", a.endpoint), Member("g0", "r1", b.endpoint)], hedge_after_s=0)
+    threading.Timer(0.6, release.set).start()
+    t0 = time.monotonic()
+    x = torch.randn(1, 8)
+    assert torch.equal(ch.exchange(0, {"g0": Part([0], [1], x)})["g0"], _expected(0, x, [0], [1]))
+    assert time.monotonic() - t0 >= 0.5 and ch.stats["hedged"] == 0 and b.requests == 0
+
+
 def test_compute_errors_try_the_next_replica_then_fail_with_the_replicas_message(servers):
     def broken(layer, x, experts, counts, prefetch, out):
         raise KeyError("this replica does not host expert(s) 0.5")

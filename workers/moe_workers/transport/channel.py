@@ -13,11 +13,18 @@ replica of the group, or, when the group has none, again once membership brings 
 replica), until the exchange's deadline: then `ExpertsUnavailable` (the ingress answers 503).
 A replica that answers with a compute error is not retried on the same replica; when every
 replica of the group failed so, `ExchangeFailed` carries the replica's message.
+
+A slow replica is hedged: when its group has another live replica and no reply came within the
+hedge delay (`hedge_factor` x the slowest recent exchange, at least `hedge_after_s`), the same
+part goes to another replica and the first reply wins. The straggler is set aside until its late
+reply arrives (read and dropped in the background, then the replica is back); a stalled process
+(SIGSTOP, a long pause) costs the steps in flight the hedge delay, not the exchange timeout.
 """
 
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 import struct
 import threading
@@ -81,6 +88,8 @@ class _Conn:
         self.sock = sock
         self.link = link
         self.view = memoryview(bytearray(1 << 16))
+        self.poller = select.poll()  # readable: the reply (or the peer's close) arrived
+        self.poller.register(sock, select.POLLIN)
         self.wait_s = 0.0  # the kernel's limit on one send or receive (SO_SNDTIMEO / SO_RCVTIMEO); 0: none
 
     def set_wait(self, seconds: float) -> None:
@@ -121,13 +130,21 @@ class _Peer:
 class ExpertChannel:
     def __init__(self, source: MembershipSource | None = None, timeout_s: float = 60.0, connect_timeout_s: float = 2.0,
                  refresh_s: float = 1.0, down_s: float = 2.0, device_link: str | None = None,
-                 link_host: str = "127.0.0.1", on_refused: Callable[[Member], None] | None = None):
+                 link_host: str = "127.0.0.1", on_refused: Callable[[Member], None] | None = None,
+                 hedge_after_s: float = 0.25, hedge_factor: float = 4.0):
         """`device_link`: None (tensor bytes on the socket), or a backend ("nccl" for CUDA rows,
         "gloo") for a device link per connection, its store on `link_host` (this side's address).
         `on_refused(member)`: called from the membership thread for a replica whose port refused
         a connection (its process is gone), so the membership source can drop it before its
-        reports age out; the channel leaves it once the source no longer lists it."""
+        reports age out; the channel leaves it once the source no longer lists it.
+        `hedge_after_s`, `hedge_factor`: a group with two or more live replicas sends a part again
+        to another one when no reply came within max(hedge_after_s, hedge_factor x the slowest
+        recent exchange); `hedge_after_s` 0 turns hedging off."""
         self.on_refused = on_refused
+        self.hedge_after_s = hedge_after_s
+        self.hedge_factor = hedge_factor
+        self._recent_max_s = 0.0  # the slowest recent exchange, decaying by 1% an exchange
+        self._group_sizes: dict[str, int] = {}  # group -> replicas on the channel
         self._refused: dict[str, Member] = {}
         self.timeout_s = timeout_s
         self.device_link = device_link
@@ -143,7 +160,7 @@ class ExpertChannel:
         self._nudge = threading.Event()
         self._stop = threading.Event()
         self.stats = {"exchanges": 0, "retries": 0, "unavailable": 0, "failed": 0, "membership_errors": 0,
-                      "exchange_s": 0.0}
+                      "hedged": 0, "exchange_s": 0.0}
         self.last_membership_error = ""
         if source is not None:
             self._refresh_s = refresh_s
@@ -167,6 +184,10 @@ class ExpertChannel:
             for rid, m in wanted.items():
                 if rid not in self._peers:
                     self._peers[rid] = _Peer(m)
+            sizes: dict[str, int] = {}
+            for p in self._peers.values():
+                sizes[p.member.group] = sizes.get(p.member.group, 0) + 1
+            self._group_sizes = sizes
             self._changed.notify_all()
 
     def members(self) -> dict[str, list[dict]]:
@@ -215,7 +236,13 @@ class ExpertChannel:
         try:
             return self._exchange(layer, parts, time.monotonic() + self.timeout_s)
         finally:
-            self.stats["exchange_s"] += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.stats["exchange_s"] += took
+            self._recent_max_s = max(took, self._recent_max_s * 0.99)
+
+    def hedge_delay_s(self) -> float:
+        """How long a reply may take before its part goes to another replica of the group."""
+        return max(self.hedge_after_s, self.hedge_factor * self._recent_max_s)
 
     def _exchange(self, layer: int, parts: dict[str, Part], deadline: float) -> dict[str, torch.Tensor]:
         pending = dict(parts)
@@ -235,19 +262,16 @@ class ExpertChannel:
                 peer, conn = got
                 seq = next(self._seq)
                 try:
-                    if conn.link is not None:
-                        conn.sock.sendall(wire.encode_request(seq, layer, part.x.shape[0], part.x.shape[1], part.x.dtype,
-                                                              part.experts, part.counts, part.prefetch, wire.LINKED))
-                        conn.link.send(part.x.to(conn.link.device))
-                    else:
-                        send_all(conn.sock, [wire.encode_request(seq, layer, part.x.shape[0], part.x.shape[1],
-                                                                 part.x.dtype, part.experts, part.counts, part.prefetch),
-                                             wire.as_bytes(part.x)])
+                    self._send(conn, seq, layer, part)
                 except (OSError, RuntimeError):
                     self._checkin(peer, conn, ok=False)
                     continue
                 sent.append((group, peer, conn, seq))
+            hedge_at = time.monotonic() + self.hedge_delay_s() if self.hedge_after_s > 0 else 0.0
             for group, peer, conn, seq in sent:
+                if hedge_at and self._group_sizes.get(group, 0) > 1 and not self._ready(conn, hedge_at):
+                    peer, conn, seq = self._hedge(layer, group, pending[group], peer, conn, seq, failed[group],
+                                                  deadline)
                 outcome = self._receive(conn, seq, deadline)
                 if isinstance(outcome, torch.Tensor):
                     self._checkin(peer, conn, ok=True)
@@ -272,6 +296,67 @@ class ExpertChannel:
             if not sent:
                 self._wait_for_members(min(deadline, time.monotonic() + 0.1))
         return results
+
+    @staticmethod
+    def _ready(conn: _Conn, until: float) -> bool:
+        """Whether the connection turns readable (a reply, or the peer's close) before `until`."""
+        try:
+            return bool(conn.poller.poll(max(0.0, until - time.monotonic()) * 1000.0))
+        except OSError:
+            return True  # let the receive find out what is wrong
+
+    def _hedge(self, layer: int, group: str, part: Part, peer: _Peer, conn: _Conn, seq: int, exclude: set[str],
+               deadline: float) -> tuple[_Peer, _Conn, int]:
+        """No reply from `peer` within the hedge delay: send the part to another live replica of
+        the group too and wait for whichever answers first; the other one's reply is read and
+        dropped in the background. Returns the connection to receive from."""
+        with self._lock:
+            peer.down_until = max(peer.down_until, deadline)  # no new work until its late reply arrives
+        got = self._checkout(layer, group, part, exclude | {peer.member.replica})
+        if got is None:
+            return peer, conn, seq
+        peer2, conn2 = got
+        seq2 = next(self._seq)
+        try:
+            self._send(conn2, seq2, layer, part)
+        except (OSError, RuntimeError):
+            self._checkin(peer2, conn2, ok=False)
+            return peer, conn, seq
+        self.stats["hedged"] += 1
+        poller = select.poll()
+        poller.register(conn.sock, select.POLLIN)
+        poller.register(conn2.sock, select.POLLIN)
+        try:
+            ready = {fd for fd, _ in poller.poll(max(0.0, deadline - time.monotonic()) * 1000.0)}
+        except OSError:
+            ready = set()
+        if conn.sock.fileno() in ready and conn2.sock.fileno() not in ready:
+            first, late = (peer, conn, seq), (peer2, conn2, seq2)
+            with self._lock:
+                peer.down_until = 0.0  # it answered after all
+        else:
+            first, late = (peer2, conn2, seq2), (peer, conn, seq)
+        threading.Thread(target=self._reap, args=(*late, deadline), name="expert-channel-straggler",
+                         daemon=True).start()
+        return first
+
+    def _reap(self, peer: _Peer, conn: _Conn, seq: int, deadline: float) -> None:
+        """Read and drop a hedged exchange's losing reply; a replica that answers is live again."""
+        ok = isinstance(self._receive(conn, seq, deadline), torch.Tensor)
+        if ok:
+            with self._lock:
+                peer.down_until = 0.0
+        self._checkin(peer, conn, ok=ok)
+
+    def _send(self, conn: _Conn, seq: int, layer: int, part: Part) -> None:
+        if conn.link is not None:
+            conn.sock.sendall(wire.encode_request(seq, layer, part.x.shape[0], part.x.shape[1], part.x.dtype,
+                                                  part.experts, part.counts, part.prefetch, wire.LINKED))
+            conn.link.send(part.x.to(conn.link.device))
+        else:
+            send_all(conn.sock, [wire.encode_request(seq, layer, part.x.shape[0], part.x.shape[1], part.x.dtype,
+                                                     part.experts, part.counts, part.prefetch),
+                                 wire.as_bytes(part.x)])
 
     def _candidates(self, group: str, exclude: set[str], only_live: bool = True) -> list[_Peer]:
         now = time.monotonic()
