@@ -4,6 +4,7 @@ steady state in one run. Ends with `figure: value` lines.
     python bench/chaos.py                  # overload, then faults
     python bench/chaos.py --only faults    # one of: overload, faults
     python bench/chaos.py --quick          # shorter phases
+    python bench/chaos.py --kubernetes     # control-plane faults on the real apiserver (bench/chaos_k8s.py)
 
 Overload:
 1. The knee: closed-loop clients (`moectl bench`'s load generator) at rising concurrency, each
@@ -22,7 +23,11 @@ Each reports failed and refused requests, p99 latency while the fault lasts agai
 state before it, the longest request, and seconds from the fault to full recovery:
 - SIGKILL of one ExpertShard replica, with 1 and with 2 replicas per group;
 - SIGKILL of the Ingress replica, with 1 and with 2 ingress replicas;
-- one ExpertShard replica stalled (SIGSTOP for --stall-s, then SIGCONT), with 2 replicas per group.
+- one ExpertShard replica stalled (SIGSTOP for --stall-s, then SIGCONT), with 2 replicas per group;
+- a hot-swap to a corrupt weights file (`moectl hot-swap --local --wait`: refused, the old
+  version keeps serving), then its rollback; recovery is the time to the verdict;
+- a rebalance asked for (`moectl rebalance --local --wait`: make-before-break when the planner
+  finds a better placement, else "no rebalance"); recovery is the time until it serves.
 Victims are found by pid: shard replicas from the app's /moe/v1/status, Ingress replicas by the
 process title Ray gives an actor (`ray::ServeReplica:<ns>.<app>:Ingress` idle,
 `ray::<app>:Ingress.<method>` in a call).
@@ -68,6 +73,10 @@ def parse_args():
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray head")
     p.add_argument("--only", choices=["overload", "faults"], help="run one part")
+    p.add_argument("--kubernetes", action="store_true",
+                   help="only the control-plane faults: operator SIGKILL mid-reconcile, apiserver stopped "
+                        "(a MoEDeployment on scripts/testenv's apiserver, the operator and Ray local)")
+    p.add_argument("--apiserver-down-s", type=float, default=30.0, help="seconds the apiserver stays stopped")
     p.add_argument("--fault-clients", type=int, default=8, help="clients during the fault runs")
     p.add_argument("--fault-num-cpus", type=int, default=4,
                    help="logical CPUs of the fault runs' Ray head (2 ingress x 0.5 + 4 shard replicas x 0.25 + "
@@ -211,7 +220,7 @@ def fault_run(app: StandaloneApp, label: str, inject, a, vocab: int) -> dict:
     started = time.monotonic()
     time.sleep(a.steady_s)
     t_fault = time.monotonic()
-    victims, not_before = inject()
+    victims, not_before, *detail = inject()
     recovered = None
     while time.monotonic() - t_fault < a.recovery_timeout_s:
         if time.monotonic() >= not_before and app.whole(set(victims)):
@@ -236,12 +245,54 @@ def fault_run(app: StandaloneApp, label: str, inject, a, vocab: int) -> dict:
            "steady_p99_s": steady["latency_s"]["p99"], "fault_p99_s": during["latency_s"]["p99"],
            "steady_goodput_rps": steady["goodput_rps"], "fault_goodput_rps": during["goodput_rps"],
            "after_goodput_rps": after["goodput_rps"], "ingress_replicas": app.ingress_replicas,
-           "replicas_per_group": app.replicas_per_group}
+           "replicas_per_group": app.replicas_per_group, **(detail[0] if detail else {})}
     rec = f"{out['recovery_s']:.1f} s" if recovered else f"not within {a.recovery_timeout_s:g} s"
     print(f"  {label}: {out['failed']} failed, {out['refused']} refused, {out['answered']} answered; p99 "
           f"{out['steady_p99_s']:.2f} s steady, {out['fault_p99_s']:.2f} s during; longest request "
           f"{longest:.1f} s; recovered in {rec}", flush=True)
     return out
+
+
+def _moectl(app: StandaloneApp, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([MOECTL, *args], env=app.env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _versions(app: StandaloneApp, eid: str) -> list[str]:
+    """The digest of `eid` on every shard replica hosting it."""
+    return sorted(r["versions"][eid]["digest"] for r in app.status()["replicas"] if eid in r.get("versions", {}))
+
+
+def swap_corrupt(app: StandaloneApp, work: Path, eid: str = "1.0"):
+    """A hot-swap of `eid` to a file cut in the middle of its tensors: refused on every replica,
+    the old version serving throughout; then the rollback that clears the override."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((work / "models" / "mixtral-tiny" / "config.json").read_text())
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    bad = work / "weights" / f"expert-{eid}-corrupt.safetensors"
+    bad.parent.mkdir(exist_ok=True)
+    save_file({"w1.weight": torch.randn(f, h), "w2.weight": torch.randn(h, f), "w3.weight": torch.randn(f, h)}, str(bad))
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    before = _versions(app, eid)
+    swap = _moectl(app, "hot-swap", app.name, "--local", "--expert", eid, "--weights", str(bad), "--wait",
+                   "--timeout", "120")
+    after = _versions(app, eid)
+    verdict = (swap.stderr.strip() or swap.stdout.strip()).splitlines()[-1:] or [""]
+    back = _moectl(app, "hot-swap", app.name, "--local", "--expert", eid, "--rollback", "--wait", "--timeout", "120")
+    if swap.returncode == 0 or after != before or back.returncode != 0:
+        raise SystemExit(f"the corrupt hot-swap was not refused cleanly: rc {swap.returncode}, {verdict[0]}; "
+                         f"digests {before} -> {after}; rollback rc {back.returncode}: {back.stderr.strip()}")
+    return [], 0.0, {"operation": verdict[0][:300], "old_version_kept": after == before}
+
+
+def ask_rebalance(app: StandaloneApp):
+    """`moectl rebalance --local --wait`: what the planner decided, once it serves."""
+    done = _moectl(app, "rebalance", app.name, "--local", "--wait", "--timeout", "240")
+    line = (done.stdout.strip() or done.stderr.strip()).splitlines()[-1:] or [""]
+    if done.returncode != 0:
+        raise SystemExit(f"moectl rebalance failed ({done.returncode}): {done.stderr.strip()}")
+    return [], 0.0, {"operation": line[0][:300], "rebalanced": line[0].startswith("rebalanced")}
 
 
 def faults(work: Path, a) -> list[dict]:
@@ -275,14 +326,39 @@ def faults(work: Path, a) -> list[dict]:
                 threading.Timer(a.stall_s, os.kill, (pid, signal.SIGCONT)).start()
                 return [], time.monotonic() + a.stall_s  # the same process comes back
 
+            def corrupt_swap():
+                return swap_corrupt(app, work)
+
+            def rebalance():
+                return ask_rebalance(app)
+
             suffix = "1-replica" if per_group == 1 else f"{per_group}-replicas"
             runs.append(fault_run(app, f"shard-kill-{suffix}", lambda: kill(first_shard_pid()), a, vocab))
             runs.append(fault_run(app, f"ingress-kill-{suffix}", lambda: kill(app.ingress_pids()[0]), a, vocab))
             if per_group > 1:
                 runs.append(fault_run(app, f"shard-stall-{suffix}", stall_shard, a, vocab))
+            runs.append(fault_run(app, f"hotswap-corrupt-{suffix}", corrupt_swap, a, vocab))
+            runs.append(fault_run(app, f"rebalance-{suffix}", rebalance, a, vocab))
         finally:
             app.stop()
     return runs
+
+
+def kubernetes_faults(work: Path, a) -> list[dict]:
+    from chaos_k8s import KubernetesApp
+
+    app = KubernetesApp(work, a.fault_num_cpus, MOECTL)
+    try:
+        app.wait_serving()
+        vocab = int(model_info(app.url).get("vocab_size", 256))
+        print(f"MoEDeployment {app.name} Ready at {app.url} (operator and Ray local, apiserver {app.cp['MOE_TESTENV_SERVER']})",
+              flush=True)
+        LoadGen(app.url, 2, a.prompt_len, a.max_tokens, vocab).run(3.0)  # warm-up, not reported
+        return [fault_run(app, "operator-kill-mid-reconcile", app.kill_operator_mid_reconcile, a, vocab),
+                fault_run(app, f"apiserver-down-{a.apiserver_down_s:g}s", lambda: app.stop_apiserver(a.apiserver_down_s),
+                          a, vocab)]
+    finally:
+        app.stop()
 
 
 def main() -> int:
@@ -291,6 +367,9 @@ def main() -> int:
         a.phase_s, a.steady_s, a.stall_s = 10.0, 8.0, 10.0
     work = Path(tempfile.mkdtemp(prefix="moe-bench-chaos-"))
     result = {"phase_s": a.phase_s, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens}
+    if a.kubernetes:
+        a.only = "kubernetes"
+        result["kubernetes"] = kubernetes_faults(work, a)
     if a.only in (None, "overload"):
         app = StandaloneApp(work, a.num_cpus)
         try:
@@ -319,15 +398,36 @@ def main() -> int:
         print(f"overload-failed-requests: {o['failed']}")
     if "faults" in result and a.only in (None, "faults"):
         fs = result["faults"]
-        redundant = [f for f in fs if f["replicas_per_group"] > 1 and "kill" in f["fault"]]
+        replica_faults = [f for f in fs if "kill" in f["fault"] or "stall" in f["fault"]]
+        redundant = [f for f in replica_faults if f["replicas_per_group"] > 1]
         kills = [f for f in fs if "kill" in f["fault"]]
+        operations = [f for f in fs if f["fault"].startswith(("hotswap", "rebalance"))]
         for f in fs:
             print(f"{f['fault']}: failed {f['failed']}, refused {f['refused']}, recovery-s {f['recovery_s']}, "
-                  f"p99 {f['steady_p99_s']} -> {f['fault_p99_s']} s, longest {f['longest_request_s']} s")
+                  f"p99 {f['steady_p99_s']} -> {f['fault_p99_s']} s, longest {f['longest_request_s']} s"
+                  + (f"; {f['operation']}" if f.get("operation") else ""))
         print(f"failed-requests-with-redundancy: {sum(f['failed'] for f in redundant)}")
         print(f"refused-requests-with-redundancy: {sum(f['refused'] for f in redundant)}")
         print(f"worst-recovery-s: {max((f['recovery_s'] or float('inf')) for f in kills)}")
         print(f"longest-request-s: {max(f['longest_request_s'] for f in fs)}")
+        stalls = [f for f in fs if "stall" in f["fault"]]
+        if stalls:
+            print(f"stall-p99-s: {max(f['fault_p99_s'] for f in stalls)} (steady {max(f['steady_p99_s'] for f in stalls)})")
+        if operations:
+            print(f"failed-requests-during-operations: {sum(f['failed'] for f in operations)}")
+    if "kubernetes" in result and a.kubernetes:
+        ks = result["kubernetes"]
+        for f in ks:
+            print(f"{f['fault']}: failed {f['failed']}, refused {f['refused']}, recovery-s {f['recovery_s']}, "
+                  f"p99 {f['steady_p99_s']} -> {f['fault_p99_s']} s, longest {f['longest_request_s']} s; "
+                  f"{f['operation']}")
+        print(f"control-plane-failed-requests: {sum(f['failed'] for f in ks)}")
+        print(f"control-plane-worst-recovery-s: {max((f['recovery_s'] or float('inf')) for f in ks)}")
+        print(f"redeployed-during-apiserver-outage: {any(f.get('redeployed_during_outage') for f in ks)}")
+        for f in ks:
+            if f.get("change_after_s") is not None and f["recovery_s"] is not None:
+                print(f"converged-after-apiserver-back-s: {f['recovery_s'] - f['change_after_s']:.2f} "
+                      f"(a change made once it answered)")
     return 0
 
 
