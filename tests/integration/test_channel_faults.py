@@ -1,9 +1,11 @@
-"""A shard replica killed in the middle of sustained decode, on a real local Ray.
+"""A shard replica killed, then one stalled, in the middle of sustained decode, on a real local Ray.
 
 Group 0 has two replicas, group 1 one. SIGKILL one replica of each while clients decode: every
 request ends answered (200, the reference's tokens) or refused with 503 within the exchange
 timeout, none hangs; Serve restarts the replicas, they rejoin the channel, and requests after
-that are all answered.
+that are all answered. Then one replica of group 0 is stopped (SIGSTOP) for longer than the
+exchange timeout: its parts are hedged to the group's other replica, so every request is
+answered and none waits for the timeout.
 """
 
 from __future__ import annotations
@@ -81,6 +83,16 @@ def test_killed_shard_replicas_fail_requests_at_most_with_503_and_rejoin(ray_hea
                      timeout_s=120, what="replacement replicas on the channel", interval_s=1)
             recovered_at = len(outcomes)
             time.sleep(4)
+            hedged = _status(url)["channel"]["hedged"]
+            stalled = next(r["pid"] for r in _status(url)["replicas"] if r["group"] == "ExpertShard-0")
+            stall_from = len(outcomes)
+            os.kill(stalled, signal.SIGSTOP)
+            try:
+                time.sleep(TIMEOUT_S * 1.6)
+            finally:
+                os.kill(stalled, signal.SIGCONT)
+            stall_to = len(outcomes)
+            time.sleep(2)
             stop.set()
             for c in clients:
                 c.result(timeout=TIMEOUT_S * 8)  # re-raises a client's assertion or timeout
@@ -95,6 +107,11 @@ def test_killed_shard_replicas_fail_requests_at_most_with_503_and_rejoin(ray_hea
         after = [code for code, *_ in outcomes[recovered_at:]]
         assert after and all(code == 200 for code in after), after
         assert killed_at > 0
+        # the stall: hedged to the other replica of the group, nobody waits for the exchange timeout
+        during = outcomes[stall_from:stall_to]
+        assert during and all(code == 200 for code, *_ in during), [code for code, *_ in during]
+        assert max(seconds for _, seconds, *_ in during) < TIMEOUT_S, [round(s, 2) for _, s, *_ in during]
+        assert _status(url)["channel"]["hedged"] > hedged
         failed = codes.count(503)
         print(f"requests: {len(codes)}, answered {codes.count(200)}, 503 {failed}")
     finally:
