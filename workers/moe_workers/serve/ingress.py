@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.datastructures import Headers
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -47,37 +48,54 @@ async def _request_error(_: Request, err: RequestError):
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-@fastapi_app.middleware("http")
-async def _body_limit(request: Request, call_next):
-    """Every route: a body announced larger than the limit is refused before it is read."""
-    limit = getattr(request.app.state, "max_request_bytes", None)
-    length = request.headers.get("content-length")
-    if limit is not None and length is not None:
-        if not length.isdigit():
-            return JSONResponse(RequestError(400, "Content-Length is not a number").body(), status_code=400)
-        if int(length) > limit:
-            return JSONResponse(_too_large(limit).body(), status_code=413)
-    return await call_next(request)
+class _Gate:
+    """What every request passes before a route, as plain ASGI: the API key, then the announced
+    body size. A refusal is answered here; anything else goes through untouched. (Starlette's
+    `@app.middleware("http")` would wrap every response, and each streamed token, in an extra
+    task and memory stream per middleware: work that competes with the engine for the GIL.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _refusal(scope) -> JSONResponse | None:
+        state = scope["app"].state
+        headers = Headers(scope=scope)
+        # /v1/* needs `Authorization: Bearer <key>` when keys are configured (user_config);
+        # /moe/v1/status stays open, for in-cluster use (the operator, moectl)
+        keys = getattr(state, "api_keys_sha256", None)
+        path, root = scope["path"], scope.get("root_path", "").rstrip("/")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if keys and path.startswith("/v1/") and not authorized(headers.get("authorization"), keys):
+            err = RequestError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                               err_type="invalid_request_error")
+            body = err.body()
+            body["error"]["code"] = "invalid_api_key"
+            metrics = getattr(state, "metrics", None)
+            if metrics is not None:
+                metrics.reject(401)
+            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        # every route: a body announced larger than the limit is refused before it is read
+        limit = getattr(state, "max_request_bytes", None)
+        length = headers.get("content-length")
+        if limit is not None and length is not None:
+            if not length.isdigit():
+                return JSONResponse(RequestError(400, "Content-Length is not a number").body(), status_code=400)
+            if int(length) > limit:
+                return JSONResponse(_too_large(limit).body(), status_code=413)
+        return None
 
 
-@fastapi_app.middleware("http")
-async def _api_keys(request: Request, call_next):
-    """/v1/* needs `Authorization: Bearer <key>` when keys are configured (user_config);
-    /moe/v1/status stays open, for in-cluster use (the operator, moectl)."""
-    keys = getattr(request.app.state, "api_keys_sha256", None)
-    path, root = request.scope["path"], request.scope.get("root_path", "").rstrip("/")
-    if root and path.startswith(root):
-        path = path[len(root):]
-    if keys and path.startswith("/v1/") and not authorized(request.headers.get("authorization"), keys):
-        err = RequestError(401, "missing or wrong API key: send Authorization: Bearer <key>",
-                           err_type="invalid_request_error")
-        body = err.body()
-        body["error"]["code"] = "invalid_api_key"
-        metrics = getattr(request.app.state, "metrics", None)
-        if metrics is not None:
-            metrics.reject(401)
-        return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-    return await call_next(request)
+fastapi_app.add_middleware(_Gate)
 
 
 def _too_large(limit: int) -> RequestError:
