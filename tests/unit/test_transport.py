@@ -218,6 +218,26 @@ def test_a_stalled_replica_is_hedged_to_another_and_comes_back_when_it_answers(s
     assert slow.requests > served
 
 
+def test_a_slow_replica_with_nobody_to_hedge_to_keeps_its_work(servers):
+    """The group's other replica is dead: a reply slower than the hedge delay is waited for, and
+    the slow replica is not set aside (it is the only one left)."""
+    def slow(layer, x, experts, counts, prefetch, out):
+        time.sleep(0.5)
+        _scale_by_expert(layer, x, experts, counts, prefetch, out)
+
+    dead, alive = servers(), servers(slow)
+    ch = _channel([Member("g0", "r0", dead.endpoint), Member("g0", "r1", alive.endpoint)], timeout_s=5.0,
+                  hedge_after_s=0.1, hedge_factor=1.0)
+    dead.close()
+    x = torch.randn(1, 8)
+    t0 = time.monotonic()
+    for _ in range(3):
+        assert torch.equal(ch.exchange(0, {"g0": Part([0], [1], x)})["g0"], _expected(0, x, [0], [1]))
+    assert time.monotonic() - t0 < 4.0  # three 0.5 s replies, not a wait for r1 to come back from the side
+    assert ch.stats["hedged"] == 0 and ch.stats["unavailable"] == 0
+    assert not next(m for m in ch.members()["g0"] if m["replica"] == "r1")["down"]
+
+
 def test_hedging_off_waits_for_the_slow_replica(servers):
     release = threading.Event()
 

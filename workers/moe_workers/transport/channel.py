@@ -310,10 +310,8 @@ class ExpertChannel:
         """No reply from `peer` within the hedge delay: send the part to another live replica of
         the group too and wait for whichever answers first; the other one's reply is read and
         dropped in the background. Returns the connection to receive from."""
-        with self._lock:
-            peer.down_until = max(peer.down_until, deadline)  # no new work until its late reply arrives
         got = self._checkout(layer, group, part, exclude | {peer.member.replica})
-        if got is None:
+        if got is None:  # nobody else to ask: wait for this one
             return peer, conn, seq
         peer2, conn2 = got
         seq2 = next(self._seq)
@@ -323,6 +321,8 @@ class ExpertChannel:
             self._checkin(peer2, conn2, ok=False)
             return peer, conn, seq
         self.stats["hedged"] += 1
+        with self._lock:
+            peer.down_until = max(peer.down_until, deadline)  # no new work until its late reply arrives
         poller = select.poll()
         poller.register(conn.sock, select.POLLIN)
         poller.register(conn2.sock, select.POLLIN)
