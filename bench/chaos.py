@@ -265,14 +265,9 @@ def _versions(app: StandaloneApp, eid: str) -> list[str]:
 def swap_corrupt(app: StandaloneApp, work: Path, eid: str = "1.0"):
     """A hot-swap of `eid` to a file cut in the middle of its tensors: refused on every replica,
     the old version serving throughout; then the rollback that clears the override."""
-    import torch
-    from safetensors.torch import save_file
+    from chaos_k8s import write_expert_file
 
-    cfg = json.loads((work / "models" / "mixtral-tiny" / "config.json").read_text())
-    h, f = cfg["hidden_size"], cfg["intermediate_size"]
-    bad = work / "weights" / f"expert-{eid}-corrupt.safetensors"
-    bad.parent.mkdir(exist_ok=True)
-    save_file({"w1.weight": torch.randn(f, h), "w2.weight": torch.randn(h, f), "w3.weight": torch.randn(f, h)}, str(bad))
+    bad = write_expert_file(work / "models" / "mixtral-tiny", work / "weights" / f"expert-{eid}-corrupt.safetensors")
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
     before = _versions(app, eid)
     swap = _moectl(app, "hot-swap", app.name, "--local", "--expert", eid, "--weights", str(bad), "--wait",

@@ -33,6 +33,20 @@ _spec.loader.exec_module(bench_operator)  # type: ignore[union-attr]
 EXPERT = "1.0"
 
 
+def write_expert_file(model: Path, path: Path, seed: int = 2) -> Path:
+    """A safetensors file with new weights for one expert of the (Mixtral-family) checkpoint at `model`."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model / "config.json").read_text())
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    g = torch.Generator().manual_seed(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"w1.weight": torch.randn(f, h, generator=g) * 0.02, "w2.weight": torch.randn(h, f, generator=g) * 0.02,
+               "w3.weight": torch.randn(f, h, generator=g) * 0.02}, str(path))
+    return path
+
+
 class KubernetesApp:
     """The quickstart manifest applied to the apiserver, the operator reconciling it onto a local Ray."""
 
@@ -44,7 +58,9 @@ class KubernetesApp:
 
         self.work, self.moectl = work, moectl
         self.state = work / "k8s"
-        self.cp = bench_operator.start_control_plane(self.state)
+        cache = Path(os.environ.get("MOE_CACHE_DIR", Path.home() / ".cache" / "moe-operator")) / "bin"
+        have = all((cache / b).exists() for b in ("etcd", "kube-apiserver", "kubectl"))
+        self.cp = bench_operator.start_control_plane(self.state, install=not have)
         self.kubectl("apply", "-f", str(REPO / "crds"))
         self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/moedeployments.serving.moe.io")
         self.head = LocalRayHead(work_dir=work / "ray-k8s", num_cpus=num_cpus).start()
@@ -117,23 +133,11 @@ class KubernetesApp:
 
     # -- the faults ---------------------------------------------------------------------------
 
-    def weights_file(self) -> Path:
-        import torch
-        from safetensors.torch import save_file
-
-        cfg = json.loads((self.work / "models" / "mixtral-tiny" / "config.json").read_text())
-        h, f = cfg["hidden_size"], cfg["intermediate_size"]
-        path = self.work / "weights" / f"expert-{EXPERT}-v2.safetensors"
-        path.parent.mkdir(exist_ok=True)
-        g = torch.Generator().manual_seed(2)
-        save_file({"w1.weight": torch.randn(f, h, generator=g) * 0.02, "w2.weight": torch.randn(h, f, generator=g) * 0.02,
-                   "w3.weight": torch.randn(f, h, generator=g) * 0.02}, str(path))
-        return path
-
     def kill_operator_mid_reconcile(self):
         """`moectl hot-swap` through the spec; SIGKILL of the operator once Ray has the new
         config (its PUT done, the status not yet written); the operator started again."""
-        weights = self.weights_file()
+        weights = write_expert_file(self.work / "models" / "mixtral-tiny",
+                                    self.work / "weights" / f"expert-{EXPERT}-v2.safetensors")
         generation = self.obj()["metadata"]["generation"]
         subprocess.run([self.moectl, "hot-swap", self.name, "--expert", EXPERT, "--weights", str(weights)],
                        env=self.moectl_env(), check=True, capture_output=True)
@@ -142,15 +146,16 @@ class KubernetesApp:
             if time.monotonic() - t0 > 60:
                 raise SystemExit(f"the operator never PUT the swap:\n{self.op_log.read_text()[-3000:]}")
             time.sleep(0.05)
-        obj = self.obj()
-        before_status = (obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"]
+        obj = self.obj()  # where the reconcile stood when it was killed
+        at_kill = (f"observedGeneration {(obj.get('status') or {}).get('observedGeneration')} of "
+                   f"{obj['metadata']['generation']}, swap {self.swap_outcome(obj) or 'not recorded'}")
         os.killpg(self.operator.pid, signal.SIGKILL)
         self.operator.wait(timeout=60)
         self.operator = bench_operator.start_operator(self.cp, "default", self.op_env, self.op_log.with_suffix(".2.log"))
         self.expect = lambda o: o["metadata"]["generation"] > generation and self.swap_outcome(o) == "Serving"
         return [], 0.0, {"operation": f"killed {time.monotonic() - t0:.2f} s after the swap's spec write, its Serve "
-                                      f"config PUT seen" + ("" if not before_status else " (status already written)"),
-                         "killed_before_status_write": not before_status}
+                                      f"config PUT seen; the object then: {at_kill}",
+                         "killed_mid_reconcile": self.swap_outcome(obj) != "Serving"}
 
     def stop_apiserver(self, down_s: float):
         """SIGTERM of kube-apiserver, `down_s` of outage, the same command line started again;

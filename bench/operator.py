@@ -38,8 +38,11 @@ REPO = Path(__file__).resolve().parents[1]
 KOPF = str(Path(sys.executable).with_name("kopf"))
 
 
-def start_control_plane(state: Path) -> dict:
-    subprocess.run([str(REPO / "scripts" / "testenv"), "install"], check=True)
+def start_control_plane(state: Path, install: bool = True) -> dict:
+    """`scripts/testenv start STATE` (after `install` unless told not to: it also builds the node's
+    images, which a bench without a node does not need once the binaries are there)."""
+    if install:
+        subprocess.run([str(REPO / "scripts" / "testenv"), "install"], check=True)
     out = subprocess.run([str(REPO / "scripts" / "testenv"), "start", str(state)], check=True,
                          capture_output=True, text=True).stdout
     env = dict(line.removeprefix("export ").split("=", 1) for line in out.splitlines()
