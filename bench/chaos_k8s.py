@@ -2,14 +2,15 @@
 (kopf, a local process) on the real kube-apiserver + etcd (scripts/testenv), its Serve app on a
 local Ray head, and two control-plane faults under load:
 
-- the operator SIGKILLed mid-reconcile: a hot-swap is asked for through the spec (`moectl
-  hot-swap`), the operator is killed right after its Serve config PUT (seen on Ray's REST API,
-  before the status write), and started again; recovery is when the object is Ready again at the
-  new generation with the swap recorded `Serving`, one Serve application for it;
+- the operator SIGKILLed mid-reconcile: the shard groups are scaled to 2 replicas each through
+  the spec, the operator is killed as soon as Ray's REST API shows its new Serve config (the PUT
+  done, the new replicas starting, the reconcile waiting for them), and started again; recovery
+  is when the object is Ready at the new generation with 2 ready replicas in every group, one
+  Serve application for it;
 - the apiserver stopped (SIGTERM) for --apiserver-down-s and started again with the same flags:
   the app must keep serving, the operator must not redeploy it (Ray's `last_deployed_time_s` of
   the app unchanged over the outage), and must reconcile a change made after the restart (the
-  swap rolled back); recovery is when that change is Ready.
+  groups back to 1 replica each); recovery is when that change is Ready.
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_operator", REPO / "bench" / "operator.py")
 bench_operator = importlib.util.module_from_spec(_spec)  # bench/operator.py: the control-plane helpers
 _spec.loader.exec_module(bench_operator)  # type: ignore[union-attr]
-
-EXPERT = "1.0"
-
 
 def write_expert_file(model: Path, path: Path, seed: int = 2) -> Path:
     """A safetensors file with new weights for one expert of the (Mixtral-family) checkpoint at `model`."""
@@ -93,9 +91,6 @@ class KubernetesApp:
 
         return RayServeClient(self.head.dashboard_url, self.head.token, timeout_s=10).get().get("applications", {})
 
-    def moectl_env(self) -> dict:
-        return {**os.environ, "KUBECONFIG": self.cp["KUBECONFIG"]}
-
     def wait_serving(self, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s
         while not self._ready(self.obj()):
@@ -122,10 +117,6 @@ class KubernetesApp:
             return False
         return self._ready(obj) and ours == [self.app_name] and self.expect(obj)
 
-    def swap_outcome(self, obj: dict) -> str | None:
-        return next((r.get("outcome") for r in (obj.get("status") or {}).get("lastSwaps") or []
-                     if r.get("expert") == EXPERT), None)
-
     def stop(self) -> None:
         bench_operator.stop(self.operator)
         self.head.stop()
@@ -133,33 +124,47 @@ class KubernetesApp:
 
     # -- the faults ---------------------------------------------------------------------------
 
-    def kill_operator_mid_reconcile(self):
-        """`moectl hot-swap` through the spec; SIGKILL of the operator once Ray has the new
-        config (its PUT done, the status not yet written); the operator started again."""
-        weights = write_expert_file(self.work / "models" / "mixtral-tiny",
-                                    self.work / "weights" / f"expert-{EXPERT}-v2.safetensors")
+    def _deployed(self) -> str:
+        """The Serve config Ray runs for this object, as text (changes with every PUT)."""
+        return json.dumps(self.ray_apps()[self.app_name].get("deployed_app_config"), sort_keys=True)
+
+    def _scale_to(self, replicas: int):
+        """spec.experts.replicasPerGroup through the apiserver; recovery then waits for every group
+        Ready with that many replicas at the new generation."""
         generation = self.obj()["metadata"]["generation"]
-        subprocess.run([self.moectl, "hot-swap", self.name, "--expert", EXPERT, "--weights", str(weights)],
-                       env=self.moectl_env(), check=True, capture_output=True)
+        self.kubectl("patch", "moed", self.name, "--type=merge", "-p",
+                     json.dumps({"spec": {"experts": {"replicasPerGroup": replicas}}}))
+        self.expect = lambda o: o["metadata"]["generation"] > generation and all(
+            g.get("replicas") == replicas and g.get("readyReplicas") == replicas
+            for g in (o.get("status") or {}).get("groups") or [{}])
+
+    def kill_operator_mid_reconcile(self):
+        """The shard groups scaled to 2 replicas each through the spec; SIGKILL of the operator
+        as soon as Ray has the new Serve config (its PUT done, the new replicas starting, the
+        reconcile waiting for them); the operator started again."""
+        before = self._deployed()
+        self._scale_to(2)
         t0 = time.monotonic()
-        while str(weights) not in json.dumps(self.ray_apps()):
+        while self._deployed() == before:
             if time.monotonic() - t0 > 60:
-                raise SystemExit(f"the operator never PUT the swap:\n{self.op_log.read_text()[-3000:]}")
+                raise SystemExit(f"the operator never PUT the change:\n{self.op_log.read_text()[-3000:]}")
             time.sleep(0.05)
         obj = self.obj()  # where the reconcile stood when it was killed
-        at_kill = (f"observedGeneration {(obj.get('status') or {}).get('observedGeneration')} of "
-                   f"{obj['metadata']['generation']}, swap {self.swap_outcome(obj) or 'not recorded'}")
+        st = obj.get("status") or {}
+        ready = next((c for c in st.get("conditions", []) if c["type"] == "Ready"), {})
+        at_kill = (f"observedGeneration {st.get('observedGeneration')} of {obj['metadata']['generation']}, Ready "
+                   f"{ready.get('status')} {ready.get('reason')}, ready replicas "
+                   f"{[g.get('readyReplicas') for g in st.get('groups') or []]}")
         os.killpg(self.operator.pid, signal.SIGKILL)
         self.operator.wait(timeout=60)
         self.operator = bench_operator.start_operator(self.cp, "default", self.op_env, self.op_log.with_suffix(".2.log"))
-        self.expect = lambda o: o["metadata"]["generation"] > generation and self.swap_outcome(o) == "Serving"
-        return [], 0.0, {"operation": f"killed {time.monotonic() - t0:.2f} s after the swap's spec write, its Serve "
-                                      f"config PUT seen; the object then: {at_kill}",
-                         "killed_mid_reconcile": self.swap_outcome(obj) != "Serving"}
+        return [], 0.0, {"operation": f"replicasPerGroup 1 -> 2; killed {time.monotonic() - t0:.2f} s after the "
+                                      f"spec write, its Serve config PUT seen; the object then: {at_kill}",
+                         "killed_mid_reconcile": not self.expect(obj)}
 
     def stop_apiserver(self, down_s: float):
         """SIGTERM of kube-apiserver, `down_s` of outage, the same command line started again;
-        then a change (the swap rolled back) that the operator must reconcile."""
+        then a change (the groups back to one replica each) that the operator must reconcile."""
         pids_file = self.state / "pids"
         pids = pids_file.read_text().split()
         api_pid = int(pids[1])  # scripts/testenv start: etcd, then kube-apiserver
@@ -186,12 +191,9 @@ class KubernetesApp:
         answering = time.monotonic() - t_up
         time.sleep(5.0)  # the operator's watch reconnects: it must not redeploy an unchanged app
         redeployed = self.ray_apps()[self.app_name].get("last_deployed_time_s") != deployed
-        generation = self.obj()["metadata"]["generation"]
-        subprocess.run([self.moectl, "hot-swap", self.name, "--expert", EXPERT, "--rollback"],
-                       env=self.moectl_env(), check=True, capture_output=True)
-        self.expect = lambda o: o["metadata"]["generation"] > generation and self.swap_outcome(o) == "RolledBack"
+        self._scale_to(1)
         return [], 0.0, {"change_after_s": round(time.monotonic() - t_down, 2),
                          "operation": f"apiserver down {outage:.1f} s, answering {answering:.1f} s "
                                       f"after its restart; the app {'was' if redeployed else 'was not'} redeployed "
-                                      f"meanwhile; then the swap rolled back through the spec",
+                                      f"meanwhile; then replicasPerGroup 2 -> 1 through the spec",
                          "outage_s": round(outage, 1), "redeployed_during_outage": redeployed}
