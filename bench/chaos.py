@@ -321,19 +321,13 @@ def faults(work: Path, a) -> list[dict]:
                 threading.Timer(a.stall_s, os.kill, (pid, signal.SIGCONT)).start()
                 return [], time.monotonic() + a.stall_s  # the same process comes back
 
-            def corrupt_swap():
-                return swap_corrupt(app, work)
-
-            def rebalance():
-                return ask_rebalance(app)
-
             suffix = "1-replica" if per_group == 1 else f"{per_group}-replicas"
             runs.append(fault_run(app, f"shard-kill-{suffix}", lambda: kill(first_shard_pid()), a, vocab))
             runs.append(fault_run(app, f"ingress-kill-{suffix}", lambda: kill(app.ingress_pids()[0]), a, vocab))
             if per_group > 1:
                 runs.append(fault_run(app, f"shard-stall-{suffix}", stall_shard, a, vocab))
-            runs.append(fault_run(app, f"hotswap-corrupt-{suffix}", corrupt_swap, a, vocab))
-            runs.append(fault_run(app, f"rebalance-{suffix}", rebalance, a, vocab))
+            runs.append(fault_run(app, f"hotswap-corrupt-{suffix}", lambda: swap_corrupt(app, work), a, vocab))
+            runs.append(fault_run(app, f"rebalance-{suffix}", lambda: ask_rebalance(app), a, vocab))
         finally:
             app.stop()
     return runs
@@ -354,6 +348,13 @@ def kubernetes_faults(work: Path, a) -> list[dict]:
                           a, vocab)]
     finally:
         app.stop()
+
+
+def fault_line(f: dict) -> str:
+    """One fault run's figures on a line (with what the operation reported, if any)."""
+    return (f"{f['fault']}: failed {f['failed']}, refused {f['refused']}, recovery-s {f['recovery_s']}, "
+            f"p99 {f['steady_p99_s']} -> {f['fault_p99_s']} s, longest {f['longest_request_s']} s"
+            + (f"; {f['operation']}" if f.get("operation") else ""))
 
 
 def main() -> int:
@@ -398,9 +399,7 @@ def main() -> int:
         kills = [f for f in fs if "kill" in f["fault"]]
         operations = [f for f in fs if f["fault"].startswith(("hotswap", "rebalance"))]
         for f in fs:
-            print(f"{f['fault']}: failed {f['failed']}, refused {f['refused']}, recovery-s {f['recovery_s']}, "
-                  f"p99 {f['steady_p99_s']} -> {f['fault_p99_s']} s, longest {f['longest_request_s']} s"
-                  + (f"; {f['operation']}" if f.get("operation") else ""))
+            print(fault_line(f))
         print(f"failed-requests-with-redundancy: {sum(f['failed'] for f in redundant)}")
         print(f"refused-requests-with-redundancy: {sum(f['refused'] for f in redundant)}")
         print(f"worst-recovery-s: {max((f['recovery_s'] or float('inf')) for f in kills)}")
@@ -413,9 +412,7 @@ def main() -> int:
     if "kubernetes" in result and a.kubernetes:
         ks = result["kubernetes"]
         for f in ks:
-            print(f"{f['fault']}: failed {f['failed']}, refused {f['refused']}, recovery-s {f['recovery_s']}, "
-                  f"p99 {f['steady_p99_s']} -> {f['fault_p99_s']} s, longest {f['longest_request_s']} s; "
-                  f"{f['operation']}")
+            print(fault_line(f))
         print(f"control-plane-failed-requests: {sum(f['failed'] for f in ks)}")
         print(f"control-plane-worst-recovery-s: {max((f['recovery_s'] or float('inf')) for f in ks)}")
         print(f"redeployed-during-apiserver-outage: {any(f.get('redeployed_during_outage') for f in ks)}")
