@@ -85,6 +85,7 @@ def parse_args():
     p.add_argument("--settle-s", type=float, default=5.0, help="seconds of load after recovery")
     p.add_argument("--stall-s", type=float, default=20.0, help="seconds a stalled replica stays stopped")
     p.add_argument("--recovery-timeout-s", type=float, default=180.0)
+    p.add_argument("--faults", help="comma-separated fault names to run (e.g. shard-kill-1-replica); default all")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "chaos.json"))
     return p.parse_args()
 
@@ -293,7 +294,16 @@ def ask_rebalance(app: StandaloneApp):
 def faults(work: Path, a) -> list[dict]:
     """Each fault on an app with one replica of everything, and on one with two."""
     runs = []
+    wanted = set(a.faults.split(",")) if a.faults else None
+
+    def run(label: str, inject) -> None:
+        if wanted is None or label in wanted:
+            runs.append(fault_run(app, label, inject, a, vocab))
+
     for ingress_replicas, per_group in ((1, 1), (2, 2)):
+        suffix = "1-replica" if per_group == 1 else f"{per_group}-replicas"
+        if wanted is not None and not any(w.endswith(suffix) for w in wanted):
+            continue
         app = StandaloneApp(work, a.fault_num_cpus, ingress_replicas, per_group)
         try:
             app.wait_serving()
@@ -321,13 +331,12 @@ def faults(work: Path, a) -> list[dict]:
                 threading.Timer(a.stall_s, os.kill, (pid, signal.SIGCONT)).start()
                 return [], time.monotonic() + a.stall_s  # the same process comes back
 
-            suffix = "1-replica" if per_group == 1 else f"{per_group}-replicas"
-            runs.append(fault_run(app, f"shard-kill-{suffix}", lambda: kill(first_shard_pid()), a, vocab))
-            runs.append(fault_run(app, f"ingress-kill-{suffix}", lambda: kill(app.ingress_pids()[0]), a, vocab))
+            run(f"shard-kill-{suffix}", lambda: kill(first_shard_pid()))
+            run(f"ingress-kill-{suffix}", lambda: kill(app.ingress_pids()[0]))
             if per_group > 1:
-                runs.append(fault_run(app, f"shard-stall-{suffix}", stall_shard, a, vocab))
-            runs.append(fault_run(app, f"hotswap-corrupt-{suffix}", lambda: swap_corrupt(app, work), a, vocab))
-            runs.append(fault_run(app, f"rebalance-{suffix}", lambda: ask_rebalance(app), a, vocab))
+                run(f"shard-stall-{suffix}", stall_shard)
+            run(f"hotswap-corrupt-{suffix}", lambda: swap_corrupt(app, work))
+            run(f"rebalance-{suffix}", lambda: ask_rebalance(app))
         finally:
             app.stop()
     return runs
@@ -378,8 +387,12 @@ def main() -> int:
     if a.only in (None, "faults"):
         result["faults"] = faults(work, a)
     out = Path(a.out)
-    if out.exists():  # one part run alone keeps the other part's last figures
-        result = {**json.loads(out.read_text()), **result}
+    if out.exists():  # one part run alone keeps the other part's last figures, some faults the others'
+        last = json.loads(out.read_text())
+        if a.faults and "faults" in result:
+            ran = {f["fault"] for f in result["faults"]}
+            result["faults"] = [f for f in last.get("faults", []) if f["fault"] not in ran] + result["faults"]
+        result = {**last, **result}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     if "overload" in result and a.only in (None, "overload"):
@@ -402,7 +415,8 @@ def main() -> int:
             print(fault_line(f))
         print(f"failed-requests-with-redundancy: {sum(f['failed'] for f in redundant)}")
         print(f"refused-requests-with-redundancy: {sum(f['refused'] for f in redundant)}")
-        print(f"worst-recovery-s: {max((f['recovery_s'] or float('inf')) for f in kills)}")
+        if kills:
+            print(f"worst-recovery-s: {max((f['recovery_s'] or float('inf')) for f in kills)}")
         print(f"longest-request-s: {max(f['longest_request_s'] for f in fs)}")
         stalls = [f for f in fs if "stall" in f["fault"]]
         if stalls:

@@ -94,3 +94,19 @@ def test_observed_groups_count_running_replicas():
         {"name": "ExpertShard-0", "replicas": 2, "readyReplicas": 1, "experts": 2},
         {"name": "ExpertShard-1", "replicas": 2, "readyReplicas": 2, "experts": 1}]
     assert observed_groups({"applications": {}}, "ns.m", placement, 3)[0]["readyReplicas"] == 3
+
+
+def test_serve_checks_every_replica_often_enough_to_replace_a_killed_one_soon():
+    """Serve notices a SIGKILLed replica only at its next health check (every 10 s by default):
+    the app asks for one a second on the Ingress and on every shard group."""
+    from moe_workers.serve.app import build_app
+    from moe_workers.serve.config import HEALTH_CHECK_PERIOD_S, AppArgs
+
+    spec = parse_spec(VALID["spec"])
+    args = render_application("team-a", "mixtral", spec, initial_placement(2, 4, 2))["args"]
+    ingress = build_app(AppArgs.model_validate(args))._bound_deployment
+    shards = ingress.init_args[1]
+    assert HEALTH_CHECK_PERIOD_S <= 2.0
+    assert ingress._deployment_config.health_check_period_s == HEALTH_CHECK_PERIOD_S
+    assert sorted(shards) == ["ExpertShard-0", "ExpertShard-1"]
+    assert all(s._bound_deployment._deployment_config.health_check_period_s == HEALTH_CHECK_PERIOD_S for s in shards.values())

@@ -10,7 +10,7 @@ the StatusBoard.
 from ray import serve
 
 from moe_workers.serve.board import StatusBoard
-from moe_workers.serve.config import INGRESS, AppArgs, admission
+from moe_workers.serve.config import HEALTH_CHECK_PERIOD_S, INGRESS, AppArgs, admission
 from moe_workers.serve.ingress import Ingress
 from moe_workers.serve.shard import ExpertShard
 
@@ -24,12 +24,13 @@ def build_app(args: AppArgs) -> serve.Application:
     board = StatusBoard.bind()
     shards = {}
     for name in args.group_names():
-        options = {"name": name, "ray_actor_options": {"num_cpus": args.shard_num_cpus, "num_gpus": args.shard_num_gpus}}
+        options = {"name": name, "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+                   "ray_actor_options": {"num_cpus": args.shard_num_cpus, "num_gpus": args.shard_num_gpus}}
         if args.placement is not None:
             options["user_config"] = {"experts": list(placement.get(name, []))}
         shards[name] = ExpertShard.options(**options).bind(args.model_path, args.dtype, args.torch_threads,
                                                            args.allowed_weight_roots, board, args.family)
-    options = {"name": INGRESS, "num_replicas": args.ingress_replicas,
+    options = {"name": INGRESS, "num_replicas": args.ingress_replicas, "health_check_period_s": HEALTH_CHECK_PERIOD_S,
                "ray_actor_options": {"num_cpus": args.ingress_num_cpus, "num_gpus": args.ingress_num_gpus},
                **admission(args)}
     if args.placement is not None:

@@ -78,6 +78,12 @@ ADMISSION_HEADROOM = 8
 MIN_PROXY_QUEUE = 8
 
 
+# How often Serve's controller asks each replica whether it lives (Serve's default: 10 s). A
+# SIGKILLed replica is only noticed at its next check, so this bounds how long a group runs one
+# replica short before Serve starts the replacement; a check is one small actor call.
+HEALTH_CHECK_PERIOD_S = 1.0
+
+
 def admission(args: AppArgs) -> dict:
     """The Ingress' admission gate (Serve deployment options): a replica holds its batch, its
     wait queue (max_queued_requests) and the headroom; a batch's worth more (at least
