@@ -11,7 +11,7 @@ Overload:
    level for --phase-s; the knee is the lowest concurrency whose goodput (answered requests per
    second) is within 5% of the best level's.
 2. Overload at --overload x the knee, and at --shed-clients (default 160, more than the app
-   admits: batch 32 + wait queue 64 + 8 in each replica, 32 in the proxy), each twice: clients
+   admits: batch 32 + wait queue 64), each twice: clients
    that honour the `Retry-After` of a 503, and clients that resend at once (`--hammer`).
    `overload-goodput-ratio` = the worst of these goodputs / the knee's; refused requests (503)
    are counted apart from failures (other errors, which must be 0).
@@ -33,8 +33,8 @@ process title Ray gives an actor (`ray::ServeReplica:<ns>.<app>:Ingress` idle,
 `ray::<app>:Ingress.<method>` in a call).
 
 The app is the quickstart's (examples/standalone/quickstart.yaml: a random tiny Mixtral, 2 shard
-groups, maxBatchSize 32, maxQueuedRequests 64), so past batch + headroom + queue the Serve proxy
-refuses with 503 before a replica sees the request.
+groups, maxBatchSize 32, maxQueuedRequests 64), so past batch + queue the admission gate in the
+Serve proxy (moe_workers/serve/proxy_gate.py) refuses with 503 before a replica sees the request.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_workers.serve.proxy_gate import CALLBACK, CALLBACK_ENV
+
 # Ray reserves 10002-19999 for workers by default; our servers stay outside that range and the
 # workers get a narrowed range of their own.
 _WORKER_PORTS = (20000, 29999)
@@ -125,9 +127,11 @@ class LocalRayHead:
             cmd += ["--num-cpus", str(self.num_cpus)]
         if parent_pid is not None:
             cmd = [sys.executable, "-m", "moe_operator.standalone.watchdog", str(parent_pid), "--", *cmd]
+        # Serve's proxy admits requests through moe_workers.serve.proxy_gate (CALLBACK_ENV; a user's
+        # own value wins).
         # Serve names a replica it cannot place after RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s by
         # default); on a one-node local head nothing will come to place it later, so say it sooner
-        env = {"RAY_SERVE_SLOW_STARTUP_WARNING_S": "5", **os.environ, **self.client_env(), "RAY_USAGE_STATS_ENABLED": "0"}
+        env = {"RAY_SERVE_SLOW_STARTUP_WARNING_S": "5", CALLBACK_ENV: CALLBACK, **os.environ, **self.client_env(), "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS")
         log = open(self.work_dir / "ray-head.log", "wb")
         self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -95,6 +95,13 @@ def admission(args: AppArgs) -> dict:
             "backpressure_config": {"status_code": 503, "retry_after_s": 1}}
 
 
+def admission_capacity(args: AppArgs) -> int:
+    """Generation requests the app's Ingress replicas hold together (batch + wait queue each): the
+    proxy's admission gate (moe_workers.serve.proxy_gate) refuses past it, so Serve's router never
+    queues requests for full replicas; the headroom stays free for health and status calls."""
+    return (args.max_batch_size + args.max_queued_requests) * args.ingress_replicas
+
+
 def engine_queue_limit(args: AppArgs) -> int:
     """Requests the Ingress' engine lets wait: all the admission gate lets in beyond the batch."""
     return args.max_queued_requests + ADMISSION_HEADROOM

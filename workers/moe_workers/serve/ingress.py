@@ -27,13 +27,14 @@ from moe_workers.device import replica_device
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel, KVCache
 from moe_workers.model.layers import combine, group_by_expert
-from moe_workers.serve.config import AppArgs, engine_queue_limit
+from moe_workers.serve.config import AppArgs, admission_capacity, engine_queue_limit
 from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
 from moe_workers.serve.auth import authorized
 from moe_workers.serve.chat import ChatTemplate
 from moe_workers.serve.protocol import RequestError, decode_body, parse_chat, parse_completion
+from moe_workers.serve.proxy_gate import admission_header
 from moe_workers.serve.textstream import TextStream
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
@@ -62,6 +63,17 @@ class _Gate:
             refusal = self._refusal(scope)
             if refusal is not None:
                 await refusal(scope, receive, send)
+                return
+            capacity = getattr(scope["app"].state, "admission_capacity", None)
+            if capacity:
+                # tell the proxy's admission gate (moe_workers.serve.proxy_gate) what this app holds
+                header = admission_header(capacity, scope.get("root_path", ""))
+
+                async def send_admission(message):
+                    if message["type"] == "http.response.start":
+                        message = {**message, "headers": [*message.get("headers", []), header]}
+                    await send(message)
+                await self.app(scope, receive, send_admission)
                 return
         await self.app(scope, receive, send)
 
@@ -176,6 +188,8 @@ class Ingress:
         self.chat_template = ChatTemplate.from_checkpoint(self.args.model_path)
         fastapi_app.state.max_request_bytes = self.args.max_request_bytes
         fastapi_app.state.metrics = self.metrics
+        # generation requests all Ingress replicas hold (running + waiting): past it the proxy refuses
+        fastapi_app.state.admission_capacity = admission_capacity(self.args)
 
     def reconfigure(self, config: dict) -> None:
         """user_config {"placement": {group: [L.E, ...]}} re-points routing without a restart."""

@@ -1,0 +1,139 @@
+"""The admission gate in Serve's proxy (no Ray: ASGI apps driven directly on one event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from moe_workers.serve.config import AppArgs, admission_capacity
+from moe_workers.serve.proxy_gate import (AdmissionGate, admission_header, middlewares, parse_admission,
+                                          under)
+
+
+class Replica:
+    """An ASGI app standing for the Ingress behind the proxy: each POST waits until released,
+    then answers 200 with the admission header of an app at `prefix` holding `capacity`."""
+
+    def __init__(self, capacity: int, prefix: str = "/"):
+        self.capacity, self.prefix = capacity, prefix
+        self.seen = 0
+        self.release = asyncio.Event()
+
+    async def __call__(self, scope, receive, send):
+        self.seen += 1
+        if scope.get("method") == "POST":
+            await self.release.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), admission_header(self.capacity, self.prefix)]})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def _request(app, path: str = "/v1/completions", method: str = "POST") -> list[dict]:
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+    await app({"type": "http", "method": method, "path": path}, receive, send)
+    return sent
+
+
+def _status(sent: list[dict]) -> int:
+    return sent[0]["status"]
+
+
+def test_the_header_round_trips_and_bad_ones_are_ignored():
+    assert parse_admission(admission_header(96, "")[1]) == (96, "/")
+    assert parse_admission(admission_header(8, "/m/")[1]) == (8, "/m")
+    for bad in (b"", b"96", b"x /", b"0 /", b"-3 /", b"12 m", b"\xff /"):
+        assert parse_admission(bad) is None, bad
+    assert under("/v1/completions", "/") and under("/m/v1/x", "/m") and under("/m", "/m")
+    assert not under("/mm/v1", "/m") and not under("/v1", "/m")
+
+
+def test_capacity_is_every_ingress_replicas_batch_and_queue():
+    args = AppArgs(model_path="/m", num_groups=2, max_batch_size=32, max_queued_requests=64, ingress_replicas=2)
+    assert admission_capacity(args) == 192
+
+
+def test_past_the_learnt_capacity_a_request_is_refused_without_reaching_the_replica():
+    async def run():
+        replica = Replica(capacity=3)
+        gate = AdmissionGate(replica)
+        # nothing learnt yet: the first request passes and teaches the gate; the header is removed
+        replica.release.set()
+        first = await _request(gate)
+        assert _status(first) == 200 and all(n != b"x-moe-admission" for n, _ in first[0]["headers"])
+        assert gate.apps["/"].capacity == 3 and gate.apps["/"].in_flight == 0
+        replica.release.clear()
+        held = [asyncio.create_task(_request(gate)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert gate.apps["/"].in_flight == 3 and replica.seen == 4
+        t0 = asyncio.get_running_loop().time()
+        refused = await _request(gate)
+        # held for its Retry-After before it is sent (a resend-at-once client is paced)
+        assert asyncio.get_running_loop().time() - t0 >= 1.0
+        assert _status(refused) == 503 and replica.seen == 4 and gate.refused == 1
+        headers = dict(refused[0]["headers"])
+        assert headers[b"retry-after"] == b"1"
+        error = json.loads(refused[1]["body"])["error"]
+        assert error["code"] == 503 and error["type"] == "overloaded" and "3 requests" in error["message"]
+        # GETs (health, models, status) are never gated
+        replica.release.set()
+        assert _status(await _request(gate, "/v1/models", "GET")) == 200
+        assert [_status(s) for s in await asyncio.gather(*held)] == [200, 200, 200]
+        assert gate.apps["/"].in_flight == 0
+        assert _status(await _request(gate)) == 200  # room again
+    asyncio.run(run())
+
+
+def test_each_app_is_gated_by_its_own_route_and_cannot_speak_for_another():
+    async def run():
+        inner = {"/a": Replica(capacity=1, prefix="/a"), "/b": Replica(capacity=5, prefix="/b")}
+
+        async def proxy(scope, receive, send):
+            await inner["/" + scope["path"].split("/")[1]](scope, receive, send)
+        gate = AdmissionGate(proxy)
+        for r in inner.values():
+            r.release.set()
+        await _request(gate, "/a/v1/completions")
+        await _request(gate, "/b/v1/completions")
+        assert {p: a.capacity for p, a in gate.apps.items()} == {"/a": 1, "/b": 5}
+        inner["/a"].release.clear()
+        busy = asyncio.create_task(_request(gate, "/a/v1/completions"))
+        await asyncio.sleep(0.01)
+        assert _status(await _request(gate, "/a/v1/completions")) == 503
+        assert _status(await _request(gate, "/b/v1/completions")) == 200  # another app's room
+        inner["/a"].release.set()
+        await busy
+        # an app that claims a route its request was not under is not believed
+        liar = Replica(capacity=1, prefix="/b")
+        liar.release.set()
+        gate2 = AdmissionGate(liar)
+        await _request(gate2, "/a/v1/completions")
+        assert gate2.apps == {}
+    asyncio.run(run())
+
+
+def test_a_failing_app_does_not_leak_its_place():
+    async def run():
+        async def broken(scope, receive, send):
+            raise RuntimeError("replica died")
+        gate = AdmissionGate(broken)
+        gate._learn("/v1/completions", admission_header(2, "/")[1])
+        for _ in range(3):
+            try:
+                await _request(gate)
+            except RuntimeError:
+                pass
+        assert gate.apps["/"].in_flight == 0 and gate.refused == 0
+    asyncio.run(run())
+
+
+def test_serve_gets_starlette_middlewares_from_the_callback():
+    from starlette.middleware import Middleware
+
+    got = middlewares()
+    assert len(got) == 1 and isinstance(got[0], Middleware) and got[0].cls is AdmissionGate
