@@ -117,6 +117,32 @@ def test_each_app_is_gated_by_its_own_route_and_cannot_speak_for_another():
     asyncio.run(run())
 
 
+def test_a_place_is_free_once_the_client_has_its_whole_answer():
+    """Serve's handler returns after the last byte is sent (the replica's generator ending); a
+    client that sends its next request at once must find its place free by then."""
+    async def run():
+        after_last_byte = asyncio.Event()
+
+        async def replica(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": [admission_header(1, "/")]})
+            await send({"type": "http.response.body", "body": b"done", "more_body": False})
+            await after_last_byte.wait()  # Serve still winding down the request
+        gate = AdmissionGate(replica)
+        after_last_byte.set()
+        await _request(gate)  # learns: capacity 1
+        after_last_byte.clear()
+        first = asyncio.create_task(_request(gate))
+        await asyncio.sleep(0.01)
+        assert not first.done() and gate.apps["/"].in_flight == 0
+        second = asyncio.create_task(_request(gate))
+        await asyncio.sleep(0.01)
+        assert gate.refused == 0
+        after_last_byte.set()
+        assert [_status(s) for s in await asyncio.gather(first, second)] == [200, 200]
+        assert gate.apps["/"].in_flight == 0
+    asyncio.run(run())
+
+
 def test_a_failing_app_does_not_leak_its_place():
     async def run():
         async def broken(scope, receive, send):

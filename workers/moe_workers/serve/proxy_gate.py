@@ -92,7 +92,10 @@ class AdmissionGate:
             await _refuse(send, entry)
             return
 
+        counted = entry is not None
+
         async def learning_send(message):
+            nonlocal counted
             if message["type"] == "http.response.start" and message.get("headers"):
                 kept = []
                 for name, value in message["headers"]:
@@ -101,6 +104,12 @@ class AdmissionGate:
                     else:
                         kept.append((name, value))
                 message = {**message, "headers": kept}
+            elif counted and message["type"] == "http.response.body" and not message.get("more_body"):
+                # the client has its whole answer and may send the next request at once; Serve's
+                # handler returns a little later (the replica's generator ending), and the next
+                # request must not find this one still counted (the replica's headroom covers it)
+                counted = False
+                entry.in_flight -= 1
             await send(message)
 
         if entry is not None:
@@ -108,7 +117,7 @@ class AdmissionGate:
         try:
             await self.app(scope, receive, learning_send)
         finally:
-            if entry is not None:
+            if counted:
                 entry.in_flight -= 1
 
     def _learn(self, path: str, value: bytes) -> None:
