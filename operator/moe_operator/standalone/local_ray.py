@@ -127,11 +127,11 @@ class LocalRayHead:
             cmd += ["--num-cpus", str(self.num_cpus)]
         if parent_pid is not None:
             cmd = [sys.executable, "-m", "moe_operator.standalone.watchdog", str(parent_pid), "--", *cmd]
-        # Serve's proxy admits requests through moe_workers.serve.proxy_gate (CALLBACK_ENV; a user's
-        # own value wins).
         # Serve names a replica it cannot place after RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s by
-        # default); on a one-node local head nothing will come to place it later, so say it sooner
-        env = {"RAY_SERVE_SLOW_STARTUP_WARNING_S": "5", CALLBACK_ENV: CALLBACK, **os.environ, **self.client_env(), "RAY_USAGE_STATS_ENABLED": "0"}
+        # default); on a one-node local head nothing will come to place it later, so say it sooner.
+        # Serve's proxy admits requests through moe_workers.serve.proxy_gate (a user's value wins).
+        env = {"RAY_SERVE_SLOW_STARTUP_WARNING_S": "5", CALLBACK_ENV: CALLBACK, **os.environ, **self.client_env(),
+               "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS")
         log = open(self.work_dir / "ray-head.log", "wb")
         self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

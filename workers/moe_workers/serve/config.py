@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from moe_workers.serve.proxy_gate import RETRY_AFTER_S
+
 IMPORT_PATH = "moe_workers.serve.app:build_app"
 INGRESS = "Ingress"
 
@@ -92,7 +94,7 @@ def admission(args: AppArgs) -> dict:
     costs the proxy's HTTP handling and nothing of the replica running the model."""
     return {"max_ongoing_requests": args.max_batch_size + args.max_queued_requests + ADMISSION_HEADROOM,
             "max_queued_requests": max(MIN_PROXY_QUEUE, args.max_batch_size),
-            "backpressure_config": {"status_code": 503, "retry_after_s": 1}}
+            "backpressure_config": {"status_code": 503, "retry_after_s": RETRY_AFTER_S}}
 
 
 def admission_capacity(args: AppArgs) -> int:

@@ -34,7 +34,7 @@ from moe_workers.serve.metrics import IngressMetrics
 from moe_workers.serve.auth import authorized
 from moe_workers.serve.chat import ChatTemplate
 from moe_workers.serve.protocol import RequestError, decode_body, parse_chat, parse_completion
-from moe_workers.serve.proxy_gate import admission_header
+from moe_workers.serve.proxy_gate import RETRY_AFTER_S, admission_header
 from moe_workers.serve.textstream import TextStream
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
@@ -45,7 +45,7 @@ fastapi_app = FastAPI(title="moe-operator", docs_url=None, redoc_url=None)
 
 @fastapi_app.exception_handler(RequestError)
 async def _request_error(_: Request, err: RequestError):
-    headers = {"Retry-After": "1"} if err.status == 503 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 

@@ -13,11 +13,13 @@ they take (their batch + wait queue): the replica is never asked, Serve's router
 nothing is logged. The refusal is sent after its Retry-After: a refusal that cheap invites a
 client that resends at once to resend hundreds of times a second (measured: 300/s from 64 such
 clients, whose own CPU then took a core of the two), and holding it paces such a client like one
-that honours the header, for the price of an open connection and a timer. It learns each app's capacity from the `x-moe-admission` header of the
-app's own responses, any of them (set by the Ingress: capacity and route prefix; removed before
-the client sees it), and gates nothing it has not learnt, so Serve's own limits stay the authority. Each proxy
-counts its own traffic: with a proxy per node the replicas may still be offered more, and Serve's
-router refuses that as before.
+that honours the header, for the price of an open connection and a timer.
+
+It learns each app's capacity from the `x-moe-admission` header of the app's own responses, any
+of them (set by the Ingress: capacity and route prefix; removed before the client sees it), and
+gates nothing it has not learnt, so Serve's own limits stay the authority. Each proxy counts its
+own traffic: with a proxy per node the replicas may still be offered more, and Serve's router
+refuses that as before.
 
 Serve installs it in a proxy process started with
 `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=moe_workers.serve.proxy_gate:middlewares` (`moectl up`
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+
+from moe_workers.serve.protocol import RequestError
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "moe_workers.serve.proxy_gate:middlewares"
@@ -135,10 +139,9 @@ async def _refuse(send, entry: _App) -> None:
     # held for its Retry-After: a client that resends at once comes back no sooner than told to,
     # so a few dozen of them cannot fill the proxy's (and the machine's) time with refusals
     await asyncio.sleep(RETRY_AFTER_S)
-    body = json.dumps({"error": {
-        "message": f"server overloaded: the app's replicas hold {entry.capacity} requests and all are taken; "
-                   f"refused in the proxy; retry after {RETRY_AFTER_S} s",
-        "type": "overloaded", "param": None, "code": 503}}).encode()
+    body = json.dumps(RequestError(
+        503, f"server overloaded: the app's replicas hold {entry.capacity} requests and all are taken; "
+             f"refused in the proxy; retry after {RETRY_AFTER_S} s", err_type="overloaded").body()).encode()
     await send({"type": "http.response.start", "status": 503,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"retry-after", str(RETRY_AFTER_S).encode())]})
