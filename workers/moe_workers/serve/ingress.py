@@ -31,6 +31,7 @@ from moe_workers.serve.config import AppArgs, admission_capacity, engine_queue_l
 from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
+from moe_workers.serve.migration import RESUME_HEADER, Resume, parse_resume
 from moe_workers.serve.auth import authorized
 from moe_workers.serve.chat import ChatTemplate
 from moe_workers.serve.protocol import RequestError, decode_body, parse_chat, parse_completion
@@ -291,7 +292,8 @@ class Ingress:
         req = parse_completion(decode_body(await self._body(request)))
         self._check_model(req.model)
         ids = self._prompt_ids(req.prompt)
-        return await self._respond(req, ids, req.new_tokens, req.logprobs, chat=False)
+        return await self._respond(req, ids, req.new_tokens, req.logprobs, chat=False,
+                                   resume=self._resume(request, req, req.new_tokens))
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -306,25 +308,55 @@ class Ingress:
         text = self.chat_template.render(req.messages, add_generation_prompt=True)
         ids = self._prompt_ids(text, param="messages", special_tokens=False)
         new_tokens = req.new_tokens if req.new_tokens is not None else self.max_len - len(ids)
-        return await self._respond(req, ids, new_tokens, req.top_k_logprobs, chat=True)
+        return await self._respond(req, ids, new_tokens, req.top_k_logprobs, chat=True,
+                                   resume=self._resume(request, req, new_tokens))
 
     async def _body(self, request: Request) -> bytes:
         return await _read_body(request, self.args.max_request_bytes, self.args.request_body_timeout_s)
+
+    def _resume(self, request: Request, req, new_tokens: int) -> Resume | None:
+        """Where a stream migrated from a failed replica goes on (moe_workers.serve.migration)."""
+        value = request.headers.get(RESUME_HEADER.decode())
+        if value is None:
+            return None
+        if not req.stream or req.n != 1:
+            raise RequestError(400, f"{RESUME_HEADER.decode()}: only a streamed request with n 1 resumes",
+                               param=RESUME_HEADER.decode())
+        return parse_resume(value, self.dense.cfg.vocab_size, new_tokens)
+
+    def _resumed_finish(self, resume: Resume, ids: list[int], new_tokens: int, stops: list[str]) -> str | None:
+        """How a resumed choice ends without another token, if it does: its finish was sent, or
+        the tokens the client has already ended it (length, end of sequence, a stop sequence)."""
+        tokens = resume.token_ids
+        if resume.finished:
+            return "sent"
+        if len(tokens) >= new_tokens or len(ids) + len(tokens) >= self.max_len:
+            return "length"
+        if tokens and tokens[-1] == self.dense.cfg.eos_token_id:
+            return "stop"
+        stream = TextStream(self._decode, stops)
+        for tok in tokens:
+            stream.push(tok)
+        return "stop" if stream.stopped else None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.args.served_model_name:
             raise RequestError(404, f"model {model!r} is not served here (serving {self.args.served_model_name!r})",
                                param="model", err_type="model_not_found")
 
-    async def _respond(self, req, ids: list[int], new_tokens: int, logprobs: int | None, chat: bool):
-        """Submit the request's n choices and answer them (whole, or as server-sent events)."""
+    async def _respond(self, req, ids: list[int], new_tokens: int, logprobs: int | None, chat: bool,
+                       resume: Resume | None = None):
+        """Submit the request's n choices and answer them (whole, or as server-sent events); a
+        resumed stream goes on after the tokens its client has, under its first response's id."""
         param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         if new_tokens < 1 or len(ids) + new_tokens > self.max_len:
             raise RequestError(400, f"{param}: prompt ({len(ids)} tokens) + {param} ({new_tokens}) "
                                f"exceeds the context of {self.max_len} tokens", param=param)
-        gens = [GenerationRequest(prompt=ids, max_tokens=new_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  seed=None if req.seed is None else req.seed + i, logprobs=logprobs)
-                for i in range(req.n)]
+        prefix = resume.token_ids if resume is not None else []
+        finish = self._resumed_finish(resume, ids, new_tokens, req.stops) if resume is not None else None
+        gens = [GenerationRequest(prompt=ids + prefix, max_tokens=new_tokens - len(prefix), temperature=req.temperature,
+                                  top_p=req.top_p, seed=None if req.seed is None else req.seed + i, logprobs=logprobs)
+                for i in range(req.n if finish is None else 0)]
         try:
             for gen in gens:
                 self.engine.submit(gen)
@@ -336,8 +368,11 @@ class Ingress:
         kind = "chat.completion" if chat else "text_completion"
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": self.args.served_model_name}
+        if resume is not None:
+            head.update(id=resume.id, created=resume.created)
         if req.stream:
-            return StreamingResponse(self._stream(gens, req, head, kind, chat), media_type="text/event-stream")
+            events = self._events(gens, req, head, kind + ".chunk" if chat else kind, chat, len(ids), resume, finish)
+            return StreamingResponse(self._stream(gens, events), media_type="text/event-stream")
         try:
             done = await asyncio.gather(*(self._collect(gen, req.stops) for gen in gens))
         except asyncio.CancelledError:  # the client went away (Serve cancels the request)
@@ -379,15 +414,16 @@ class Ingress:
     def _stopped(self, gen: GenerationRequest) -> None:
         self.engine.cancel(gen, "stop")
 
-    async def _stream(self, gens: list[GenerationRequest], req, head: dict, kind: str, chat: bool):
+    async def _stream(self, gens: list[GenerationRequest], events):
         try:
-            async for event in self._events(gens, req, head, kind + ".chunk" if chat else kind, chat):
+            async for event in events:
                 yield event
         finally:  # the client went away mid-stream (or it ended): nothing keeps generating for it
             for gen in gens:
                 self.engine.cancel(gen)
 
-    async def _events(self, gens: list[GenerationRequest], req, head: dict, kind: str, chat: bool):
+    async def _events(self, gens: list[GenerationRequest], req, head: dict, kind: str, chat: bool, prompt: int,
+                      resume: Resume | None = None, finish: str | None = None):
         merged: asyncio.Queue = asyncio.Queue()
 
         async def forward(i: int, gen: GenerationRequest):
@@ -396,7 +432,10 @@ class Ingress:
             await merged.put((i, None))
 
         tasks = [asyncio.create_task(forward(i, g)) for i, g in enumerate(gens)]
-        streams = [TextStream(self._decode, req.stops) for _ in gens]
+        streams = [TextStream(self._decode, req.stops) for _ in range(req.n)]
+        prefix = resume.token_ids if resume is not None else []
+        for tok in prefix:  # a resumed stream: the text its client has, and what is held back
+            streams[0].push(tok)
         usage = {"usage": None} if req.include_usage else {}
 
         def event(i: int, text: str, token_ids: list[int], finish: str | None, lp=None, first=False) -> str:
@@ -408,9 +447,11 @@ class Ingress:
             return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **usage})}\n\n"
 
         try:
-            if chat:
+            if chat and resume is None:
                 for i in range(len(gens)):
                     yield event(i, "", [], None, first=True)
+            if finish not in (None, "sent"):  # the resumed choice had ended; its client lacks the finish
+                yield event(0, streams[0].finish(), [], finish)
             open_choices = len(gens)
             while open_choices:
                 i, tok = await merged.get()
@@ -422,14 +463,14 @@ class Ingress:
                 if stream.stopped:
                     continue
                 text = stream.push(tok)
-                k = len(stream.tokens) - 1  # this token's index in the choice
-                lp = self._logprobs(gen, chat, since=k, upto=k + 1) if gen.logprobs is not None else None
+                k = len(stream.tokens) - 1 - len(prefix)  # this token's index in this replica's part
+                lp = (self._logprobs(gen, chat, since=k, upto=k + 1, prefix=prefix)
+                      if gen.logprobs is not None else None)
                 if stream.stopped:
                     self._stopped(gen)
                 yield event(i, text, [tok], None, lp)
             if req.include_usage:
-                completion = sum(len(g.produced) for g in gens)
-                prompt = len(gens[0].prompt)
+                completion = len(prefix) + sum(len(g.produced) for g in gens)
                 yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': {'prompt_tokens': prompt, 'completion_tokens': completion, 'total_tokens': prompt + completion}})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -446,8 +487,10 @@ class Ingress:
         text = self.tokenizer.decode([token]) if self.tokenizer is not None else ""
         return list(text.encode("utf-8")) if text and "\ufffd" not in text else None
 
-    def _logprobs(self, gen: GenerationRequest, chat: bool, since: int = 0, upto: int | None = None) -> dict:
-        """OpenAI's logprobs object for gen's tokens [since, upto)."""
+    def _logprobs(self, gen: GenerationRequest, chat: bool, since: int = 0, upto: int | None = None,
+                  prefix: list[int] = ()) -> dict:
+        """OpenAI's logprobs object for gen's tokens [since, upto) (after `prefix`, a resumed
+        stream's tokens generated elsewhere)."""
         entries = list(zip(gen.produced[since:upto], gen.token_logprobs[since:upto]))
         if chat:
             def item(tok, lp):
@@ -455,7 +498,7 @@ class Ingress:
             return {"content": [{**item(tok, lp), "top_logprobs": [item(t, v) for t, v in alts]}
                                 for tok, (lp, alts) in entries]}
         tokens = [self._token_text(tok) for tok, _ in entries]
-        offsets = [len(self._decode(gen.produced[:k])) for k in range(since, since + len(entries))]
+        offsets = [len(self._decode([*prefix, *gen.produced[:k]])) for k in range(since, since + len(entries))]
         return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in entries],
                 "top_logprobs": [{self._token_text(t): v for t, v in alts} for _, (_, alts) in entries],
                 "text_offset": offsets}

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from moe_workers.serve.migration import MAX_MIGRATIONS, MAX_REPLAY_BYTES, RESUME_HEADER, StreamLog, resumable
 from moe_workers.serve.protocol import RequestError
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -76,6 +77,7 @@ class AdmissionGate:
         self.app = app
         self.apps: dict[str, _App] = {}
         self.refused = 0
+        self.migrated = 0  # requests sent again after their Ingress replica failed them
 
     def _app_for(self, path: str) -> _App | None:
         best = None
@@ -89,40 +91,35 @@ class AdmissionGate:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "/")
-        # only generation requests (POST) are counted and refused; any response may teach
+        # only generation requests (POST) are counted, refused and migrated; any response may teach
         entry = self._app_for(path) if scope.get("method") == "POST" else None
         if entry is not None and entry.in_flight >= entry.capacity:
             self.refused += 1
             await _refuse(send, entry)
             return
-
-        counted = entry is not None
-
-        async def learning_send(message):
-            nonlocal counted
-            if message["type"] == "http.response.start" and message.get("headers"):
-                kept = []
-                for name, value in message["headers"]:
-                    if name.lower() == ADMISSION_HEADER:
-                        self._learn(path, value)
-                    else:
-                        kept.append((name, value))
-                message = {**message, "headers": kept}
-            elif counted and message["type"] == "http.response.body" and not message.get("more_body"):
-                # the client has its whole answer and may send the next request at once; Serve's
-                # handler returns a little later (the replica's generator ending), and the next
-                # request must not find this one still counted (the replica's headroom covers it)
-                counted = False
-                entry.in_flight -= 1
-            await send(message)
-
-        if entry is not None:
-            entry.in_flight += 1
+        req = _Request(self, path, entry, send)
+        if entry is None:  # not an app's generation request (or its app not learnt yet): as it is
+            await self.app(scope, receive, req.send)
+            return
+        scope = _without(scope, RESUME_HEADER)  # only this gate says where a stream resumes
+        entry.in_flight += 1
         try:
-            await self.app(scope, receive, learning_send)
+            attempt_scope, attempt_receive = scope, req.teeing(receive)
+            for attempt in range(MAX_MIGRATIONS + 1):
+                failure = None
+                try:
+                    await self.app(attempt_scope, attempt_receive, req.send)
+                except Exception as err:  # noqa: BLE001 - raised again below unless the request goes on
+                    failure = err
+                attempt_scope = await req.next_scope(scope) if attempt < MAX_MIGRATIONS else None
+                if attempt_scope is None:
+                    if failure is not None:
+                        raise failure
+                    return
+                self.migrated += 1
+                attempt_receive = req.replaying(receive)
         finally:
-            if counted:
-                entry.in_flight -= 1
+            req.release()
 
     def _learn(self, path: str, value: bytes) -> None:
         got = parse_admission(value)
@@ -133,6 +130,117 @@ class AdmissionGate:
             self.apps[prefix].capacity = capacity
         else:
             self.apps[prefix] = _App(capacity)
+
+
+class _Request:
+    """One request through the gate, over all its sends: what the client has been sent, its
+    admission place, its body (kept for a second send) and its stream's log."""
+
+    def __init__(self, gate: AdmissionGate, path: str, entry: _App | None, send):
+        self.gate, self.path, self.entry, self.client_send = gate, path, entry, send
+        self.counted = entry is not None  # holds an admission place until the client has its answer
+        self.body = bytearray()
+        self.body_whole = False  # the whole body was seen, and kept
+        self.body_dropped = False  # ... or it was too large to keep
+        self.disconnected = False
+        self.started = False  # a response start went to the client
+        self.completed = False  # ... and its last byte
+        self.forwarding = True  # this send's messages go to the client
+        self.log: StreamLog | None = None
+
+    def release(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.entry.in_flight -= 1
+
+    def teeing(self, receive):
+        async def tee():
+            message = await receive()
+            if message["type"] == "http.request" and not self.body_dropped:
+                if len(self.body) + len(message.get("body", b"")) <= MAX_REPLAY_BYTES:
+                    self.body += message.get("body", b"")
+                    self.body_whole = not message.get("more_body", False)
+                else:
+                    self.body, self.body_dropped = bytearray(), True
+            elif message["type"] == "http.disconnect":
+                self.disconnected = True
+            return message
+        return tee
+
+    def replaying(self, receive):
+        queued = [{"type": "http.request", "body": bytes(self.body), "more_body": False}]
+
+        async def replay():
+            if queued:
+                return queued.pop()
+            message = await receive()  # the client's receive: only its disconnect is left
+            self.disconnected = self.disconnected or message["type"] == "http.disconnect"
+            return message
+        return replay
+
+    async def send(self, message) -> None:
+        if message["type"] == "http.response.start":
+            if message.get("headers"):
+                kept = []
+                for name, value in message["headers"]:
+                    if name.lower() == ADMISSION_HEADER:
+                        self.gate._learn(self.path, value)
+                    else:
+                        kept.append((name, value))
+                message = {**message, "headers": kept}
+            if self.started:  # a migrated stream goes on under the response the client has
+                self.forwarding = message["status"] == 200
+                return
+            self.started = True
+            if self.entry is not None and message["status"] == 200 and _event_stream(message):
+                self.log = StreamLog()
+        elif message["type"] == "http.response.body":
+            if not self.forwarding:
+                return
+            last = not message.get("more_body", False)
+            if self.log is not None:
+                body = self.log.feed(message.get("body", b""))
+                if last:
+                    body, self.log.pending = body + self.log.pending, b""
+                elif not body:
+                    return
+                message = {**message, "body": body}
+            if last:
+                # the client has its whole answer and may send the next request at once; Serve's
+                # handler returns a little later (the replica's generator ending), and the next
+                # request must not find this one still counted (the replica's headroom covers it)
+                self.completed = True
+                self.release()
+        await self.client_send(message)
+
+    async def next_scope(self, scope) -> dict | None:
+        """The scope of the next send of this request, if it should have one: it failed before
+        the client had all of it, the client is still there, and what it has can be continued."""
+        if self.completed or self.disconnected or not self.body_whole:
+            return None
+        self.forwarding = True
+        if not self.started or (self.log is not None and self.log.id is None):
+            return scope  # the client has nothing of the answer yet: the same request again
+        if self.log is None or not resumable(bytes(self.body)):
+            return None
+        self.log.pending = b""  # an event the dead replica did not finish: never sent, sent again whole
+        if self.log.usage_sent:  # all but the stream's end: that is the gate's to send
+            await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            return None
+        resume = self.log.resume()
+        return {**scope, "headers": [*scope.get("headers", ()), resume.header()]}
+
+
+def _without(scope, header: bytes) -> dict:
+    headers = scope.get("headers") or ()
+    if not any(name.lower() == header for name, _ in headers):
+        return scope
+    return {**scope, "headers": [(n, v) for n, v in headers if n.lower() != header]}
+
+
+def _event_stream(start) -> bool:
+    return any(name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+               for name, value in start.get("headers", ()))
 
 
 async def _refuse(send, entry: _App) -> None:
