@@ -9,7 +9,9 @@ steady state in one run. Ends with `figure: value` lines.
 Overload:
 1. The knee: closed-loop clients (`moectl bench`'s load generator) at rising concurrency, each
    level for --phase-s; the knee is the lowest concurrency whose goodput (answered requests per
-   second) is within 5% of the best level's.
+   second) is within 5% of the best level's. A phase's goodput is counted over its steady window:
+   requests answered after its first 5 s (a quarter of shorter phases) and before its clients
+   stop sending; the drain after that is left out (printed as the whole run's goodput too).
 2. Overload at --overload x the knee, and at --shed-clients (default 160, more than the app
    admits: batch 32 + wait queue 64), each twice: clients
    that honour the `Retry-After` of a 503, and clients that resend at once (`--hammer`).
@@ -60,6 +62,7 @@ import yaml  # noqa: E402
 from moe_operator.loadgen import LoadGen, model_info, percentiles, summarize  # noqa: E402
 
 MOECTL = str(Path(sys.executable).with_name("moectl"))
+STEADY_SKIP_S = 5.0  # seconds at the start of a load phase left out of its goodput
 
 
 def parse_args():
@@ -182,13 +185,21 @@ def machine_cpu_s() -> float:
 def phase(url: str, clients: int, seconds: float, a, vocab: int, hammer: bool = False) -> dict:
     load = LoadGen(url, clients, a.prompt_len, a.max_tokens, vocab, seed=clients, hammer=hammer, timeout_s=120)
     cpu0, own0 = machine_cpu_s(), time.process_time()
+    t0 = time.monotonic()
     wall = load.run(seconds)
     cpu, own = machine_cpu_s() - cpu0, time.process_time() - own0
-    s = summarize(load.records, wall)
+    # the steady window: after the clients' first requests have cycled, before they stop sending
+    # (the drain that follows, requests in flight finishing with nobody sending more, runs ever
+    # smaller batches and lasts as long as a request's latency, longer the more clients wait)
+    skip = min(STEADY_SKIP_S, seconds / 4)
+    steady = summarize(load.records, seconds - skip, since=t0 + skip, until=t0 + seconds)
+    s = summarize(load.records, wall)  # every request's outcome and latency, the drain's too
     # the clients run on the same cores as the app: their share says what the server had left
-    s.update(clients=clients, hammer=hammer, machine_cpu_per_s=round(cpu / wall, 2),
+    s.update(goodput_rps=steady["goodput_rps"], whole_run_goodput_rps=s["goodput_rps"],
+             drain_s=round(wall - seconds, 2), clients=clients, hammer=hammer, machine_cpu_per_s=round(cpu / wall, 2),
              client_cpu_per_s=round(own / wall, 2))
-    print(f"  {clients:4d} clients{' (hammer)' if hammer else ''}: goodput {s['goodput_rps']:.1f} req/s, "
+    print(f"  {clients:4d} clients{' (hammer)' if hammer else ''}: goodput {s['goodput_rps']:.1f} req/s "
+          f"(whole run {s['whole_run_goodput_rps']:.1f}, drain {s['drain_s']:.1f} s), "
           f"{s['ok']} answered, {s['refused']} refused, {s['failed']} failed, latency p50/p99 "
           f"{s['latency_s']['p50']:.2f}/{s['latency_s']['p99']:.2f} s; CPU busy {s['machine_cpu_per_s']:.2f} "
           f"cores, of which the clients {s['client_cpu_per_s']:.2f}", flush=True)

@@ -163,3 +163,51 @@ def test_serve_gets_starlette_middlewares_from_the_callback():
 
     got = middlewares()
     assert len(got) == 1 and isinstance(got[0], Middleware) and got[0].cls is AdmissionGate
+
+
+def test_a_request_without_a_place_waits_for_one_in_arrival_order_and_only_then_is_refused():
+    async def run():
+        order: list[int] = []
+        release = asyncio.Event()
+
+        async def replica(scope, receive, send):
+            body = (await receive())["body"]
+            order.append(int(body))
+            if body == b"0":
+                await release.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": [admission_header(1, "/")]})
+            await send({"type": "http.response.body", "body": b"ok", "more_body": False})
+
+        async def request(i: int) -> list[dict]:
+            sent: list[dict] = []
+
+            async def send(message):
+                sent.append(message)
+
+            async def receive():
+                return {"type": "http.request", "body": str(i).encode(), "more_body": False}
+            await gate({"type": "http", "method": "POST", "path": "/v1/completions"}, receive, send)
+            return sent
+        gate = AdmissionGate(replica)
+        gate._learn("/v1/completions", admission_header(1, "/")[1])
+        first = asyncio.create_task(request(0))
+        await asyncio.sleep(0.01)
+        waiting = [asyncio.create_task(request(i)) for i in (1, 2)]
+        await asyncio.sleep(0.3)
+        assert order == [0] and len(gate.apps["/"].waiting) == 2
+        release.set()  # the place is handed on, oldest waiter first; nobody is refused
+        assert [_status(s) for s in await asyncio.gather(first, *waiting)] == [200, 200, 200]
+        assert order == [0, 1, 2] and gate.refused == 0
+        assert gate.apps["/"].in_flight == 0 and not gate.apps["/"].waiting
+        # no place within the wait: refused after it, and the refused request holds nothing
+        release.clear()
+        order.clear()
+        first = asyncio.create_task(request(0))
+        await asyncio.sleep(0.01)
+        t0 = asyncio.get_running_loop().time()
+        assert _status(await request(3)) == 503 and asyncio.get_running_loop().time() - t0 >= 1.0
+        assert order == [0] and gate.refused == 1 and not gate.apps["/"].waiting
+        release.set()
+        await first
+        assert gate.apps["/"].in_flight == 0
+    asyncio.run(run())

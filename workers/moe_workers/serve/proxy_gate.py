@@ -7,13 +7,16 @@ together while the replicas have room (Serve counts a request as queued while it
 Measured on the 2-core machine: with everything admitted to the replica, 160 clients kept 0.92
 of the knee's goodput; with Serve's queue full, 0.6-0.7.
 
-This gate counts the generation requests (POST) it let through to each app and still in flight,
-and refuses the next one, with 503 and `Retry-After: 1`, when the app's replicas hold as many as
-they take (their batch + wait queue): the replica is never asked, Serve's router does not queue,
-nothing is logged. The refusal is sent after its Retry-After: a refusal that cheap invites a
-client that resends at once to resend hundreds of times a second (measured: 300/s from 64 such
-clients, whose own CPU then took a core of the two), and holding it paces such a client like one
-that honours the header, for the price of an open connection and a timer.
+This gate counts the generation requests (POST) it let through to each app and still in flight.
+When the app's replicas hold as many as they take (their batch + wait queue), the next request
+waits in the gate for a place, after those that came before it, for up to its Retry-After (1 s),
+and is refused with 503 and `Retry-After: 1` only if none frees: the replica is never asked,
+Serve's router does not queue, nothing is logged. Under steady overload a place frees every few
+tens of milliseconds, so most requests wait a little instead of being refused and sent again
+(each refusal costs the proxy and the client a request's work), and a refusal, when it comes,
+has been held for its Retry-After: a refusal sent at once invites a client that resends at once
+to resend hundreds of times a second (measured: 300/s from 64 such clients, whose own CPU then
+took a core of the two), and holding it paces such a client like one that honours the header.
 
 It learns each app's capacity from the `x-moe-admission` header of the app's own responses, any
 of them (set by the Ingress: capacity and route prefix; removed before the client sees it), and
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 
 from moe_workers.serve.migration import MAX_MIGRATIONS, MAX_REPLAY_BYTES, RESUME_HEADER, StreamLog, resumable
 from moe_workers.serve.protocol import RequestError
@@ -64,10 +68,48 @@ def under(path: str, prefix: str) -> bool:
 
 
 class _App:
-    __slots__ = ("capacity", "in_flight")
+    """One app's admission: places taken, and the requests waiting for one (oldest first)."""
+
+    __slots__ = ("capacity", "in_flight", "waiting")
 
     def __init__(self, capacity: int):
         self.capacity, self.in_flight = capacity, 0
+        self.waiting: deque[asyncio.Future] = deque()
+
+    async def admit(self, wait_s: float) -> bool:
+        """Take a place: at once if one is free and nobody waits, else the first one freed within
+        `wait_s` after those who came before. False: none was."""
+        if self.in_flight < self.capacity and not self.waiting:
+            self.in_flight += 1
+            return True
+        place = asyncio.get_running_loop().create_future()
+        self.waiting.append(place)
+        try:
+            await asyncio.wait((place,), timeout=wait_s)
+        except BaseException:
+            if place.done() and not place.cancelled():  # handed a place as it was cancelled: pass it on
+                self.release()
+            raise
+        finally:
+            if not place.done():
+                place.cancel()
+                self.waiting.remove(place)
+        return not place.cancelled()
+
+    def release(self) -> None:
+        """A place is free: the longest waiter takes it, or it is free."""
+        while self.waiting:
+            place = self.waiting.popleft()
+            if not place.done():
+                place.set_result(True)
+                return
+        self.in_flight -= 1
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = capacity
+        while self.waiting and self.in_flight < self.capacity:
+            self.in_flight += 1
+            self.waiting.popleft().set_result(True)
 
 
 class AdmissionGate:
@@ -91,18 +133,17 @@ class AdmissionGate:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "/")
+        scope = _without(scope, RESUME_HEADER)  # only this gate says where a stream resumes
         # only generation requests (POST) are counted, refused and migrated; any response may teach
         entry = self._app_for(path) if scope.get("method") == "POST" else None
-        if entry is not None and entry.in_flight >= entry.capacity:
-            self.refused += 1
-            await _refuse(send, entry)
-            return
         req = _Request(self, path, entry, send)
         if entry is None:  # not an app's generation request (or its app not learnt yet): as it is
             await self.app(scope, receive, req.send)
             return
-        scope = _without(scope, RESUME_HEADER)  # only this gate says where a stream resumes
-        entry.in_flight += 1
+        if not await entry.admit(RETRY_AFTER_S):
+            self.refused += 1
+            await _refuse(send, entry)
+            return
         try:
             attempt_scope, attempt_receive = scope, req.teeing(receive)
             for attempt in range(MAX_MIGRATIONS + 1):
@@ -127,7 +168,7 @@ class AdmissionGate:
             return
         capacity, prefix = got
         if prefix in self.apps:
-            self.apps[prefix].capacity = capacity
+            self.apps[prefix].resize(capacity)
         else:
             self.apps[prefix] = _App(capacity)
 
@@ -151,7 +192,7 @@ class _Request:
     def release(self) -> None:
         if self.counted:
             self.counted = False
-            self.entry.in_flight -= 1
+            self.entry.release()
 
     def teeing(self, receive):
         async def tee():
@@ -244,12 +285,10 @@ def _event_stream(start) -> bool:
 
 
 async def _refuse(send, entry: _App) -> None:
-    # held for its Retry-After: a client that resends at once comes back no sooner than told to,
-    # so a few dozen of them cannot fill the proxy's (and the machine's) time with refusals
-    await asyncio.sleep(RETRY_AFTER_S)
     body = json.dumps(RequestError(
-        503, f"server overloaded: the app's replicas hold {entry.capacity} requests and all are taken; "
-             f"refused in the proxy; retry after {RETRY_AFTER_S} s", err_type="overloaded").body()).encode()
+        503, f"server overloaded: the app's replicas hold {entry.capacity} requests and none was freed "
+             f"within {RETRY_AFTER_S} s; refused in the proxy; retry after {RETRY_AFTER_S} s",
+        err_type="overloaded").body()).encode()
     await send({"type": "http.response.start", "status": 503,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"retry-after", str(RETRY_AFTER_S).encode())]})
