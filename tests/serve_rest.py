@@ -18,3 +18,17 @@ def deploy(head, apps: list[dict], timeout_s: float = 180.0) -> None:
 
 def delete_all(head) -> None:
     client(head).delete_all()
+
+
+def two_group_app(path, layers: int, experts: int, **args) -> tuple[dict, object]:
+    """A tiny Mixtral written at `path`, served by 2 shard groups (even experts in group 0, odd in
+    group 1) with a small batch and KV cache: its placement and AppArgs (`args` override)."""
+    from checkpoints import make_mixtral
+    from moe_workers.serve.config import AppArgs
+
+    make_mixtral(path, num_local_experts=experts, num_hidden_layers=layers, max_position_embeddings=256)
+    placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in range(layers) for e in range(experts) if e % 2 == g]
+                 for g in range(2)}
+    return placement, AppArgs(**{"model_path": str(path), "served_model_name": "m", "num_groups": 2,
+                                 "max_batch_size": 8, "kv_cache_budget_bytes": 8 * 2**20,
+                                 "max_queued_requests": 32, **args})

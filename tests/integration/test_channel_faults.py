@@ -19,10 +19,9 @@ import time
 import pytest
 import requests
 
-from checkpoints import make_mixtral
 from moe_workers.model.inprocess import InProcessModel
-from moe_workers.serve.config import AppArgs, serve_application
-from serve_rest import delete_all, deploy
+from moe_workers.serve.config import serve_application
+from serve_rest import delete_all, deploy, two_group_app
 from waiting import wait_for
 
 pytestmark = pytest.mark.ray
@@ -37,12 +36,8 @@ def _status(url):
 def test_killed_shard_replicas_fail_requests_at_most_with_503_and_rejoin(ray_head, tmp_path):
     ray = ray_head.connect_driver(namespace="channel-faults")
     path = tmp_path / "ckpt"
-    make_mixtral(path, num_local_experts=EXPERTS, num_hidden_layers=LAYERS, max_position_embeddings=256)
+    placement, args = two_group_app(path, LAYERS, EXPERTS, exchange_timeout_s=TIMEOUT_S)
     reference = InProcessModel(path)
-    placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in range(LAYERS) for e in range(EXPERTS) if e % 2 == g]
-                 for g in range(2)}
-    args = AppArgs(model_path=str(path), served_model_name="m", num_groups=2, max_batch_size=8,
-                   kv_cache_budget_bytes=8 * 2**20, max_queued_requests=32, exchange_timeout_s=TIMEOUT_S)
     deploy(ray_head, [serve_application("faults", "/", args, placement,
                                          replicas_per_group={"ExpertShard-0": 2, "ExpertShard-1": 1})])
     url = f"http://127.0.0.1:{ray_head.serve_http_port}"

@@ -19,10 +19,9 @@ import time
 import pytest
 import requests
 
-from checkpoints import make_mixtral
 from moe_workers.model.inprocess import InProcessModel
-from moe_workers.serve.config import AppArgs, serve_application
-from serve_rest import delete_all, deploy
+from moe_workers.serve.config import serve_application
+from serve_rest import delete_all, deploy, two_group_app
 from waiting import wait_for
 
 pytestmark = pytest.mark.ray
@@ -58,12 +57,8 @@ def _stream(url: str, prompt: list[int]) -> dict:
 def test_streams_on_a_killed_ingress_replica_go_on_on_the_other_one(ray_head, tmp_path):
     ray = ray_head.connect_driver(namespace="ingress-faults")
     path = tmp_path / "ckpt"
-    make_mixtral(path, num_local_experts=EXPERTS, num_hidden_layers=LAYERS, max_position_embeddings=256)
+    placement, args = two_group_app(path, LAYERS, EXPERTS, ingress_replicas=2)
     reference = InProcessModel(path)
-    placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in range(LAYERS) for e in range(EXPERTS) if e % 2 == g]
-                 for g in range(2)}
-    args = AppArgs(model_path=str(path), served_model_name="m", num_groups=2, max_batch_size=8,
-                   kv_cache_budget_bytes=8 * 2**20, max_queued_requests=32, ingress_replicas=2)
     deploy(ray_head, [serve_application("ingress-faults", "/", args, placement)])
     url = f"http://127.0.0.1:{ray_head.serve_http_port}"
     try:
