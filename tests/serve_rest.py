@@ -20,13 +20,14 @@ def delete_all(head) -> None:
     client(head).delete_all()
 
 
-def two_group_app(path, layers: int, experts: int, **args) -> tuple[dict, object]:
+def two_group_app(path, layers: int, experts: int, vocab_size: int = 96, **args) -> tuple[dict, object]:
     """A tiny Mixtral written at `path`, served by 2 shard groups (even experts in group 0, odd in
     group 1) with a small batch and KV cache: its placement and AppArgs (`args` override)."""
     from checkpoints import make_mixtral
     from moe_workers.serve.config import AppArgs
 
-    make_mixtral(path, num_local_experts=experts, num_hidden_layers=layers, max_position_embeddings=256)
+    make_mixtral(path, vocab_size=vocab_size, num_local_experts=experts, num_hidden_layers=layers,
+                 max_position_embeddings=256)
     placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in range(layers) for e in range(experts) if e % 2 == g]
                  for g in range(2)}
     return placement, AppArgs(**{"model_path": str(path), "served_model_name": "m", "num_groups": 2,
