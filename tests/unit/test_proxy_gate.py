@@ -211,3 +211,20 @@ def test_a_request_without_a_place_waits_for_one_in_arrival_order_and_only_then_
         await first
         assert gate.apps["/"].in_flight == 0
     asyncio.run(run())
+
+
+def test_places_an_app_gains_go_to_the_requests_waiting():
+    async def run():
+        gate = AdmissionGate(None)
+        gate._learn("/v1/completions", admission_header(1, "/")[1])
+        app = gate.apps["/"]
+        assert await app.admit(1.0)
+        waiters = [asyncio.create_task(app.admit(5.0)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert len(app.waiting) == 3
+        gate._learn("/v1/completions", admission_header(3, "/")[1])  # a scale-up: two more places
+        await asyncio.sleep(0.01)
+        assert [w.done() for w in waiters] == [True, True, False] and app.in_flight == 3
+        app.release()  # a place freed goes to the last waiter, not back to the count
+        assert await waiters[2] and app.in_flight == 3 and not app.waiting
+    asyncio.run(run())

@@ -106,10 +106,13 @@ class _App:
         self.in_flight -= 1
 
     def resize(self, capacity: int) -> None:
+        """The app holds `capacity` now: places it gained go to the waiters, oldest first."""
         self.capacity = capacity
         while self.waiting and self.in_flight < self.capacity:
-            self.in_flight += 1
-            self.waiting.popleft().set_result(True)
+            place = self.waiting.popleft()
+            if not place.done():
+                self.in_flight += 1
+                place.set_result(True)
 
 
 class AdmissionGate:
