@@ -324,9 +324,10 @@ class Ingress:
                                param=RESUME_HEADER.decode())
         return parse_resume(value, self.dense.cfg.vocab_size, new_tokens)
 
-    def _resumed_finish(self, resume: Resume, ids: list[int], new_tokens: int, stops: list[str]) -> str | None:
+    def _resumed_finish(self, resume: Resume, ids: list[int], new_tokens: int, stream: TextStream) -> str | None:
         """How a resumed choice ends without another token, if it does: its finish was sent, or
-        the tokens the client has already ended it (length, end of sequence, a stop sequence)."""
+        the tokens the client has already ended it (length, end of sequence, a stop sequence in
+        `stream`, the choice's text stream with those tokens pushed)."""
         tokens = resume.token_ids
         if resume.finished:
             return "sent"
@@ -334,9 +335,6 @@ class Ingress:
             return "length"
         if tokens and tokens[-1] == self.dense.cfg.eos_token_id:
             return "stop"
-        stream = TextStream(self._decode, stops)
-        for tok in tokens:
-            stream.push(tok)
         return "stop" if stream.stopped else None
 
     def _check_model(self, model: str | None) -> None:
@@ -353,7 +351,11 @@ class Ingress:
             raise RequestError(400, f"{param}: prompt ({len(ids)} tokens) + {param} ({new_tokens}) "
                                f"exceeds the context of {self.max_len} tokens", param=param)
         prefix = resume.token_ids if resume is not None else []
-        finish = self._resumed_finish(resume, ids, new_tokens, req.stops) if resume is not None else None
+        # the choices' text streams; a resumed one holds the text its client has, and what is held back
+        streams = [TextStream(self._decode, req.stops) for _ in range(req.n)]
+        for tok in prefix:
+            streams[0].push(tok)
+        finish = self._resumed_finish(resume, ids, new_tokens, streams[0]) if resume is not None else None
         gens = [GenerationRequest(prompt=ids + prefix, max_tokens=new_tokens - len(prefix), temperature=req.temperature,
                                   top_p=req.top_p, seed=None if req.seed is None else req.seed + i, logprobs=logprobs)
                 for i in range(req.n if finish is None else 0)]
@@ -371,7 +373,8 @@ class Ingress:
         if resume is not None:
             head.update(id=resume.id, created=resume.created)
         if req.stream:
-            events = self._events(gens, req, head, kind + ".chunk" if chat else kind, chat, len(ids), resume, finish)
+            events = self._events(gens, streams, req, head, kind + ".chunk" if chat else kind, chat, len(ids),
+                                  resume, finish)
             return StreamingResponse(self._stream(gens, events), media_type="text/event-stream")
         try:
             done = await asyncio.gather(*(self._collect(gen, req.stops) for gen in gens))
@@ -422,8 +425,8 @@ class Ingress:
             for gen in gens:
                 self.engine.cancel(gen)
 
-    async def _events(self, gens: list[GenerationRequest], req, head: dict, kind: str, chat: bool, prompt: int,
-                      resume: Resume | None = None, finish: str | None = None):
+    async def _events(self, gens: list[GenerationRequest], streams: list[TextStream], req, head: dict, kind: str,
+                      chat: bool, prompt: int, resume: Resume | None = None, finish: str | None = None):
         merged: asyncio.Queue = asyncio.Queue()
 
         async def forward(i: int, gen: GenerationRequest):
@@ -432,10 +435,7 @@ class Ingress:
             await merged.put((i, None))
 
         tasks = [asyncio.create_task(forward(i, g)) for i, g in enumerate(gens)]
-        streams = [TextStream(self._decode, req.stops) for _ in range(req.n)]
         prefix = resume.token_ids if resume is not None else []
-        for tok in prefix:  # a resumed stream: the text its client has, and what is held back
-            streams[0].push(tok)
         usage = {"usage": None} if req.include_usage else {}
 
         def event(i: int, text: str, token_ids: list[int], finish: str | None, lp=None, first=False) -> str:
