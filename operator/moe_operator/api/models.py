@@ -311,6 +311,12 @@ class ExpertsSpec(ApiModel):
     num_cpus: float = Field(default=1.0, gt=0, le=512, description="CPUs reserved per shard replica (Ray num_cpus).")
     num_gpus: float = Field(default=0.0, ge=0, le=16, description="GPUs reserved per shard replica (Ray num_gpus). "
                             "With one, the hot tier lives on it and warm memory is pinned (not yet run on a GPU).")
+    warm_spares: int = Field(
+        default=1, ge=0, le=8,
+        description="Idle Ray worker processes, with torch and the app's code already imported, kept "
+        "on each node that hosts shard replicas: a replica Serve replaces starts in one (seconds) "
+        "instead of a new process. 0 turns them off; each costs the memory of one idle process.",
+    )
     tiers: TierSpec = Field(description="Byte budgets and policy of the hot, warm and cold tiers.")
     overrides: list[ExpertOverride] = Field(
         default_factory=list, max_length=4096,

@@ -55,6 +55,7 @@ def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None
         ingress_num_gpus=spec.ingress.num_gpus,
         shard_num_cpus=spec.experts.num_cpus,
         shard_num_gpus=spec.experts.num_gpus,
+        warm_spares=spec.experts.warm_spares,
         allowed_weight_roots=list(allowed_roots or []),
     )
 

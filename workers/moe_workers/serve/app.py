@@ -21,7 +21,7 @@ def build_app(args: AppArgs) -> serve.Application:
     """The Serve application for these typed args (placement from args.placement, if given;
     Serve configs override it per deployment through user_config)."""
     placement = args.placement or {}
-    board = StatusBoard.bind()
+    board = StatusBoard.bind(args.warm_spares)
     shards = {}
     for name in args.group_names():
         options = {"name": name, "health_check_period_s": HEALTH_CHECK_PERIOD_S,

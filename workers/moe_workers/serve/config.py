@@ -18,7 +18,12 @@ INGRESS = "Ingress"
 # MALLOC_ARENA_MAX: glibc gives each thread that allocates (request, prefetch, maintenance, Ray's
 # own) an arena and keeps freed memory in it, so a shard's resident memory crept past its tier
 # budgets while serving; two arenas keep it within 1.07x budgets + baseline (bench/tiering, was 1.14).
-RUNTIME_ENV = {"env_vars": {"MALLOC_ARENA_MAX": "2"}}
+# SETUP_HOOK_ENV: Ray runs the function this variable names in each of the app's worker processes
+# before it hosts anything (what `ray.init(runtime_env={"worker_process_setup_hook": ...})` sets for a
+# job; an actor's runtime environment takes the variable itself): a warm spare imports torch and
+# the app's modules while it waits (moe_workers.serve.spares).
+SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+RUNTIME_ENV = {"env_vars": {"MALLOC_ARENA_MAX": "2", SETUP_HOOK_ENV: "moe_workers.serve.spares.preload"}}
 
 
 def group_name(index: int) -> str:
@@ -57,6 +62,9 @@ class AppArgs(BaseModel):
     request_body_timeout_s: float = Field(default=30.0, gt=0, description="How long a request body may take "
                                           "to arrive; then 408.")
     ingress_torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per ingress replica.")
+    warm_spares: int = Field(default=1, ge=0, le=8, description="Idle worker processes, with the app's modules "
+                             "imported, kept on each node that hosts shard replicas: a replacement replica starts "
+                             "in one instead of a new process.")
     allowed_weight_roots: list[str] = Field(default_factory=list, description="Directories hot-swap weight "
                                             "files must lie under; none means every swap is refused.")
     placement: dict[str, list[str]] | None = Field(

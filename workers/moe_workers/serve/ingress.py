@@ -527,8 +527,10 @@ class Ingress:
         """Every shard replica's experts (version digest, tier, tokens), tiers, swaps; this
         ingress replica's engine. What the operator and moectl read."""
         replicas = await self.board.snapshot.remote() if self.board is not None else []
+        spares = await self.board.spares.remote() if self.board is not None else {}
         return {"model": self.args.served_model_name, "placement": self.router.placement if self.router else {},
                 "prefetch_lookahead": self.prefetch_lookahead, "ingress": self.engine_stats(), "replicas": replicas,
+                "spares": spares,
                 "channel": {"members": self.channel.members(), **self.channel.stats,
                             "last_membership_error": self.channel.last_membership_error},
                 "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs()}}

@@ -37,6 +37,18 @@ def _now_rfc3339() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _placement() -> tuple[str | None, str | None]:
+    """This replica's Ray node id and runtime environment (serialized): the board starts warm
+    spares on the node in exactly this environment, the one Serve asks for when it replaces us."""
+    try:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), ctx.runtime_env.serialize()
+    except Exception:  # noqa: BLE001 - outside Ray (unit use)
+        return None, None
+
+
 def _node_address() -> str:
     """The address Ray uses for this node (127.0.0.1 on a local head): the channel listens there."""
     try:
@@ -81,6 +93,7 @@ class ExpertShard:
         self.board = board
         self._tokens: list[str] = []  # channel tokens accepted (from the board)
         self._report_now = threading.Event()
+        self.node_id, self.runtime_env = _placement()
         self.baseline_rss_bytes = current_rss_bytes()  # torch + Ray + this code, before any expert
         self.channel = ExchangeServer(self._compute, lambda: self._tokens, host=_node_address(),
                                       torch_threads=torch_threads)
@@ -210,6 +223,8 @@ class ExpertShard:
             "group": self.group,
             "replica": self.replica,
             "pid": os.getpid(),
+            "node_id": self.node_id,
+            "runtime_env": self.runtime_env,
             "endpoint": self.channel.endpoint,
             "experts": sorted(versions, key=lambda eid: _expert_key(eid)),
             "versions": versions,
