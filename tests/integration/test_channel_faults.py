@@ -3,7 +3,8 @@
 Group 0 has two replicas, group 1 one. SIGKILL one replica of each while clients decode: every
 request ends answered (200, the reference's tokens) or refused with 503 within the exchange
 timeout, none hangs; Serve restarts the replicas, they rejoin the channel, and requests after
-that are all answered. Then one replica of group 0 is stopped (SIGSTOP) for longer than the
+that are all answered; one of the replacements starts in the warm spare worker the app kept on
+the node (the other in a new process). Then one replica of group 0 is stopped (SIGSTOP) for longer than the
 exchange timeout: its parts are hedged to the group's other replica, so every request is
 answered and none waits for the timeout.
 """
@@ -33,6 +34,10 @@ def _status(url):
     return requests.get(url + "/moe/v1/status", timeout=30).json()
 
 
+def _spares(url) -> set[int]:
+    return {p for n in _status(url)["spares"]["nodes"].values() for p in n["spares"]}
+
+
 def test_killed_shard_replicas_fail_requests_at_most_with_503_and_rejoin(ray_head, tmp_path):
     ray = ray_head.connect_driver(namespace="channel-faults")
     path = tmp_path / "ckpt"
@@ -44,6 +49,9 @@ def test_killed_shard_replicas_fail_requests_at_most_with_503_and_rejoin(ray_hea
     try:
         wait_for(lambda: sum(len(r) for r in _status(url)["channel"]["members"].values()) == 3, timeout_s=60,
                  what="three shard replicas on the channel")
+        # the app's steady state: a warm spare on the node (once the replicas have settled)
+        wait_for(lambda: _spares(url), timeout_s=120, what="a warm spare worker", interval_s=1)
+        spares = _spares(url)
         prompts = [[(i * 7 + k) % 90 + 3 for k in range(5)] for i in range(24)]
         expected = {tuple(p): reference.generate([p], max_tokens=24, stop_at_eos=True)[0] for p in prompts}
         outcomes: list[tuple[int, float, list[int] | None]] = []
@@ -77,6 +85,7 @@ def test_killed_shard_replicas_fail_requests_at_most_with_503_and_rejoin(ray_hea
                      and sum(len(r) for r in _status(url)["channel"]["members"].values()) == 3,
                      timeout_s=120, what="replacement replicas on the channel", interval_s=1)
             recovered_at = len(outcomes)
+            replacements = {r["pid"] for r in _status(url)["replicas"]} - {r["pid"] for r in status["replicas"]}
             time.sleep(4)
             hedged = _status(url)["channel"]["hedged"]
             stalled = next(r["pid"] for r in _status(url)["replicas"] if r["group"] == "ExpertShard-0")
@@ -102,6 +111,8 @@ def test_killed_shard_replicas_fail_requests_at_most_with_503_and_rejoin(ray_hea
         after = [code for code, *_ in outcomes[recovered_at:]]
         assert after and all(code == 200 for code in after), after
         assert killed_at > 0
+        # a replacement took the spare (a process that was already running, the app imported)
+        assert replacements & spares, (replacements, spares)
         # the stall: hedged to the other replica of the group, nobody waits for the exchange timeout
         during = outcomes[stall_from:stall_to]
         assert during and all(code == 200 for code, *_ in during), [code for code, *_ in during]
