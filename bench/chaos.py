@@ -113,6 +113,7 @@ class StandaloneApp:
         self.name = manifest["metadata"]["name"]
         self.ingress_replicas, self.replicas_per_group = ingress_replicas, replicas_per_group
         self.groups = int(manifest["spec"]["experts"]["groups"])
+        self.warm_spares = int(manifest["spec"]["experts"].get("warmSpares", 1))
         app_file = work / f"{run.name}.yaml"  # beside the model: its directory is the allowed model root
         app_file.write_text(yaml.safe_dump(manifest))
         self.log = run / "up.log"
@@ -140,6 +141,21 @@ class StandaloneApp:
             if r.get("endpoint") in on_channel:
                 out.setdefault(r["group"], []).append(r["pid"])
         return out
+
+    def spare_pids(self) -> set[int]:
+        """The warm spare workers the app keeps (pids on every node)."""
+        return {p for n in self.status().get("spares", {}).get("nodes", {}).values() for p in n["spares"]}
+
+    def wait_spares(self, timeout_s: float = 180.0) -> float | None:
+        """Until every node hosting shard replicas has its warm spares (the app's steady state,
+        which a fault then disturbs); seconds it took, None if they did not come."""
+        t0 = time.monotonic()
+        while self.warm_spares and time.monotonic() - t0 < timeout_s:
+            nodes = self.status().get("spares", {}).get("nodes", {})
+            if nodes and all(len(n["spares"]) >= self.warm_spares and not n["starting"] for n in nodes.values()):
+                return round(time.monotonic() - t0, 1)
+            time.sleep(1)
+        return None
 
     def ingress_pids(self) -> list[int]:
         """Processes whose title Ray set to this app's Ingress replica actor."""
@@ -225,9 +241,22 @@ def overload(url: str, a) -> dict:
             "failed": sum(s["failed"] for s in levels) + sum(s["failed"] for r in runs.values() for s in r.values())}
 
 
+def app_pids(app) -> set[int]:
+    """Every replica process of the app: shard replicas on the channel, ingress replicas."""
+    if not isinstance(app, StandaloneApp):
+        return set()
+    try:
+        return {p for ps in app.shard_pids().values() for p in ps} | set(app.ingress_pids())
+    except (requests.RequestException, ValueError, KeyError):
+        return set()
+
+
 def fault_run(app: StandaloneApp, label: str, inject, a, vocab: int) -> dict:
     """Steady load, `inject()` (returns the victim pids and, for a stall, when the app may be
     whole again), load until the app is whole and --settle-s more; the figures of each window."""
+    spares_after_s = app.wait_spares() if isinstance(app, StandaloneApp) else None
+    spares = app.spare_pids() if isinstance(app, StandaloneApp) else set()
+    before = app_pids(app)
     load = LoadGen(app.url, a.fault_clients, a.prompt_len, a.max_tokens, vocab, seed=7, timeout_s=120).start()
     started = time.monotonic()
     time.sleep(a.steady_s)
@@ -239,6 +268,7 @@ def fault_run(app: StandaloneApp, label: str, inject, a, vocab: int) -> dict:
             recovered = time.monotonic()
             break
         time.sleep(0.25)
+    started_in = sorted((app_pids(app) - before) & spares) if recovered else []  # replacements in warm spares
     time.sleep(a.settle_s)
     end = time.monotonic()
     load.stop()
@@ -257,11 +287,13 @@ def fault_run(app: StandaloneApp, label: str, inject, a, vocab: int) -> dict:
            "steady_p99_s": steady["latency_s"]["p99"], "fault_p99_s": during["latency_s"]["p99"],
            "steady_goodput_rps": steady["goodput_rps"], "fault_goodput_rps": during["goodput_rps"],
            "after_goodput_rps": after["goodput_rps"], "ingress_replicas": app.ingress_replicas,
-           "replicas_per_group": app.replicas_per_group, **(detail[0] if detail else {})}
+           "replicas_per_group": app.replicas_per_group, "spares_ready_after_s": spares_after_s,
+           "spares": sorted(spares), "replacements_in_spares": started_in, **(detail[0] if detail else {})}
     rec = f"{out['recovery_s']:.1f} s" if recovered else f"not within {a.recovery_timeout_s:g} s"
     print(f"  {label}: {out['failed']} failed, {out['refused']} refused, {out['answered']} answered; p99 "
           f"{out['steady_p99_s']:.2f} s steady, {out['fault_p99_s']:.2f} s during; longest request "
-          f"{longest:.1f} s; recovered in {rec}", flush=True)
+          f"{longest:.1f} s; recovered in {rec}"
+          f"{'; the replacement started in a warm spare' if started_in else ''}", flush=True)
     return out
 
 
