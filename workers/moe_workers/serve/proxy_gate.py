@@ -9,14 +9,17 @@ of the knee's goodput; with Serve's queue full, 0.6-0.7.
 
 This gate counts the generation requests (POST) it let through to each app and still in flight.
 When the app's replicas hold as many as they take (their batch + wait queue), the next request
-waits in the gate for a place, after those that came before it, for up to its Retry-After (1 s),
-and is refused with 503 and `Retry-After: 1` only if none frees: the replica is never asked,
-Serve's router does not queue, nothing is logged. Under steady overload a place frees every few
-tens of milliseconds, so most requests wait a little instead of being refused and sent again
-(each refusal costs the proxy and the client a request's work), and a refusal, when it comes,
-has been held for its Retry-After: a refusal sent at once invites a client that resends at once
-to resend hundreds of times a second (measured: 300/s from 64 such clients, whose own CPU then
-took a core of the two), and holding it paces such a client like one that honours the header.
+waits in the gate for a place, after those that came before it, for up to `ADMISSION_WAIT_S`
+(4 s), and is refused with 503 and `Retry-After: 1` only if none frees: the replica is never
+asked, Serve's router does not queue, nothing is logged. Under steady overload a place frees
+every few tens of milliseconds, so a request waits its turn instead of being refused and sent
+again: each refusal costs the proxy and the client a request's work, which on the 2-core machine
+came out of the app's goodput (160 clients against an app holding 96: with a 1 s wait about 20
+refusals a second and 0.79-0.92 of the knee's goodput; with 4 s, none refused and 0.90-0.94).
+A refusal, when it comes, has been held for the wait: a refusal sent at once invites a client
+that resends at once to resend hundreds of times a second (measured: 300/s from 64 such clients,
+whose own CPU then took a core of the two), and holding it paces such a client like one that
+honours the header.
 
 It learns each app's capacity from the `x-moe-admission` header of the app's own responses, any
 of them (set by the Ingress: capacity and route prefix; removed before the client sees it), and
@@ -42,6 +45,7 @@ CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "moe_workers.serve.proxy_gate:middlewares"
 ADMISSION_HEADER = b"x-moe-admission"
 RETRY_AFTER_S = 1
+ADMISSION_WAIT_S = 4.0  # how long a request past capacity waits in the gate for a place (then 503)
 
 
 def admission_header(capacity: int, route_prefix: str) -> tuple[bytes, bytes]:
@@ -143,7 +147,7 @@ class AdmissionGate:
         if entry is None:  # not an app's generation request (or its app not learnt yet): as it is
             await self.app(scope, receive, req.send)
             return
-        if not await entry.admit(RETRY_AFTER_S):
+        if not await entry.admit(ADMISSION_WAIT_S):
             self.refused += 1
             await _refuse(send, entry)
             return
@@ -290,7 +294,7 @@ def _event_stream(start) -> bool:
 async def _refuse(send, entry: _App) -> None:
     body = json.dumps(RequestError(
         503, f"server overloaded: the app's replicas hold {entry.capacity} requests and none was freed "
-             f"within {RETRY_AFTER_S} s; refused in the proxy; retry after {RETRY_AFTER_S} s",
+             f"within {ADMISSION_WAIT_S:g} s; refused in the proxy; retry after {RETRY_AFTER_S} s",
         err_type="overloaded").body()).encode()
     await send({"type": "http.response.start", "status": 503,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
