@@ -12,11 +12,13 @@ Overload:
    second) is within 5% of the best level's. A phase's goodput is counted over its steady window:
    requests answered after its first 5 s (a quarter of shorter phases) and before its clients
    stop sending; the drain after that is left out (printed as the whole run's goodput too).
-2. Overload at --overload x the knee, and at --shed-clients (default 160, more than the app
-   admits: batch 32 + wait queue 64), each twice: clients
-   that honour the `Retry-After` of a 503, and clients that resend at once (`--hammer`).
-   `overload-goodput-ratio` = the worst of these goodputs / the knee's; refused requests (503)
-   are counted apart from failures (other errors, which must be 0).
+2. Overload at --overload x the knee, and at --shed-clients (default 320: more than the app
+   admits, batch 32 + wait queue 64, and than the proxy's gate can queue within its 4 s wait, so
+   requests are refused), each twice: clients that honour the `Retry-After` of a 503, and
+   clients that resend at once (`--hammer`). `overload-goodput-ratio` = the worse of the two
+   goodputs at --overload x the knee / the knee's (the issue's target: 0.9 at 2.5x);
+   `shed-goodput-ratio` the same at --shed-clients. Refused requests (503) are counted apart
+   from failures (other errors, which must be 0).
 
 Faults, one at a time under --fault-clients clients that honour Retry-After: --steady-s of load,
 the fault, then load until the app is whole again (the victim's replacement running: a new
@@ -71,7 +73,8 @@ def parse_args():
     p.add_argument("--phase-s", type=float, default=30.0, help="seconds of load per phase")
     p.add_argument("--levels", default="8,16,32,64", help="concurrency levels searched for the knee")
     p.add_argument("--overload", type=float, default=2.5, help="overload concurrency as a multiple of the knee")
-    p.add_argument("--shed-clients", type=int, default=160, help="clients past what the app admits")
+    p.add_argument("--shed-clients", type=int, default=320,
+                   help="clients past what the app admits and the gate queues (so some are refused)")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray head")
@@ -235,9 +238,10 @@ def overload(url: str, a) -> dict:
     for label, clients in (("overload", over), ("shed", a.shed_clients)):
         runs[label] = {"honour": phase(url, clients, a.phase_s, a, vocab),
                        "hammer": phase(url, clients, a.phase_s, a, vocab, hammer=True)}
-    worst = min(s["goodput_rps"] for r in runs.values() for s in r.values())
+    def ratio(label: str) -> float:
+        return round(min(s["goodput_rps"] for s in runs[label].values()) / knee["goodput_rps"], 3)
     return {"levels": levels, "knee": knee, **runs,
-            "overload_goodput_ratio": round(worst / knee["goodput_rps"], 3),
+            "overload_goodput_ratio": ratio("overload"), "shed_goodput_ratio": ratio("shed"),
             "failed": sum(s["failed"] for s in levels) + sum(s["failed"] for r in runs.values() for s in r.values())}
 
 
@@ -422,8 +426,8 @@ def main() -> int:
         app = StandaloneApp(work, a.num_cpus)
         try:
             app.wait_serving()
-            print(f"quickstart app serving at {app.url} (moectl up, local Ray head with {a.num_cpus} CPUs)",
-                  flush=True)
+            print(f"quickstart app serving at {app.url} (moectl up, local Ray head with {a.num_cpus} CPUs); "
+                  f"its warm spares ready after {app.wait_spares()} s", flush=True)
             result["overload"] = overload(app.url, a)
         finally:
             app.stop()
@@ -441,6 +445,7 @@ def main() -> int:
     if "overload" in result and a.only in (None, "overload"):
         o = result["overload"]
         print(f"overload-goodput-ratio: {o['overload_goodput_ratio']}")
+        print(f"shed-goodput-ratio: {o.get('shed_goodput_ratio')}")
         print(f"knee-clients: {o['knee']['clients']}")
         print(f"knee-goodput-rps: {o['knee']['goodput_rps']}")
         for label in ("overload", "shed"):
