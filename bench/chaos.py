@@ -145,21 +145,6 @@ class StandaloneApp:
                 out.setdefault(r["group"], []).append(r["pid"])
         return out
 
-    def spare_pids(self) -> set[int]:
-        """The warm spare workers the app keeps (pids on every node)."""
-        return {p for n in self.status().get("spares", {}).get("nodes", {}).values() for p in n["spares"]}
-
-    def wait_spares(self, timeout_s: float = 180.0) -> float | None:
-        """Until every node hosting shard replicas has its warm spares (the app's steady state,
-        which a fault then disturbs); seconds it took, None if they did not come."""
-        t0 = time.monotonic()
-        while self.warm_spares and time.monotonic() - t0 < timeout_s:
-            nodes = self.status().get("spares", {}).get("nodes", {})
-            if nodes and all(len(n["spares"]) >= self.warm_spares and not n["starting"] for n in nodes.values()):
-                return round(time.monotonic() - t0, 1)
-            time.sleep(1)
-        return None
-
     def ingress_pids(self) -> list[int]:
         """Processes whose title Ray set to this app's Ingress replica actor."""
         pids = []
@@ -245,6 +230,26 @@ def overload(url: str, a) -> dict:
             "failed": sum(s["failed"] for s in levels) + sum(s["failed"] for r in runs.values() for s in r.values())}
 
 
+def spare_pids(app) -> set[int]:
+    """The warm spare workers the app keeps (pids on every node)."""
+    return {p for n in app.status().get("spares", {}).get("nodes", {}).values() for p in n["spares"]}
+
+
+def wait_spares(app, want: int, timeout_s: float = 180.0) -> float | None:
+    """Until every node hosting shard replicas has its `want` warm spares (the app's steady
+    state, which a fault then disturbs); seconds it took, None if they did not come."""
+    t0 = time.monotonic()
+    while want and time.monotonic() - t0 < timeout_s:
+        try:
+            nodes = app.status().get("spares", {}).get("nodes", {})
+        except (requests.RequestException, ValueError):
+            nodes = {}
+        if nodes and all(len(n["spares"]) >= want and not n["starting"] for n in nodes.values()):
+            return round(time.monotonic() - t0, 1)
+        time.sleep(1)
+    return None
+
+
 def app_pids(app) -> set[int]:
     """Every replica process of the app: shard replicas on the channel, ingress replicas."""
     if not isinstance(app, StandaloneApp):
@@ -258,8 +263,8 @@ def app_pids(app) -> set[int]:
 def fault_run(app: StandaloneApp, label: str, inject, a, vocab: int) -> dict:
     """Steady load, `inject()` (returns the victim pids and, for a stall, when the app may be
     whole again), load until the app is whole and --settle-s more; the figures of each window."""
-    spares_after_s = app.wait_spares() if isinstance(app, StandaloneApp) else None
-    spares = app.spare_pids() if isinstance(app, StandaloneApp) else set()
+    spares_after_s = wait_spares(app, getattr(app, "warm_spares", 1))
+    spares = spare_pids(app)
     before = app_pids(app)
     load = LoadGen(app.url, a.fault_clients, a.prompt_len, a.max_tokens, vocab, seed=7, timeout_s=120).start()
     started = time.monotonic()
@@ -427,7 +432,7 @@ def main() -> int:
         try:
             app.wait_serving()
             print(f"quickstart app serving at {app.url} (moectl up, local Ray head with {a.num_cpus} CPUs); "
-                  f"its warm spares ready after {app.wait_spares()} s", flush=True)
+                  f"its warm spares ready after {wait_spares(app, app.warm_spares)} s", flush=True)
             result["overload"] = overload(app.url, a)
         finally:
             app.stop()
