@@ -103,6 +103,7 @@ class StatusBoard:
             env, newest = nodes.get(st["node_id"], (st["runtime_env"], joined))
             nodes[st["node_id"]] = (env, max(newest, joined))
         self.pool.forget(set(nodes))
+        self._raylets = {n: r for n, r in self._raylets.items() if n in nodes}  # nodes gone: their clients too
         if not nodes:
             return
         addresses = {n["NodeID"]: f"{n['NodeManagerAddress']}:{n['NodeManagerPort']}" for n in ray.nodes()
