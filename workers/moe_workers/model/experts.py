@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .checkpoint import Checkpoint
+from . import routes
 from .layers import combine, expert_forward, group_by_expert
 
 
@@ -21,6 +22,12 @@ class LocalExperts:
         return {e: expert_forward(self.cfg, x, self.weights[(layer, e)]) for e, x in inputs.items()}
 
     def moe(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if indices.numel() <= routes.SMALL:  # decode: the routing in Python ints
+            r = routes.route(indices)
+            experts = list(r.by_expert)
+            outputs = [expert_forward(self.cfg, routes.gather(x, r, [e]), self.weights[(layer, e)]) for e in experts]
+            return routes.combine(r, r.order(experts), torch.cat(outputs) if len(outputs) > 1 else outputs[0],
+                                  weights, x.dtype)
         groups = group_by_expert(indices)
         outputs = self.forward(layer, {e: x[rows] for e, (rows, _) in groups.items()})
         return combine(x.shape[0], x.shape[1], x.dtype, groups, outputs, weights)

@@ -24,6 +24,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from moe_workers.device import replica_device
+from moe_workers.model import routes
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel, KVCache
 from moe_workers.model.layers import combine, group_by_expert
@@ -239,32 +240,48 @@ class Ingress:
 
     def _dispatch(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One layer's expert exchange (runs in the engine's step thread): rows grouped by
-        expert, one part per shard group, all groups at once."""
-        groups = group_by_expert(indices)
+        expert, one part per shard group, all groups at once. A decode step plans its routing in
+        Python ints (`routes`), a larger one with tensor ops (`group_by_expert`)."""
         router = self.router
         if router is None:
             raise RuntimeError("no expert placement configured (user_config.placement)")
-        assignment = router.assign(layer, {e: int(rows.numel()) for e, (rows, _) in groups.items()})
+        small = indices.numel() <= routes.SMALL
+        if small:
+            r = routes.route(indices)
+            counts = r.counts()
+        else:
+            groups = group_by_expert(indices)
+            counts = {e: int(rows.numel()) for e, (rows, _) in groups.items()}
+        assignment = router.assign(layer, counts)
         hints = self._predict_next(layer, x) if self.prefetch_lookahead else {}
         parts: dict[str, Part] = {}
         for group, experts in assignment.items():
-            rows = [groups[e][0] for e in experts]
-            counts = [int(r.numel()) for r in rows]
-            payload = x[torch.cat(rows)] if len(rows) > 1 else x[rows[0]]
-            if payload.device.type != "cpu":  # the socket carries host rows (a device link would not)
+            if small:
+                payload = routes.gather(x, r, experts)
+            else:
+                rows = [groups[e][0] for e in experts]
+                payload = x[torch.cat(rows)] if len(rows) > 1 else x[rows[0]]
+            if not payload.is_cpu:  # the socket carries host rows (a device link would not)
                 payload = payload.cpu()
-            parts[group] = Part(experts, counts, payload, hints.get(group, []))
-            router.begin(group, sum(counts))
+            part_counts = [counts[e] for e in experts]
+            parts[group] = Part(experts, part_counts, payload, hints.get(group, []))
+            router.begin(group, sum(part_counts))
         try:
             results = self.channel.exchange(layer, parts)
         finally:
             for group, part in parts.items():
                 router.end(group, sum(part.counts))
-        outputs: dict[int, torch.Tensor] = {}
+        if small:
+            outputs = [results[group] for group in parts]
+            joined = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+            order = [pair for part in parts.values() for pair in r.order(part.experts)]
+            return routes.combine(r, order, joined if joined.device == x.device else joined.to(x.device), weights,
+                                  x.dtype)
+        by_expert: dict[int, torch.Tensor] = {}
         for group, part in parts.items():
             for e, out in zip(part.experts, torch.split(results[group].to(x.device), part.counts)):
-                outputs[e] = out
-        return combine(x.shape[0], x.shape[1], x.dtype, groups, outputs, weights)
+                by_expert[e] = out
+        return combine(x.shape[0], x.shape[1], x.dtype, groups, by_expert, weights)
 
     def _predict_next(self, layer: int, x: torch.Tensor) -> dict[str, list[tuple[int, int]]]:
         """Prefetch hints per group: the experts the next layers' routers would pick for this
