@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -155,10 +156,16 @@ def encode_request(seq: int, layer: int, rows: int, hidden: int, dtype: torch.dt
     if sum(counts) != rows:
         raise ProtocolError(f"counts sum to {sum(counts)}, not to the {rows} rows sent")
     n, m = len(experts), len(prefetch) if prefetch else 0
+    return _request_struct(n, m).pack(MAGIC, EXPERTS, dtype_code(dtype), flags, seq, layer, rows, hidden, n, m,
+                                      *experts, *counts, *(v for pair in prefetch or () for v in pair))
+
+
+@lru_cache(maxsize=1024)
+def _request_struct(n: int, m: int) -> struct.Struct:
+    """Header and variable part of a request with n experts and m prefetch hints, as one
+    compiled format (a request is one pack)."""
     pad = _variable_size(n, m) - 4 * (2 * n + 2 * m)
-    fmt = f"{REQUEST_HEADER.format}{2 * n + 2 * m}i{pad}x"  # one pack: struct caches the compiled format
-    return struct.pack(fmt, MAGIC, EXPERTS, dtype_code(dtype), flags, seq, layer, rows, hidden, n, m,
-                       *experts, *counts, *(v for pair in prefetch or () for v in pair))
+    return struct.Struct(f"{REQUEST_HEADER.format}{2 * n + 2 * m}i{pad}x")
 
 
 def decode_request_header(buf) -> tuple[int, int, int, int, torch.dtype, int, int, int, int]:
