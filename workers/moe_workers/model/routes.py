@@ -19,7 +19,9 @@ from functools import lru_cache
 
 import torch
 
-SMALL = 64  # routed (token, slot) pairs up to which a layer takes this path: decode steps
+SMALL = 32  # routed (token, slot) pairs up to which a layer takes this path. bench/dispatch.py: it
+# costs 0.3-0.4 of the tensor-op forms for one token and 0.6-0.9 for 4-16; one run at 32 tokens
+# of hidden 4096 measured it slower than them, so from there on the tensor-op forms are used
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,16 @@ def route(indices: torch.Tensor) -> Route:
     return Route(n, k, picks, {e: buckets[e] for e in sorted(buckets)})
 
 
-@lru_cache(maxsize=4096)
 def _index(positions: tuple[int, ...], device: str) -> torch.Tensor:
-    """An index tensor, made once: a decode step sees few distinct permutations."""
+    """An index tensor; made once for one token's few permutations (k! at most, and the router
+    orders a token's picks by weight, so in practice a handful)."""
+    if len(positions) <= 8:
+        return _small_index(positions, device)
+    return torch.tensor(positions, dtype=torch.long, device=device)
+
+
+@lru_cache(maxsize=4096)
+def _small_index(positions: tuple[int, ...], device: str) -> torch.Tensor:
     with torch.inference_mode(False):
         return torch.tensor(positions, dtype=torch.long, device=device)
 
