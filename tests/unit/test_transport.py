@@ -96,6 +96,22 @@ def test_exchange_returns_each_groups_outputs(servers, dtype, rows):
     ch.close()
 
 
+def test_one_connection_carries_requests_of_changing_shapes_and_dtypes(servers):
+    """The replica keeps its tensor views over its buffers while the shape repeats (decode) and
+    makes new ones when it changes: each reply is its own request's rows."""
+    a = servers()
+    ch = _channel([Member("g0", "r0", a.endpoint)])
+    for rows, hidden, dtype, experts in [(1, 64, torch.float32, [2]), (1, 64, torch.float32, [5]),
+                                         (2, 64, torch.float32, [2, 5]), (3, 32, torch.bfloat16, [1]),
+                                         (5000, 64, torch.float32, [7]), (1, 64, torch.float32, [2])]:
+        x = torch.randn(rows, hidden).to(dtype)
+        counts = [1] * (len(experts) - 1) + [rows - len(experts) + 1]
+        out = ch.exchange(3, {"g0": Part(experts, counts, x)})["g0"]
+        assert torch.equal(out, _expected(3, x, experts, counts)), (rows, hidden, dtype)
+    assert a.connections() == 1
+    ch.close()
+
+
 def test_concurrent_exchanges_each_get_their_own_connection(servers):
     gate = threading.Barrier(2)
 

@@ -189,6 +189,7 @@ class ExchangeServer:
         buf = np.empty(1 << 16, dtype=np.uint8)
         view = memoryview(buf)
         outbuf = np.empty(1 << 16, dtype=np.uint8)
+        view_shape = None  # (offset, rows, hidden, dtype) of the tensor views x and out over buf and outbuf
         while True:
             got = _recv_at_least(conn, view, 0, head)
             seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size, flags = wire.decode_request_header(view)
@@ -201,6 +202,7 @@ class ExchangeServer:
                 bigger = np.empty(total, dtype=np.uint8)
                 bigger[:got] = buf[:got]
                 buf, view = bigger, memoryview(bigger)
+                view_shape = None  # the tensor views were over the old buffer
             _recv_at_least(conn, view, got, total)
             t0 = time.perf_counter()
             experts, counts, prefetch = wire.decode_request_body(view, head, n_experts, n_prefetch, rows)
@@ -208,14 +210,18 @@ class ExchangeServer:
                 x = torch.empty(rows, hidden, dtype=dtype, device=link.device)
                 link.recv_into(x)
                 out = torch.empty_like(x)
+                view_shape = None
             if self.draining:
                 conn.sendall(wire.encode_reply(seq, wire.DRAINING, message="replica is stopping"))
                 continue
             if not linked:
-                if len(outbuf) < nbytes:
-                    outbuf = np.empty(nbytes, dtype=np.uint8)
-                x = wire.tensor_view(buf, head + size, rows, hidden, dtype)
-                out = wire.tensor_view(outbuf, 0, rows, hidden, dtype)
+                shape = (head + size, rows, hidden, dtype)
+                if shape != view_shape or len(outbuf) < nbytes:  # decode steps repeat one shape
+                    if len(outbuf) < nbytes:
+                        outbuf = np.empty(nbytes, dtype=np.uint8)
+                    x = wire.tensor_view(buf, head + size, rows, hidden, dtype)
+                    out = wire.tensor_view(outbuf, 0, rows, hidden, dtype)
+                    view_shape = shape
             with self._lock:
                 self.busy += 1
             try:

@@ -192,10 +192,15 @@ def _variable_size(n_experts: int, n_prefetch: int) -> int:
     return -(-end // ALIGN) * ALIGN - REQUEST_HEADER.size
 
 
+@lru_cache(maxsize=1024)
+def _body_struct(n_experts: int, n_prefetch: int) -> struct.Struct:
+    return struct.Struct(f"<{2 * n_experts + 2 * n_prefetch}i")
+
+
 def decode_request_body(buf, offset: int, n_experts: int, n_prefetch: int,
                         rows: int) -> tuple[list[int], list[int], list[tuple[int, int]]]:
     """(experts, counts, prefetch) from the variable part at `offset` of `buf`."""
-    flat = struct.unpack_from(f"<{2 * n_experts + 2 * n_prefetch}i", buf, offset)
+    flat = _body_struct(n_experts, n_prefetch).unpack_from(buf, offset)
     experts, counts = list(flat[:n_experts]), list(flat[n_experts:2 * n_experts])
     pairs = flat[2 * n_experts:]
     if any(c < 0 for c in counts) or sum(counts) != rows:
