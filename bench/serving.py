@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import requests
@@ -223,6 +224,12 @@ def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_la
             return ingress.engine_stats.remote().result(), [s.status.remote().result() for s in shards]
 
         _post(url, {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})  # warm-up
+        # the app's steady state: its warm spare worker starts (importing torch, seconds of CPU)
+        # once the node has settled, which would otherwise land in the first measured rounds
+        from chaos import wait_spares
+
+        status = types.SimpleNamespace(status=lambda: requests.get(url + "/moe/v1/status", timeout=10).json())
+        print(f"warm spares ready after {wait_spares(status, args.warm_spares)} s", flush=True)
         yield url, stats
         client.delete_all()
         ray.shutdown()
