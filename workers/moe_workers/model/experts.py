@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import Checkpoint
 from . import routes
+from .checkpoint import Checkpoint
 from .layers import combine, expert_forward, group_by_expert
 
 
