@@ -1,0 +1,279 @@
+"""Batch-1 decode of a deep model split across processes with nothing else in the way: the floor
+that the served decode of bench/serving.py (the depth sweep) is measured against.
+
+    python bench/floor.py                  # 32 layers, the depth sweep's shape
+    python bench/floor.py --layers 4,16,32 --rounds 7
+    python bench/floor.py --keep-awake     # idle CPUs kept from halting, for all sides
+
+Three sides decode the same greedy tokens from the same checkpoint, alternating in rounds in one
+window (this machine's speed drifts by 20-50% over minutes), with medians reported:
+- in-process: `InProcessModel`, the reference of bench/serving.py;
+- raw: the same model with each layer's experts in 2 plain child processes (half the experts
+  each, as the served app's 2 groups), reached over TCP loopback with a 12-byte header and
+  blocking reads: the least a process boundary costs here;
+- channel: the same split through our `ExpertChannel` and `ExchangeServer`, and the ingress'
+  decode routing (`routes`): the transport without Ray Serve, its HTTP path or its engine.
+served - channel is then what the served app adds on top (its replicas' code and processes),
+channel - raw our protocol's share. Dispatch per layer = (side - in-process) step time / layers, as in bench/serving.py.
+Ends with `figure: value` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import struct
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "workers"))
+sys.path.insert(0, str(REPO / "bench"))
+
+HEADER = struct.Struct("<iii")  # layer, experts in the part, rows
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", default="32")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=33)
+    p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--family", default="mixtral")
+    p.add_argument("--cache-dir", default="/tmp/moe-bench")
+    p.add_argument("--keep-awake", action="store_true",
+                   help="a SCHED_IDLE busy loop on every CPU for the whole run (all sides): what the machine's "
+                        "idle-CPU wake-ups cost the split sides")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "floor.json"))
+    return p.parse_args()
+
+
+def group_experts(num_experts: int, groups: int) -> list[list[int]]:
+    """Expert e in group e % groups, as bench/serving.py places them."""
+    return [[e for e in range(num_experts) if e % groups == g] for g in range(groups)]
+
+
+def _load(path: str, experts: list[int]):
+    import torch
+
+    from moe_workers.model.checkpoint import Checkpoint
+    from moe_workers.model.experts import LocalExperts
+
+    torch.set_num_threads(1)
+    ckpt = Checkpoint(path)
+    cfg = ckpt.config
+    return cfg, LocalExperts(ckpt, cfg.dtype, [(layer, e) for layer in cfg.sparse_layers for e in experts])
+
+
+def _raw_shard(path: str, experts: list[int], ready, port_out) -> None:
+    import torch
+
+    from moe_workers.model.experts import compute_rows
+
+    cfg, local = _load(path, experts)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_out.value = listener.getsockname()[1]
+    ready.set()
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    row_bytes = cfg.hidden_size * torch.finfo(cfg.dtype).bits // 8
+    with torch.inference_mode():
+        while True:
+            head = conn.recv(HEADER.size, socket.MSG_WAITALL)
+            if len(head) < HEADER.size:
+                return
+            layer, n, rows = HEADER.unpack(head)
+            body = conn.recv(8 * n + rows * row_bytes, socket.MSG_WAITALL)
+            pairs = struct.unpack(f"<{2 * n}i", body[:8 * n])
+            x = torch.frombuffer(bytearray(body[8 * n:]), dtype=cfg.dtype).view(rows, cfg.hidden_size)
+            out = torch.empty_like(x)
+            compute_rows(local.weights, [(layer, e) for e in pairs[::2]], list(pairs[1::2]), x, out, cfg)
+            conn.sendall(out.numpy().tobytes())
+
+
+def _channel_shard(path: str, experts: list[int], ready, port_out) -> None:
+    from moe_workers.model.experts import compute_rows
+    from moe_workers.transport import ExchangeServer
+
+    cfg, local = _load(path, experts)
+
+    def compute(layer, x, experts, counts, prefetch, out):
+        compute_rows(local.weights, [(layer, e) for e in experts], counts, x, out, cfg)
+
+    server = ExchangeServer(compute, lambda: ["floor"], torch_threads=1)
+    port_out.value = server.port
+    ready.set()
+    while True:
+        time.sleep(3600)
+
+
+def _spin(cpu: int) -> None:
+    """Runs only when nothing else wants this CPU: it never halts, so a wake-up there is a
+    preemption, not an idle CPU's wake (on a VM, the hypervisor's)."""
+    os.sched_setaffinity(0, {cpu})
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    while True:
+        pass
+
+
+def keep_awake() -> list:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_spin, args=(cpu,), daemon=True) for cpu in sorted(os.sched_getaffinity(0))]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _start(target, path: Path, blocks: list[list[int]]):
+    ctx = mp.get_context("spawn")
+    procs, ports = [], []
+    for experts in blocks:
+        ready, port = ctx.Event(), ctx.Value("i", 0)
+        p = ctx.Process(target=target, args=(str(path), experts, ready, port), daemon=True)
+        p.start()
+        if not ready.wait(120):
+            raise RuntimeError("a shard process did not start")
+        procs.append(p)
+        ports.append(port.value)
+    return procs, ports
+
+
+class RawExperts:
+    """`LocalExperts.moe` for a decode step, with each group's rows sent to its process."""
+
+    def __init__(self, ports: list[int], blocks: list[list[int]]):
+        self.conns = [socket.create_connection(("127.0.0.1", port)) for port in ports]
+        for c in self.conns:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.group_of = {e: g for g, block in enumerate(blocks) for e in block}
+
+    def moe(self, layer, x, indices, weights):
+        import torch
+
+        from moe_workers.model import routes
+
+        r = routes.route(indices)
+        parts: dict[int, list[int]] = {}
+        for e in sorted(r.by_expert):
+            parts.setdefault(self.group_of[e], []).append(e)
+        counts = r.counts()
+        for g, experts in parts.items():
+            payload = routes.gather(x, r, experts)
+            pairs = [v for e in experts for v in (e, counts[e])]
+            self.conns[g].sendall(HEADER.pack(layer, len(experts), payload.shape[0])
+                                  + struct.pack(f"<{len(pairs)}i", *pairs) + payload.numpy().tobytes())
+        outputs, order = [], []
+        for g, experts in parts.items():
+            rows = sum(counts[e] for e in experts)
+            data = self.conns[g].recv(rows * x.shape[1] * x.element_size(), socket.MSG_WAITALL)
+            outputs.append(torch.frombuffer(bytearray(data), dtype=x.dtype).view(rows, x.shape[1]))
+            order += r.order(experts)
+        return routes.combine(r, order, torch.cat(outputs) if len(outputs) > 1 else outputs[0], weights, x.dtype)
+
+
+class ChannelExperts:
+    """The ingress' decode `_dispatch` without the ingress: routes, one Part per group, one exchange."""
+
+    def __init__(self, ports: list[int], blocks: list[list[int]]):
+        from moe_workers.transport import ExpertChannel, Member
+
+        self.channel = ExpertChannel()
+        self.channel.update([Member(f"g{g}", f"r{g}", f"127.0.0.1:{port}") for g, port in enumerate(ports)], "floor")
+        self.group_of = {e: f"g{g}" for g, block in enumerate(blocks) for e in block}
+
+    def moe(self, layer, x, indices, weights):
+        import torch
+
+        from moe_workers.model import routes
+        from moe_workers.transport import Part
+
+        r = routes.route(indices)
+        counts = r.counts()
+        by_group: dict[str, list[int]] = {}
+        for e in sorted(r.by_expert):
+            by_group.setdefault(self.group_of[e], []).append(e)
+        parts = {g: Part(experts, [counts[e] for e in experts], routes.gather(x, r, experts))
+                 for g, experts in by_group.items()}
+        results = self.channel.exchange(layer, parts)
+        outputs = [results[g] for g in parts]
+        order = [pair for part in parts.values() for pair in r.order(part.experts)]
+        return routes.combine(r, order, torch.cat(outputs) if len(outputs) > 1 else outputs[0], weights, x.dtype)
+
+
+def depth(a, n: int) -> dict:
+    import torch
+
+    from moe_workers.model.inprocess import InProcessModel
+    from serving import ensure_checkpoint
+
+    shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=n, num_heads=8,
+                 num_kv_heads=2, num_experts=8, top_k=2, max_position_embeddings=512)
+    path = ensure_checkpoint(a.cache_dir, shape, a.family)
+    torch.set_num_threads(1)
+    model = InProcessModel(path, max_len=512, max_sequences=2)
+    local = model.experts
+    blocks = group_experts(shape["num_experts"], a.groups)
+    raw_procs, raw_ports = _start(_raw_shard, path, blocks)
+    ch_procs, ch_ports = _start(_channel_shard, path, blocks)
+    sides = {"in-process": local, "raw": RawExperts(raw_ports, blocks), "channel": ChannelExperts(ch_ports, blocks)}
+    prompt = [5, 6, 7]
+    try:
+        tokens = {}
+        for name, experts in sides.items():
+            model.experts = experts
+            tokens[name] = model.generate([prompt], max_tokens=a.tokens)[0]
+        if len({tuple(t) for t in tokens.values()}) != 1:
+            raise AssertionError(f"the sides decoded different tokens: {tokens}")
+        ms: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(a.rounds):
+            for name, experts in sides.items():
+                model.experts = experts
+                t0 = time.perf_counter()
+                model.generate([prompt], max_tokens=1)
+                t1 = time.perf_counter()
+                model.generate([prompt], max_tokens=a.tokens)
+                ms[name].append(((time.perf_counter() - t1) - (t1 - t0)) / (a.tokens - 1) * 1000)
+    finally:
+        model.experts = local
+        sides["channel"].channel.close()
+        for p in raw_procs + ch_procs:
+            p.kill()
+    med = {name: statistics.median(v) for name, v in ms.items()}
+    return {"layers": n, "ms_per_token": med, "rounds_ms": ms,
+            "ratio": {k: med["in-process"] / v for k, v in med.items() if k != "in-process"},
+            "dispatch_ms_per_layer": {k: (v - med["in-process"]) / n for k, v in med.items() if k != "in-process"}}
+
+
+def main() -> int:
+    a = parse_args()
+    rows, figures = [], {}
+    spinners = keep_awake() if a.keep_awake else []
+    tag = "-keep-awake" if a.keep_awake else ""
+    print(f"{'layers':>6} {'in-process ms':>13} {'raw ms':>7} {'channel ms':>10} {'raw ratio':>9} {'channel ratio':>13}"
+          f" {'raw ms/layer':>12} {'channel ms/layer':>16}", flush=True)
+    for n in (int(v) for v in a.layers.split(",")):
+        r = depth(a, n)
+        rows.append(r)
+        m, q, d = r["ms_per_token"], r["ratio"], r["dispatch_ms_per_layer"]
+        print(f"{n:6} {m['in-process']:13.2f} {m['raw']:7.2f} {m['channel']:10.2f} {q['raw']:9.2f} {q['channel']:13.2f}"
+              f" {d['raw']:12.3f} {d['channel']:16.3f}", flush=True)
+        for side in ("raw", "channel"):
+            figures[f"floor-{side}{tag}-decode1-ratio-{n}-layers"] = q[side]
+            figures[f"floor-{side}{tag}-dispatch-ms-per-layer-{n}-layers"] = d[side]
+    for p in spinners:
+        p.kill()
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"keep_awake": a.keep_awake, "rows": rows, "figures": figures}, indent=2))
+    print()
+    for k, v in figures.items():
+        print(f"{k}: {v:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
