@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.random_init import write_random_mixtral
-from moe_workers.store.store import (COLD, HOT, PREFETCH_EVICT_ACCURACY, SOURCE, WARM, TierConfig, TierConfigError,
-                                     TieredExpertStore)
+from moe_workers.store.store import (COLD, HOT, PREFETCH_EVICT_ACCURACY, SOURCE, WARM, StoreFull, TierConfig,
+                                     TierConfigError, TieredExpertStore)
 from moe_workers.store.versions import SwapError, content_digest, file_sha256, load_expert_file
 
 LAYERS, EXPERTS = 2, 4
@@ -124,6 +124,44 @@ def test_pinned_experts_are_never_evicted(model_dir, tmp_path):
     assert all(s.entries[k].tier == HOT for k in held)
     release.set()
     t.join()
+    assert_within_budgets(s)
+
+
+def test_a_batch_counts_its_hits_and_unpins_however_it_ends(model_dir, tmp_path):
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=EXPERTS * n, warm_budget=0)  # one layer's experts
+    s.configure(ALL)
+    hot = [k for k, e in s.entries.items() if e.tier == HOT]
+    assert len(hot) == EXPERTS
+    before = s.stats.hits[HOT]
+    with pytest.raises(RuntimeError, match="in the batch"):
+        with s.use(hot) as w:
+            assert set(w) == set(hot) and all(s.entries[k].pins == 1 for k in hot)
+            raise RuntimeError("in the batch")
+    assert s.stats.hits[HOT] == before + EXPERTS  # an all-hot batch: a hit per expert
+    assert all(e.pins == 0 for e in s.entries.values())
+    # a batch that cannot load (its room is pinned by another batch) raises and gives everything back
+    s.wait_timeout_s = 0.3
+    inside, release = threading.Event(), threading.Event()
+
+    def holder():
+        with s.use(hot):
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert inside.wait(10)
+    cold = next(k for k in ALL if k not in hot)
+    with pytest.raises(StoreFull):
+        with s.use([cold]):
+            pass
+    assert s.entries[cold].pins == 0 and s.entries[cold].tier != HOT
+    release.set()
+    t.join(10)
+    assert all(e.pins == 0 for e in s.entries.values())
+    with s.use([cold]) as w:  # the admission was released: the next batch loads
+        assert torch.equal(w[cold]["w1"], Checkpoint(model_dir).expert(*cold)["w1"])
     assert_within_budgets(s)
 
 

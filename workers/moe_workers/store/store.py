@@ -14,7 +14,6 @@ evicted, and a hot-swap commits only between batches, so no batch mixes versions
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -22,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -356,51 +355,65 @@ class TieredExpertStore:
 
     # -- reading weights for a batch ----------------------------------------------------------
 
-    @contextlib.contextmanager
-    def use(self, keys: list[Key]) -> Iterator[dict[Key, dict[str, torch.Tensor]]]:
-        """Weights (compute layout) of `keys`, pinned for the duration of a batch.
+    def use(self, keys: list[Key]) -> "Batch":
+        """Weights (compute layout) of `keys`, pinned for the duration of a batch:
+        `with store.use(keys) as weights: ...`.
 
-        A call whose experts are all hot pins them and computes at once. A call that must promote
-        some first is admitted as a unit: it takes the admission lock before pinning anything, so
-        the only pins it can wait on belong to calls that are computing (and will unpin), never
-        to a call waiting in turn for its pins."""
+        A call whose experts are all hot pins them and computes at once (one lock acquisition).
+        A call that must promote some first is admitted as a unit: it takes the admission lock
+        before pinning anything, so the only pins it can wait on belong to calls that are
+        computing (and will unpin), never to a call waiting in turn for its pins."""
+        return Batch(self, keys)
+
+    def _begin(self, keys: list[Key]) -> tuple[list[Entry], dict[Key, dict[str, torch.Tensor]]]:
         deadline = time.monotonic() + self.wait_timeout_s
-        if self.config.prefetch:
-            with self._cv:
+        with self._cv:
+            if self.config.prefetch:
                 self.hints.used(keys)
                 self.stats.hint_accuracy = self.hints.accuracy
-        entries = self._pin(keys, deadline, fast_only=True)
-        admitted = False
+            entries = self._pin(keys, deadline, fast_only=True)
+            if entries is not None:  # every one hot and still: a hit each, as a demand promotion counts it
+                for e in entries:
+                    self.stats.hits[HOT] += 1
+                    if e.prefetched:
+                        self.stats.prefetch_used += 1
+                        e.prefetched = False
+        if entries is None:
+            return self._begin_admitted(keys, deadline)
+        for e in entries:  # the batch's kernels run after the copies that brought its experts
+            self.ops.wait(e.ready)
+        return entries, {e.key: e.tensors for e in entries}
+
+    def _begin_admitted(self, keys: list[Key], deadline: float) -> tuple[list[Entry], dict]:
+        if not self._admission.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise StoreFull("timed out waiting to load this batch's experts (other batches are loading theirs)")
+        entries: list[Entry] = []
         try:
-            if entries is None:
-                if not self._admission.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                    raise StoreFull("timed out waiting to load this batch's experts (other batches are loading theirs)")
-                admitted = True
-                entries = self._pin(keys, deadline, fast_only=False)
-            out = {}
+            entries = self._pin(keys, deadline, fast_only=False)
+            out = {e.key: self._promote(e.key, HOT, mode="demand", entry=e) for e in entries}
+        except BaseException:
+            self._admission.release()
+            self._end(entries)
+            raise
+        self._admission.release()
+        for e in entries:
+            self.ops.wait(e.ready)
+        return entries, out
+
+    def _end(self, entries: list[Entry]) -> None:
+        if not entries:
+            return
+        now = time.monotonic()
+        read_done = self.ops.record()  # after the batch's kernels: its slots may be reused then
+        with self._cv:
             for e in entries:
-                out[e.key] = self._promote(e.key, HOT, mode="demand", entry=e)
-            if admitted:
-                self._admission.release()
-                admitted = False
-            for e in entries:  # the batch's kernels run after the copies that brought its experts
-                self.ops.wait(e.ready)
-            yield out
-        finally:
-            if admitted:
-                self._admission.release()
-            if entries:
-                now = time.monotonic()
-                read_done = self.ops.record()  # after the batch's kernels: its slots may be reused then
-                with self._cv:
-                    for e in entries:
-                        e.pins -= 1
-                        e.last_used = now
-                        if read_done is not None:
-                            e.read_done = read_done
-                        self._retire_if_done(e)
-                    self._settle()
-                    self._cv.notify_all()
+                e.pins -= 1
+                e.last_used = now
+                if read_done is not None:
+                    e.read_done = read_done
+                self._retire_if_done(e)
+            self._settle()
+            self._cv.notify_all()
 
     def _pin(self, keys: list[Key], deadline: float, fast_only: bool) -> list[Entry] | None:
         """Pin `keys` once no swap of theirs is committing. fast_only: only when every one is
@@ -894,3 +907,24 @@ class TieredExpertStore:
         if self._prefetch_thread is not None:
             self._prefetch_q.put(None)
 
+
+class Batch:
+    """`TieredExpertStore.use`: a class rather than a generator-based context manager (a shard
+    enters one per request, per layer of every decode step; the generator form took several
+    times the Python operations, which cost tens of microseconds each between a replica's idle
+    gaps)."""
+
+    __slots__ = ("store", "keys", "entries")
+
+    def __init__(self, store: TieredExpertStore, keys: list[Key]):
+        self.store = store
+        self.keys = keys
+        self.entries: list[Entry] = []
+
+    def __enter__(self) -> dict[Key, dict[str, torch.Tensor]]:
+        self.entries, weights = self.store._begin(self.keys)
+        return weights
+
+    def __exit__(self, *exc) -> None:
+        entries, self.entries = self.entries, []
+        self.store._end(entries)
