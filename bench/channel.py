@@ -13,7 +13,6 @@ then read every reply, as one exchange per layer does. Ends with `figure: value`
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import socket
 import statistics
@@ -24,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workers"))
+
+from figures import report  # noqa: E402
 
 
 def parse_args():
@@ -161,12 +162,7 @@ def main() -> int:
             print(f"{b:5} {n:5} {nbytes / 1024:7.0f} K {raw * 1e3:14.3f} {ours * 1e3:11.3f} {ours / raw:6.2f}")
             figures[f"channel-ms-batch{b}-{n}-peers"] = ours * 1e3
             figures[f"channel-over-raw-batch{b}-{n}-peers"] = ours / raw
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"hidden": a.hidden, "rows": rows_out, "figures": figures}, indent=2))
-    print()
-    for k, v in figures.items():
-        print(f"{k}: {v:.3f}")
-    return 0
+    return report(a.out, {"hidden": a.hidden, "rows": rows_out}, figures)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ are reported. Both give the same values (checked here too). Ends with `figure: v
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workers"))
+
+from figures import report  # noqa: E402
 
 
 def parse_args():
@@ -80,12 +81,7 @@ def main() -> int:
                 print(f"{n:5} {hidden:6} {ref:16.1f} {us:10.1f} {us / ref:6.2f}")
                 figures[f"dispatch-plan-us-batch{n}-hidden{hidden}"] = us
                 figures[f"dispatch-plan-over-layers-forms-batch{n}-hidden{hidden}"] = us / ref
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"rows": rows, "figures": figures}, indent=2))
-    print()
-    for k, v in figures.items():
-        print(f"{k}: {v:.3f}")
-    return 0
+    return report(a.out, {"rows": rows}, figures)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Ends with `figure: value` lines.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -34,6 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workers"))
 sys.path.insert(0, str(REPO / "bench"))
+
+from figures import report  # noqa: E402
 
 HEADER = struct.Struct("<iii")  # layer, experts in the part, rows
 
@@ -267,12 +268,7 @@ def main() -> int:
             figures[f"floor-{side}{tag}-dispatch-ms-per-layer-{n}-layers"] = d[side]
     for p in spinners:
         p.kill()
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"keep_awake": a.keep_awake, "rows": rows, "figures": figures}, indent=2))
-    print()
-    for k, v in figures.items():
-        print(f"{k}: {v:.3f}")
-    return 0
+    return report(a.out, {"keep_awake": a.keep_awake, "rows": rows}, figures)
 
 
 if __name__ == "__main__":

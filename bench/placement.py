@@ -44,6 +44,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator"), str(REPO / "bench")]
 
+from figures import report  # noqa: E402
+
 from moe_operator.planner.initial import initial_placement, moved_experts  # noqa: E402
 from moe_operator.planner.layer import slots_per_group  # noqa: E402
 from moe_operator.planner.rebalance import (layer_balancedness, lower_bound_balancedness,  # noqa: E402
@@ -297,12 +299,7 @@ def main() -> int:
         onset = onset_to_balanced()
         figures["onset-to-balanced-s"] = onset["balanced_s"]
         figures["onset-to-balanced-vs-stabilization"] = onset["balanced_s"] / onset["stabilization_s"]
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"rows": rows, "co_selection": co, "onset": onset, "figures": figures}, indent=2))
-    print()
-    for k, v in figures.items():
-        print(f"{k}: {v:.3f}")
-    return 0
+    return report(a.out, {"rows": rows, "co_selection": co, "onset": onset}, figures)
 
 
 if __name__ == "__main__":

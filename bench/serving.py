@@ -26,6 +26,8 @@ from pathlib import Path
 import requests
 import torch
 
+from figures import report  # the bench directory: this script's own, or its importer's
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -458,13 +460,8 @@ def main() -> int:
         print(f"  served {name:19} {rss / 2**20:9.1f} MiB{extra}")
     deep_rows, deep_figures = deep_sweep(a, layer_counts) if a.only is None else ([], {})
     figures.update(deep_figures)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"family": a.family, "shape": shape, "work": work, "in_process": local, "served": served,
-                                       "deep": deep_rows, "figures": figures}, indent=2))
-    print()
-    for name, value in figures.items():
-        print(f"{name}: {value:.3f}")
-    return 0
+    return report(a.out, {"family": a.family, "shape": shape, "work": work, "in_process": local, "served": served,
+                          "deep": deep_rows}, figures)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import random
 import sys
@@ -42,6 +41,7 @@ sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator"), str(REPO / "bench
 import requests  # noqa: E402
 import torch  # noqa: E402
 
+from figures import report  # noqa: E402
 from serving import ensure_checkpoint, model_shape, prompts  # noqa: E402
 from moe_workers.store.fileread import drop_from_page_cache  # noqa: E402
 
@@ -543,13 +543,7 @@ def _served(a, path, shape, work, results: dict, figures: dict) -> int:
 
 
 def _finish(a, results: dict, figures: dict) -> int:
-    results["figures"] = figures
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(results, indent=2))
-    print()
-    for k, v in figures.items():
-        print(f"{k}: {v:.2f}")
-    return 0
+    return report(a.out, results, figures, digits=2)
 
 
 if __name__ == "__main__":
