@@ -380,9 +380,18 @@ class TieredExpertStore:
                         e.prefetched = False
         if entries is None:
             return self._begin_admitted(keys, deadline)
-        for e in entries:  # the batch's kernels run after the copies that brought its experts
-            self.ops.wait(e.ready)
+        self._after_copies(entries)
         return entries, {e.key: e.tensors for e in entries}
+
+    def _after_copies(self, entries: list[Entry]) -> None:
+        """The batch's kernels run after the copies that brought its experts (a device error
+        there unpins the batch before it propagates)."""
+        try:
+            for e in entries:
+                self.ops.wait(e.ready)
+        except BaseException:
+            self._end(entries)
+            raise
 
     def _begin_admitted(self, keys: list[Key], deadline: float) -> tuple[list[Entry], dict]:
         if not self._admission.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -396,8 +405,7 @@ class TieredExpertStore:
             self._end(entries)
             raise
         self._admission.release()
-        for e in entries:
-            self.ops.wait(e.ready)
+        self._after_copies(entries)
         return entries, out
 
     def _end(self, entries: list[Entry]) -> None:
