@@ -10,7 +10,7 @@ window (this machine's speed drifts by 20-50% over minutes), with medians report
 - in-process: `InProcessModel`, the reference of bench/serving.py;
 - raw: the same model with each layer's experts in 2 plain child processes (half the experts
   each, as the served app's 2 groups), reached over TCP loopback with a 12-byte header and
-  blocking reads: the least a process boundary costs here;
+  blocking reads: the least a process boundary costs here; raw-unix: the same over Unix sockets;
 - channel: the same split through our `ExpertChannel` and `ExchangeServer`, and the ingress'
   decode routing (`routes`): the transport without Ray Serve, its HTTP path or its engine.
 served - channel is then what the served app adds on top (its replicas' code and processes),
@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import statistics
 import struct
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,17 +73,24 @@ def _load(path: str, experts: list[int]):
     return cfg, LocalExperts(ckpt, cfg.dtype, [(layer, e) for layer in cfg.sparse_layers for e in experts])
 
 
-def _raw_shard(path: str, experts: list[int], ready, port_out) -> None:
+def _raw_shard(path: str, experts: list[int], ready, port_out, unix: str = "") -> None:
+    """Listens on TCP loopback, or on the Unix socket `unix` when one is given."""
     import torch
 
     from moe_workers.model.experts import compute_rows
 
     cfg, local = _load(path, experts)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port_out.value = listener.getsockname()[1]
+    if unix:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(unix)
+        listener.listen(1)
+    else:
+        listener = socket.create_server(("127.0.0.1", 0))
+        port_out.value = listener.getsockname()[1]
     ready.set()
     conn, _ = listener.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if not unix:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     row_bytes = cfg.hidden_size * torch.finfo(cfg.dtype).bits // 8
     with torch.inference_mode():
         while True:
@@ -130,12 +139,13 @@ def keep_awake() -> list:
     return procs
 
 
-def _start(target, path: Path, blocks: list[list[int]]):
+def _start(target, path: Path, blocks: list[list[int]], unix: list[str] | None = None):
     ctx = mp.get_context("spawn")
     procs, ports = [], []
-    for experts in blocks:
+    for i, experts in enumerate(blocks):
         ready, port = ctx.Event(), ctx.Value("i", 0)
-        p = ctx.Process(target=target, args=(str(path), experts, ready, port), daemon=True)
+        p = ctx.Process(target=target, args=(str(path), experts, ready, port, *([unix[i]] if unix else [])),
+                        daemon=True)
         p.start()
         if not ready.wait(120):
             raise RuntimeError("a shard process did not start")
@@ -147,10 +157,17 @@ def _start(target, path: Path, blocks: list[list[int]]):
 class RawExperts:
     """`LocalExperts.moe` for a decode step, with each group's rows sent to its process."""
 
-    def __init__(self, ports: list[int], blocks: list[list[int]]):
-        self.conns = [socket.create_connection(("127.0.0.1", port)) for port in ports]
-        for c in self.conns:
-            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(self, addresses: list, blocks: list[list[int]]):
+        """addresses: TCP loopback ports, or Unix socket paths."""
+        self.conns = []
+        for address in addresses:
+            if isinstance(address, str):
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.connect(address)
+            else:
+                c = socket.create_connection(("127.0.0.1", address))
+                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.conns.append(c)
         self.group_of = {e: g for g, block in enumerate(blocks) for e in block}
 
     def moe(self, layer, x, indices, weights):
@@ -220,8 +237,12 @@ def depth(a, n: int) -> dict:
     local = model.experts
     blocks = group_experts(shape["num_experts"], a.groups)
     raw_procs, raw_ports = _start(_raw_shard, path, blocks)
+    unix_dir = tempfile.mkdtemp(prefix="moe-floor-")
+    unix_paths = [os.path.join(unix_dir, f"g{g}.sock") for g in range(len(blocks))]
+    unix_procs, _ = _start(_raw_shard, path, blocks, unix_paths)
     ch_procs, ch_ports = _start(_channel_shard, path, blocks)
-    sides = {"in-process": local, "raw": RawExperts(raw_ports, blocks), "channel": ChannelExperts(ch_ports, blocks)}
+    sides = {"in-process": local, "raw": RawExperts(raw_ports, blocks), "raw-unix": RawExperts(unix_paths, blocks),
+             "channel": ChannelExperts(ch_ports, blocks)}
     prompt = [5, 6, 7]
     try:
         tokens = {}
@@ -242,8 +263,9 @@ def depth(a, n: int) -> dict:
     finally:
         model.experts = local
         sides["channel"].channel.close()
-        for p in raw_procs + ch_procs:
+        for p in raw_procs + unix_procs + ch_procs:
             p.kill()
+        shutil.rmtree(unix_dir, ignore_errors=True)
     med = {name: statistics.median(v) for name, v in ms.items()}
     return {"layers": n, "ms_per_token": med, "rounds_ms": ms,
             "ratio": {k: med["in-process"] / v for k, v in med.items() if k != "in-process"},
@@ -255,15 +277,16 @@ def main() -> int:
     rows, figures = [], {}
     spinners = keep_awake() if a.keep_awake else []
     tag = "-keep-awake" if a.keep_awake else ""
-    print(f"{'layers':>6} {'in-process ms':>13} {'raw ms':>7} {'channel ms':>10} {'raw ratio':>9} {'channel ratio':>13}"
-          f" {'raw ms/layer':>12} {'channel ms/layer':>16}", flush=True)
+    split = ("raw", "raw-unix", "channel")
+    print(f"{'layers':>6} {'in-process ms':>13}" + "".join(f" {s + ' ms':>11} {'ratio':>6} {'ms/layer':>8}" for s in split),
+          flush=True)
     for n in (int(v) for v in a.layers.split(",")):
         r = depth(a, n)
         rows.append(r)
         m, q, d = r["ms_per_token"], r["ratio"], r["dispatch_ms_per_layer"]
-        print(f"{n:6} {m['in-process']:13.2f} {m['raw']:7.2f} {m['channel']:10.2f} {q['raw']:9.2f} {q['channel']:13.2f}"
-              f" {d['raw']:12.3f} {d['channel']:16.3f}", flush=True)
-        for side in ("raw", "channel"):
+        print(f"{n:6} {m['in-process']:13.2f}" + "".join(f" {m[s]:11.2f} {q[s]:6.2f} {d[s]:8.3f}" for s in split),
+              flush=True)
+        for side in split:
             figures[f"floor-{side}{tag}-decode1-ratio-{n}-layers"] = q[side]
             figures[f"floor-{side}{tag}-dispatch-ms-per-layer-{n}-layers"] = d[side]
     for p in spinners:
