@@ -154,8 +154,35 @@ def _start(target, path: Path, blocks: list[list[int]], unix: list[str] | None =
     return procs, ports
 
 
-class RawExperts:
-    """`LocalExperts.moe` for a decode step, with each group's rows sent to its process."""
+class _SplitExperts:
+    """`LocalExperts.moe` for a decode step with each group's experts elsewhere: the ingress'
+    decode routing (`routes`), each group's rows sent at once, the outputs combined."""
+
+    group_of: dict[int, object]
+
+    def moe(self, layer, x, indices, weights):
+        import torch
+
+        from moe_workers.model import routes
+
+        r = routes.route(indices)
+        counts = r.counts()
+        by_group: dict[object, list[int]] = {}
+        for e in sorted(r.by_expert):
+            by_group.setdefault(self.group_of[e], []).append(e)
+        parts = {g: (experts, [counts[e] for e in experts], routes.gather(x, r, experts))
+                 for g, experts in by_group.items()}
+        outputs = self.exchange(layer, parts)
+        order = [pair for experts, _, _ in parts.values() for pair in r.order(experts)]
+        return routes.combine(r, order, torch.cat(outputs) if len(outputs) > 1 else outputs[0], weights, x.dtype)
+
+    def exchange(self, layer: int, parts: dict) -> list:
+        """{group: (experts, counts, rows)} -> each group's outputs, in the parts' order."""
+        raise NotImplementedError
+
+
+class RawExperts(_SplitExperts):
+    """Each group's rows to its process over a bare socket."""
 
     def __init__(self, addresses: list, blocks: list[list[int]]):
         """addresses: TCP loopback ports, or Unix socket paths."""
@@ -170,32 +197,22 @@ class RawExperts:
             self.conns.append(c)
         self.group_of = {e: g for g, block in enumerate(blocks) for e in block}
 
-    def moe(self, layer, x, indices, weights):
+    def exchange(self, layer: int, parts: dict) -> list:
         import torch
 
-        from moe_workers.model import routes
-
-        r = routes.route(indices)
-        parts: dict[int, list[int]] = {}
-        for e in sorted(r.by_expert):
-            parts.setdefault(self.group_of[e], []).append(e)
-        counts = r.counts()
-        for g, experts in parts.items():
-            payload = routes.gather(x, r, experts)
-            pairs = [v for e in experts for v in (e, counts[e])]
+        for g, (experts, counts, payload) in parts.items():
+            pairs = [v for e, n in zip(experts, counts) for v in (e, n)]
             self.conns[g].sendall(HEADER.pack(layer, len(experts), payload.shape[0])
                                   + struct.pack(f"<{len(pairs)}i", *pairs) + payload.numpy().tobytes())
-        outputs, order = [], []
-        for g, experts in parts.items():
-            rows = sum(counts[e] for e in experts)
-            data = self.conns[g].recv(rows * x.shape[1] * x.element_size(), socket.MSG_WAITALL)
-            outputs.append(torch.frombuffer(bytearray(data), dtype=x.dtype).view(rows, x.shape[1]))
-            order += r.order(experts)
-        return routes.combine(r, order, torch.cat(outputs) if len(outputs) > 1 else outputs[0], weights, x.dtype)
+        outputs = []
+        for g, (_, _, payload) in parts.items():
+            data = self.conns[g].recv(payload.numel() * payload.element_size(), socket.MSG_WAITALL)
+            outputs.append(torch.frombuffer(bytearray(data), dtype=payload.dtype).view(payload.shape))
+        return outputs
 
 
-class ChannelExperts:
-    """The ingress' decode `_dispatch` without the ingress: routes, one Part per group, one exchange."""
+class ChannelExperts(_SplitExperts):
+    """The ingress' decode `_dispatch` without the ingress: one Part per group, one exchange."""
 
     def __init__(self, ports: list[int], blocks: list[list[int]]):
         from moe_workers.transport import ExpertChannel, Member
@@ -204,23 +221,11 @@ class ChannelExperts:
         self.channel.update([Member(f"g{g}", f"r{g}", f"127.0.0.1:{port}") for g, port in enumerate(ports)], "floor")
         self.group_of = {e: f"g{g}" for g, block in enumerate(blocks) for e in block}
 
-    def moe(self, layer, x, indices, weights):
-        import torch
-
-        from moe_workers.model import routes
+    def exchange(self, layer: int, parts: dict) -> list:
         from moe_workers.transport import Part
 
-        r = routes.route(indices)
-        counts = r.counts()
-        by_group: dict[str, list[int]] = {}
-        for e in sorted(r.by_expert):
-            by_group.setdefault(self.group_of[e], []).append(e)
-        parts = {g: Part(experts, [counts[e] for e in experts], routes.gather(x, r, experts))
-                 for g, experts in by_group.items()}
-        results = self.channel.exchange(layer, parts)
-        outputs = [results[g] for g in parts]
-        order = [pair for part in parts.values() for pair in r.order(part.experts)]
-        return routes.combine(r, order, torch.cat(outputs) if len(outputs) > 1 else outputs[0], weights, x.dtype)
+        results = self.channel.exchange(layer, {g: Part(*part) for g, part in parts.items()})
+        return [results[g] for g in parts]
 
 
 def depth(a, n: int) -> dict:
