@@ -58,6 +58,9 @@ def parse_args():
                    help="depth sweep: torch threads in-process and of the served ingress (1: the app's default, and "
                         "the faster setting for batch-1 decode on both sides)")
     p.add_argument("--deep-rounds", type=int, default=5, help="depth sweep: interleaved rounds per depth")
+    p.add_argument("--deep-channels", default="unix,tcp",
+                   help="depth sweep: how the ingress reaches its shard replicas (all on one node), each measured "
+                        "in every round; the first one gives the main figures")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
     return p.parse_args()
@@ -344,17 +347,31 @@ def deep_point(a, n: int) -> dict:
                                                for a_, b in zip(s0, s1)) / steps * 1000}
             return (full - one) / (tokens - 1) * 1000, per_step
 
-        served_ms()  # warm-up
+        from ray import serve
+
+        ingress = serve.get_app_handle("bench")
+        channels = a.deep_channels.split(",")
+        for channel in channels:  # warm-up, each way
+            ingress.use_local_channel.remote(channel == "unix").result()
+            served_ms()
         for _ in range(a.deep_rounds):
             lm = local_ms()
-            sm, per_step = served_ms()
-            rounds.append({"in_process_ms": lm, "served_ms": sm, "ratio": lm / sm, "dispatch_ms_per_layer": (sm - lm) / n,
-                           "served_per_step": per_step})
-            print(f"  round: in-process {lm:.2f} ms/token, served {sm:.2f} ms/token ({lm / sm:.2f}); served per step "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in per_step.items()), flush=True)
-    med = lambda k: statistics.median(r[k] for r in rounds)  # noqa: E731
-    return {"layers": n, "in_process_ms_per_token": med("in_process_ms"), "served_ms_per_token": med("served_ms"),
-            "ratio": med("ratio"), "dispatch_ms_per_layer": med("dispatch_ms_per_layer"), "rounds": rounds}
+            rnd = {"in_process_ms": lm, "by_channel": {}}
+            for channel in channels:
+                ingress.use_local_channel.remote(channel == "unix").result()
+                sm, per_step = served_ms()
+                rnd["by_channel"][channel] = {"served_ms": sm, "ratio": lm / sm, "dispatch_ms_per_layer": (sm - lm) / n,
+                                              "served_per_step": per_step}
+                print(f"  round: in-process {lm:.2f} ms/token, served over {channel} {sm:.2f} ms/token ({lm / sm:.2f}); "
+                      "per step " + ", ".join(f"{k} {v:.2f}" for k, v in per_step.items()), flush=True)
+            rnd.update(rnd["by_channel"][channels[0]])
+            rounds.append(rnd)
+    med = lambda k, c=channels[0]: statistics.median(r["by_channel"][c][k] for r in rounds)  # noqa: E731
+    return {"layers": n, "channel": channels[0], "in_process_ms_per_token": statistics.median(r["in_process_ms"] for r in rounds),
+            "served_ms_per_token": med("served_ms"), "ratio": med("ratio"), "dispatch_ms_per_layer": med("dispatch_ms_per_layer"),
+            "by_channel": {c: {"served_ms_per_token": med("served_ms", c), "ratio": med("ratio", c),
+                               "dispatch_ms_per_layer": med("dispatch_ms_per_layer", c)} for c in channels},
+            "rounds": rounds}
 
 
 def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
@@ -367,7 +384,7 @@ def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
         out = Path(tempfile.mkdtemp(prefix="moe-bench-deep-")) / "point.json"
         cmd = [sys.executable, __file__, "--deep-point", str(n), "--out", str(out), "--threads", str(a.threads),
                "--shard-threads", str(a.shard_threads), "--cache-dir", a.cache_dir, "--deep-threads", str(a.deep_threads),
-               "--deep-rounds", str(a.deep_rounds), "--family", a.family,
+               "--deep-rounds", str(a.deep_rounds), "--family", a.family, "--deep-channels", a.deep_channels,
                *(["--ingress-threads", str(a.ingress_threads)] if a.ingress_threads else []),
                *(f"--serve-env={kv}" for kv in a.serve_env)]
         subprocess.run(cmd, check=True)
@@ -375,13 +392,17 @@ def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
         rows.append(row)
         figures[f"decode1-ratio-{n}-layers"] = row["ratio"]
         figures[f"dispatch-ms-per-layer-{n}-layers"] = row["dispatch_ms_per_layer"]
+        for channel, by in list(row["by_channel"].items())[1:]:
+            figures[f"decode1-ratio-{channel}-{n}-layers"] = by["ratio"]
+            figures[f"dispatch-ms-per-layer-{channel}-{n}-layers"] = by["dispatch_ms_per_layer"]
     if rows:
         print(f"\nbatch-1 decode, 32 new tokens, medians over {a.deep_rounds} interleaved rounds:")
-        print(f"{'layers':>6} {'in-process ms/token':>20} {'served ms/token':>16} {'served/in-process':>18} "
+        print(f"{'layers':>6} {'channel':>8} {'in-process ms/token':>20} {'served ms/token':>16} {'served/in-process':>18} "
               f"{'dispatch ms/layer':>18}")
         for r in rows:
-            print(f"{r['layers']:6} {r['in_process_ms_per_token']:20.2f} {r['served_ms_per_token']:16.2f} "
-                  f"{r['ratio']:18.2f} {r['dispatch_ms_per_layer']:18.3f}")
+            for channel, by in r["by_channel"].items():
+                print(f"{r['layers']:6} {channel:>8} {r['in_process_ms_per_token']:20.2f} {by['served_ms_per_token']:16.2f} "
+                      f"{by['ratio']:18.2f} {by['dispatch_ms_per_layer']:18.3f}")
         figures["dispatch-ms-per-layer"] = max(r["dispatch_ms_per_layer"] for r in rows)
     return rows, figures
 

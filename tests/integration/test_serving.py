@@ -247,7 +247,8 @@ def test_expert_load_exported_in_prometheus_format(served, ray_head):
 
 def test_every_shard_replica_is_on_the_expert_channel_at_rays_node_address(served):
     """The per-layer traffic goes over the expert channel: each shard replica listens on the
-    address Ray registered for its node (no other interface) and the ingress knows every one."""
+    address Ray registered for its node (no other interface) and the ingress knows every one;
+    on one node it reaches them on their Unix sockets."""
     import ray
 
     url = served[0]
@@ -260,6 +261,7 @@ def test_every_shard_replica_is_on_the_expert_channel_at_rays_node_address(serve
         assert len(replicas) == 1
         host = replicas[0]["endpoint"].rsplit(":", 1)[0]
         assert host in node_addresses, (host, node_addresses)
+        assert replicas[0]["via"] == "unix", replicas  # one node: the ingress uses the replicas' Unix sockets
     assert status["channel"]["exchanges"] >= 3 * NUM_LAYERS and status["channel"]["unavailable"] == 0
 
     def computed_on_channel():  # replicas report every 2 s

@@ -359,19 +359,33 @@ def test_an_unknown_link_backend_is_refused_at_hello(servers):
         assert status == wire.ERROR and b"unknown link backend" in c.recv(n)
 
 
-def test_a_replica_whose_port_refuses_is_reported_gone_and_leaves_the_membership(servers):
+def _on_node(s, node="node-1"):
+    """What a replica on `node` reports: both its endpoints."""
+    return dict(endpoint=s.endpoint, local_endpoint=s.local_endpoint, node=node)
+
+
+@pytest.mark.parametrize("same_node", [True, False])
+def test_a_replica_whose_port_refuses_is_reported_gone_and_leaves_the_membership(servers, same_node):
+    """Also when it was reached on its Unix socket: the failed Unix connect falls back to TCP,
+    whose refusal says the process is gone."""
     a, b = servers(), servers()
-    listed = [Member("g0", "ra", a.endpoint), Member("g0", "rb", b.endpoint)]
+    node = "node-1" if same_node else "node-2"
+    listed = [Member("g0", "ra", experts=frozenset(), **_on_node(a, node)),
+              Member("g0", "rb", experts=frozenset(), **_on_node(b, node))]
     forgotten = []
 
     def forget(member):  # what the ingress tells the StatusBoard
         forgotten.append(member)
         listed[:] = [m for m in listed if m.replica != member.replica]
 
-    ch = ExpertChannel(lambda: (list(listed), TOKEN), timeout_s=5.0, down_s=0.05, refresh_s=0.05, on_refused=forget)
+    ch = ExpertChannel(lambda: (list(listed), TOKEN), timeout_s=5.0, down_s=0.05, refresh_s=0.05, on_refused=forget,
+                       node="node-1")
     try:
         wait_for(lambda: len(ch.members().get("g0", [])) == 2, timeout_s=5, what="both replicas on the channel", interval_s=0.05)
         x = torch.randn(2, 8)
+        for _ in range(4):  # both replicas get traffic, on the path their node gives
+            ch.exchange(0, {"g0": Part([1], [2], x)})
+        assert {r["via"] for r in ch.members()["g0"]} == {"unix" if same_node else "tcp"}
         a.close()  # killed: its connections drop, its port refuses
         deadline = time.monotonic() + 5
         while not forgotten and time.monotonic() < deadline:
@@ -384,3 +398,59 @@ def test_a_replica_whose_port_refuses_is_reported_gone_and_leaves_the_membership
         assert b.requests > 0
     finally:
         ch.close()
+
+
+def test_endpoints_parse_to_socket_addresses_and_bad_ones_say_what_is_expected():
+    assert wire.parse_endpoint("10.0.0.7:8123") == (socket.AF_INET, ("10.0.0.7", 8123))
+    assert wire.parse_endpoint("[::1]:9") == (socket.AF_INET6, ("::1", 9))
+    assert wire.parse_endpoint("unix:@moe-channel-ab12") == (socket.AF_UNIX, "\0moe-channel-ab12")
+    for bad in ["10.0.0.7", "10.0.0.7:http", ":80", "h:0", "h:70000", "unix:@", "unix:@" + "x" * 108]:
+        with pytest.raises(ValueError, match="endpoint"):
+            wire.parse_endpoint(bad)
+
+
+def test_a_replica_on_this_node_is_reached_on_its_unix_socket_and_others_over_tcp(servers):
+    a, b = servers(), servers()
+    assert a.local_endpoint.startswith(wire.UNIX_PREFIX) and a.local_endpoint != b.local_endpoint
+    ch = _channel([Member("g0", "r0", experts=frozenset(), **_on_node(a, "node-1")),
+                   Member("g1", "r1", experts=frozenset(), **_on_node(b, "node-2"))], node="node-1")
+    x0, x1 = torch.randn(1, 64), torch.randn(5000, 64)  # the large one in pieces on the Unix socket too
+    for _ in range(3):
+        out = ch.exchange(1, {"g0": Part([2], [1], x0), "g1": Part([3], [5000], x1)})
+        assert torch.equal(out["g0"], _expected(1, x0, [2], [1]))
+        assert torch.equal(out["g1"], _expected(1, x1, [3], [5000]))
+    assert {g: [r["via"] for r in rs] for g, rs in ch.members().items()} == {"g0": ["unix"], "g1": ["tcp"]}
+    assert (a.requests, a.connections(), b.requests) == (3, 1, 3)
+    ch.set_node("")  # TCP only from now on: the Unix connection closes, the next one is TCP
+    assert torch.equal(ch.exchange(1, {"g0": Part([2], [1], x0)})["g0"], _expected(1, x0, [2], [1]))
+    assert ch.members()["g0"][0]["via"] == "tcp"
+    wait_for(lambda: a.connections() == 1, timeout_s=5, what="the Unix connection closed", interval_s=0.02)
+    ch.close()
+
+
+def test_an_unreachable_unix_socket_falls_back_to_tcp(servers):
+    """Same node id but the name is not there (another network namespace, say): TCP serves."""
+    a = servers()
+    ch = _channel([Member("g0", "r0", a.endpoint, local_endpoint="unix:@moe-channel-nobody-listens", node="n")],
+                  node="n")
+    x = torch.randn(2, 8)
+    assert torch.equal(ch.exchange(0, {"g0": Part([1], [2], x)})["g0"], _expected(0, x, [1], [2]))
+    assert ch.members()["g0"][0]["via"] == "tcp"
+    ch.close()
+
+
+def test_the_unix_socket_checks_the_token_too(servers):
+    s = servers()
+    family, address = wire.parse_endpoint(s.local_endpoint)
+    with socket.socket(family, socket.SOCK_STREAM) as c:
+        c.settimeout(5)
+        c.connect(address)
+        c.sendall(wire.encode_hello("not-the-token"))
+        status, n = wire.decode_ack_header(c.recv(wire.ACK_HEADER.size))
+        assert status == wire.DENIED and b"wrong channel token" in c.recv(n)
+    ch = _channel([Member("g0", "r0", "127.0.0.1:1", local_endpoint=s.local_endpoint, node="n")], node="n",
+                  timeout_s=0.5)
+    ch.token = "another-token"
+    with pytest.raises(ExpertsUnavailable):
+        ch.exchange(0, {"g0": Part([0], [1], torch.ones(1, 4))})
+    assert s.requests == 0

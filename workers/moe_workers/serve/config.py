@@ -57,6 +57,8 @@ class AppArgs(BaseModel):
     exchange_timeout_s: float = Field(default=30.0, gt=0, description="How long one layer's expert exchange may "
                                       "wait for the shard groups (retries on other replicas included) before the "
                                       "step's requests get a 503.")
+    local_channel: bool = Field(default=True, description="Reach shard replicas on the ingress' own node over a "
+                                "Unix socket (Linux's abstract namespace) instead of TCP loopback; TCP when that fails.")
     max_request_bytes: int = Field(default=4 * 2**20, ge=1024, description="Largest HTTP request body; a larger "
                                    "one gets 413 before it is read.")
     request_body_timeout_s: float = Field(default=30.0, gt=0, description="How long a request body may take "

@@ -40,6 +40,7 @@ from moe_workers.serve.proxy_gate import RETRY_AFTER_S, admission_header
 from moe_workers.serve.textstream import TextStream
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
+from moe_workers.serve.shard import ray_placement
 from moe_workers.transport import ExpertChannel, ExpertsUnavailable, Member, Part
 
 fastapi_app = FastAPI(title="moe-operator", docs_url=None, redoc_url=None)
@@ -167,7 +168,8 @@ class Ingress:
         self.board = board
         self.channel = ExpertChannel(self._members if board is not None else None,
                                      timeout_s=self.args.exchange_timeout_s,
-                                     on_refused=self._forget if board is not None else None)
+                                     on_refused=self._forget if board is not None else None,
+                                     node=(ray_placement()[0] or "") if self.args.local_channel else "")
         self._group_tokens_exported: dict[str, int] = {}
         self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
         self.prefetch_lookahead = 0
@@ -551,6 +553,11 @@ class Ingress:
                 "channel": {"members": self.channel.members(), **self.channel.stats,
                             "last_membership_error": self.channel.last_membership_error},
                 "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs()}}
+
+    def use_local_channel(self, local: bool) -> None:
+        """Reach shard replicas on this node on their Unix sockets (True) or over TCP (False),
+        from the next connection on (bench/serving.py compares the two in one window)."""
+        self.channel.set_node((ray_placement()[0] or "") if local else "")
 
     def engine_stats(self) -> dict:
         t = self.engine.timings

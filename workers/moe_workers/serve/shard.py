@@ -37,7 +37,7 @@ def _now_rfc3339() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _placement() -> tuple[str | None, str | None]:
+def ray_placement() -> tuple[str | None, str | None]:
     """This replica's Ray node id and runtime environment (serialized): the board starts warm
     spares on the node in exactly this environment, the one Serve asks for when it replaces us."""
     try:
@@ -93,7 +93,7 @@ class ExpertShard:
         self.board = board
         self._tokens: list[str] = []  # channel tokens accepted (from the board)
         self._report_now = threading.Event()
-        self.node_id, self.runtime_env = _placement()
+        self.node_id, self.runtime_env = ray_placement()
         self.baseline_rss_bytes = current_rss_bytes()  # torch + Ray + this code, before any expert
         self.channel = ExchangeServer(self._compute, lambda: self._tokens, host=_node_address(),
                                       torch_threads=torch_threads)
@@ -228,6 +228,7 @@ class ExpertShard:
             "node_id": self.node_id,
             "runtime_env": self.runtime_env,
             "endpoint": self.channel.endpoint,
+            "local_endpoint": self.channel.local_endpoint,
             "experts": sorted(versions, key=lambda eid: _expert_key(eid)),
             "versions": versions,
             "load": {f"{l}.{e}": n for (l, e), n in sorted(load.items())},

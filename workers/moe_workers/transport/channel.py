@@ -5,7 +5,9 @@
 outputs. It keeps connections open (one per exchange in flight per replica) and knows the
 replicas from a membership source, polled in the background: each shard replica reports its
 endpoint and hosted experts to the app's StatusBoard, so replicas that Serve adds, restarts or
-removes join and leave the channel without a restart of the ingress.
+removes join and leave the channel without a restart of the ingress. A replica on the ingress'
+own node (the same Ray node id: the same host or Pod, so the same network namespace) is reached
+on its Unix socket when it has one, and over TCP when that connect fails.
 
 Failures never hang a step. A replica that refuses the connection, drops it, answers DRAINING
 or does not answer within `timeout_s` is set aside for `down_s` and its part is sent to another
@@ -55,11 +57,14 @@ class Member:
     replica: str
     endpoint: str  # host:port
     experts: frozenset[tuple[int, int]] = frozenset()
+    local_endpoint: str = ""  # unix:@name, reachable from the same node only
+    node: str = ""  # the Ray node id the replica runs on
 
     @staticmethod
     def from_report(report: dict) -> "Member":
         experts = frozenset(tuple(int(p) for p in eid.split(".")) for eid in report.get("experts", []))
-        return Member(report["group"], report["replica"], report["endpoint"], experts)  # type: ignore[arg-type]
+        return Member(report["group"], report["replica"], report["endpoint"], experts,  # type: ignore[arg-type]
+                      report.get("local_endpoint") or "", report.get("node_id") or "")
 
 
 @dataclass
@@ -73,11 +78,6 @@ class Part:
 
 
 MembershipSource = Callable[[], tuple[list[Member], str]]
-
-
-def _split_endpoint(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 class _Conn:
@@ -120,6 +120,7 @@ class _Peer:
         self.sent = 0
         self.down_until = 0.0
         self.retired = False
+        self.via = ""  # "unix" or "tcp": how the last connection was made
 
     def close_idle(self) -> None:
         for c in self.idle:
@@ -131,7 +132,7 @@ class ExpertChannel:
     def __init__(self, source: MembershipSource | None = None, timeout_s: float = 60.0, connect_timeout_s: float = 2.0,
                  refresh_s: float = 1.0, down_s: float = 2.0, device_link: str | None = None,
                  link_host: str = "127.0.0.1", on_refused: Callable[[Member], None] | None = None,
-                 hedge_after_s: float = 0.25, hedge_factor: float = 4.0):
+                 hedge_after_s: float = 0.25, hedge_factor: float = 4.0, node: str = ""):
         """`device_link`: None (tensor bytes on the socket), or a backend ("nccl" for CUDA rows,
         "gloo") for a device link per connection, its store on `link_host` (this side's address).
         `on_refused(member)`: called from the membership thread for a replica whose port refused
@@ -139,7 +140,9 @@ class ExpertChannel:
         reports age out; the channel leaves it once the source no longer lists it.
         `hedge_after_s`, `hedge_factor`: a group with two or more live replicas sends a part again
         to another one when no reply came within max(hedge_after_s, hedge_factor x the slowest
-        recent exchange); `hedge_after_s` 0 turns hedging off."""
+        recent exchange); `hedge_after_s` 0 turns hedging off. `node`: this side's Ray node id;
+        replicas reporting the same one are reached on their Unix socket ("" for TCP only)."""
+        self.node = node
         self.on_refused = on_refused
         self.hedge_after_s = hedge_after_s
         self.hedge_factor = hedge_factor
@@ -190,6 +193,14 @@ class ExpertChannel:
             self._group_sizes = sizes
             self._changed.notify_all()
 
+    def set_node(self, node: str) -> None:
+        """This side's node id from now on ("" for TCP only); idle connections close, so the
+        next exchanges connect the way the new id says."""
+        with self._lock:
+            self.node = node
+            for p in self._peers.values():
+                p.close_idle()
+
     def members(self) -> dict[str, list[dict]]:
         """group -> its replicas on the channel (for status)."""
         now = time.monotonic()
@@ -198,7 +209,8 @@ class ExpertChannel:
             for p in sorted(self._peers.values(), key=lambda p: (p.member.group, p.member.replica)):
                 out.setdefault(p.member.group, []).append({
                     "replica": p.member.replica, "endpoint": p.member.endpoint, "in_flight": p.in_flight,
-                    "sent": p.sent, "connections": len(p.idle) + p.in_flight, "down": p.down_until > now})
+                    "sent": p.sent, "connections": len(p.idle) + p.in_flight, "down": p.down_until > now,
+                    "via": p.via})
             return out
 
     def _poll(self) -> None:
@@ -385,8 +397,8 @@ class ExpertChannel:
             if conn is not None:
                 return peer, conn
             try:
-                return peer, self._connect(peer.member, token)
-            except (OSError, wire.ProtocolError, LinkError) as err:
+                return peer, self._connect(peer, token)
+            except (OSError, ValueError, LinkError) as err:  # ValueError: a bad endpoint, a foreign peer
                 with self._lock:
                     peer.in_flight -= 1
                     peer.down_until = time.monotonic() + self.down_s
@@ -394,8 +406,32 @@ class ExpertChannel:
                         self._refused[peer.member.replica] = peer.member
                 self._nudge.set()
 
-    def _connect(self, member: Member, token: str) -> _Conn:
-        sock = socket.create_connection(_split_endpoint(member.endpoint), timeout=self.connect_timeout_s)
+    def _open(self, peer: _Peer) -> socket.socket:
+        """A socket to the replica: its Unix socket when it is on this node, else (or when that
+        fails) TCP. A replica whose TCP port refuses raises ConnectionRefusedError (it is gone)."""
+        member = peer.member
+        if self.node and member.node == self.node and member.local_endpoint:
+            try:
+                family, address = wire.parse_endpoint(member.local_endpoint)
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                try:
+                    sock.settimeout(self.connect_timeout_s)
+                    sock.connect(address)
+                except BaseException:
+                    sock.close()
+                    raise
+                peer.via = "unix"
+                return sock
+            except (OSError, ValueError):
+                pass  # another network namespace after all, or the socket is gone: TCP tells
+        family, address = wire.parse_endpoint(member.endpoint)
+        sock = socket.create_connection(address, timeout=self.connect_timeout_s)
+        peer.via = "tcp"
+        return sock
+
+    def _connect(self, peer: _Peer, token: str) -> _Conn:
+        member = peer.member
+        sock = self._open(peer)
         try:
             tune(sock)
             link = None

@@ -1,10 +1,13 @@
-"""The shard replica's end of the expert channel: a TCP server computing requests as they come.
+"""The shard replica's end of the expert channel: a server computing requests as they come.
 
 Each connection gets its own thread, which reads a request into a buffer it reuses, calls the
 replica's `compute(layer, x, experts, counts, prefetch, out)` and writes the reply; the ingress
 opens one connection per exchange it runs at once (micro-batches), so concurrent exchanges
 compute concurrently, as Serve's thread pool did. The server binds Ray's address for this node
-(127.0.0.1 for a local head): nothing listens where Ray itself does not.
+(127.0.0.1 for a local head): nothing listens where Ray itself does not. On Linux it also listens
+on a Unix socket in the abstract namespace (`local_endpoint`, "unix:@name", a random name): an
+ingress on the same node, hence in the same network namespace, connects there, which costs less
+a round trip than TCP loopback; the same token is checked on both.
 
 A compute error is a reply with the error's text (the ingress tries another replica, then fails
 the step). Once `drain()` is called (the replica is being stopped), requests are answered
@@ -14,7 +17,9 @@ DRAINING without computing, and the ingress sends them elsewhere.
 from __future__ import annotations
 
 import hmac
+import secrets
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -68,10 +73,11 @@ def tune(sock: socket.socket) -> None:
 
 class ExchangeServer:
     def __init__(self, compute: Compute, tokens: Callable[[], list[str]], host: str = "127.0.0.1", port: int = 0,
-                 hello_timeout_s: float = 10.0, torch_threads: int | None = None):
+                 hello_timeout_s: float = 10.0, torch_threads: int | None = None, local: bool = True):
         """`tokens()`: the channel tokens accepted now (the current one, and the previous one for
         a while after it changes). `torch_threads`: intra-op threads of the connection threads
-        (torch's setting is per thread under OpenMP: a new thread would otherwise use every core)."""
+        (torch's setting is per thread under OpenMP: a new thread would otherwise use every core).
+        `local`: listen on an abstract Unix socket too (Linux only)."""
         self.compute = compute
         self.torch_threads = torch_threads
         self.tokens = tokens
@@ -88,30 +94,42 @@ class ExchangeServer:
                                               backlog=64)
         self.host = host
         self.port = self._listener.getsockname()[1]
+        self._listeners = [self._listener]
+        self.local_endpoint = ""  # "unix:@name" when listening on an abstract Unix socket
+        if local and sys.platform.startswith("linux"):
+            name = f"moe-channel-{secrets.token_hex(12)}"
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.bind("\0" + name)
+            unix.listen(64)
+            self._listeners.append(unix)
+            self.local_endpoint = f"{wire.UNIX_PREFIX}{name}"
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name="expert-channel-accept", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._accept_loop, args=(ls,), name="expert-channel-accept",
+                                          daemon=True) for ls in self._listeners]
+        for t in self._threads:
+            t.start()
 
     @property
     def endpoint(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._closed.is_set()
+        return all(t.is_alive() for t in self._threads) and not self._closed.is_set()
 
     def drain(self) -> None:
         self.draining = True
 
     def close(self) -> None:
         self._closed.set()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread: a bare close leaves the port open
-        except OSError:
-            pass
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+        for ls in self._listeners:
+            try:
+                ls.shutdown(socket.SHUT_RDWR)  # wakes the accept thread: a bare close leaves the port open
+            except OSError:
+                pass
+            try:
+                ls.close()
+            except OSError:
+                pass
         with self._lock:
             conns, self._conns = list(self._conns), set()
         for c in conns:
@@ -125,10 +143,10 @@ class ExchangeServer:
         with self._lock:
             return len(self._conns)
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self._closed.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except OSError:
                 if self._closed.is_set():
                     return

@@ -16,6 +16,7 @@ nothing is pickled, so a peer can send nothing but numbers and a short UTF-8 mes
 from __future__ import annotations
 
 import json
+import socket
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
@@ -49,6 +50,23 @@ MAX_EXPERTS = 1 << 16
 MAX_ROWS = 1 << 24
 MAX_HIDDEN = 1 << 17
 MAX_PAYLOAD = 4 << 30  # one layer's rows for one replica; far above any real step
+
+UNIX_PREFIX = "unix:@"  # an endpoint in Linux's abstract Unix socket namespace (per network namespace)
+
+
+def parse_endpoint(endpoint: str) -> tuple[int, str | tuple[str, int]]:
+    """(socket family, address) of "host:port", "[v6]:port" or "unix:@name"; ValueError names
+    what is wrong."""
+    if endpoint.startswith(UNIX_PREFIX):
+        name = endpoint[len(UNIX_PREFIX):]
+        if not name or "\0" in name or len(name) > 107:
+            raise ValueError(f"bad Unix socket endpoint {endpoint!r}: the name must be 1-107 characters, no NUL")
+        return socket.AF_UNIX, "\0" + name
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bad endpoint {endpoint!r}: expected host:port, [v6]:port or {UNIX_PREFIX}name")
+    host = host.strip("[]")
+    return (socket.AF_INET6 if ":" in host else socket.AF_INET), (host, int(port))
 
 
 class ProtocolError(ValueError):
