@@ -58,9 +58,10 @@ def parse_args():
                    help="depth sweep: torch threads in-process and of the served ingress (1: the app's default, and "
                         "the faster setting for batch-1 decode on both sides)")
     p.add_argument("--deep-rounds", type=int, default=5, help="depth sweep: interleaved rounds per depth")
-    p.add_argument("--deep-channels", default="unix,tcp",
+    p.add_argument("--deep-channels", default="unix,tcp,unix-sleep",
                    help="depth sweep: how the ingress reaches its shard replicas (all on one node), each measured "
-                        "in every round; the first one gives the main figures")
+                        "in every round; the first one gives the main figures. unix, tcp: with the app's default "
+                        "poll for replies (exchange_spin_us); -sleep: without it")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
     return p.parse_args()
@@ -351,14 +352,21 @@ def deep_point(a, n: int) -> dict:
 
         ingress = serve.get_app_handle("bench")
         channels = a.deep_channels.split(",")
+        from moe_workers.serve.config import AppArgs
+
+        def use(channel: str) -> None:
+            way, _, sleep = channel.partition("-")
+            spin = 0 if sleep == "sleep" else AppArgs.model_fields["exchange_spin_us"].default
+            ingress.tune_channel.remote(local=way == "unix", spin_us=spin).result()
+
         for channel in channels:  # warm-up, each way
-            ingress.use_local_channel.remote(channel == "unix").result()
+            use(channel)
             served_ms()
         for _ in range(a.deep_rounds):
             lm = local_ms()
             rnd = {"in_process_ms": lm, "by_channel": {}}
             for channel in channels:
-                ingress.use_local_channel.remote(channel == "unix").result()
+                use(channel)
                 sm, per_step = served_ms()
                 rnd["by_channel"][channel] = {"served_ms": sm, "ratio": lm / sm, "dispatch_ms_per_layer": (sm - lm) / n,
                                               "served_per_step": per_step}

@@ -421,7 +421,7 @@ def test_a_replica_on_this_node_is_reached_on_its_unix_socket_and_others_over_tc
         assert torch.equal(out["g1"], _expected(1, x1, [3], [5000]))
     assert {g: [r["via"] for r in rs] for g, rs in ch.members().items()} == {"g0": ["unix"], "g1": ["tcp"]}
     assert (a.requests, a.connections(), b.requests) == (3, 1, 3)
-    ch.set_node("")  # TCP only from now on: the Unix connection closes, the next one is TCP
+    ch.use_local_sockets(False)  # TCP only from now on: the Unix connection closes, the next one is TCP
     assert torch.equal(ch.exchange(1, {"g0": Part([2], [1], x0)})["g0"], _expected(1, x0, [2], [1]))
     assert ch.members()["g0"][0]["via"] == "tcp"
     wait_for(lambda: a.connections() == 1, timeout_s=5, what="the Unix connection closed", interval_s=0.02)
@@ -454,3 +454,38 @@ def test_the_unix_socket_checks_the_token_too(servers):
     with pytest.raises(ExpertsUnavailable):
         ch.exchange(0, {"g0": Part([0], [1], torch.ones(1, 4))})
     assert s.requests == 0
+
+
+def _slow_compute(delay_s):
+    def compute(layer, x, experts, counts, prefetch, out):
+        time.sleep(delay_s)
+        _scale_by_expert(layer, x, experts, counts, prefetch, out)
+    return compute
+
+
+@pytest.mark.parametrize("here,cpus,spins", [(1, 2, True), (2, 2, False), (0, 1, True), (1, 1, False)])
+def test_a_small_exchange_polls_for_its_replies_only_where_the_replicas_leave_it_a_cpu(servers, here, cpus, spins):
+    """The poll shows as the thread's CPU time while it waits (a sleeping wait takes none); it
+    runs only while this node's replicas computing the exchange leave it a CPU, and never for
+    an exchange of more than spin_max_rows rows."""
+    a, b = servers(_slow_compute(0.02)), servers(_slow_compute(0.02))
+    members = [Member("g0", "r0", a.endpoint, node="n" if here >= 1 else "elsewhere"),
+               Member("g1", "r1", b.endpoint, node="n" if here >= 2 else "elsewhere")]
+    ch = _channel(members, node="n", spin_s=0.05, spin_max_rows=8, cpus=cpus)
+
+    def busy_s(rows):
+        parts = {"g0": Part([1], [rows], torch.randn(rows, 8)), "g1": Part([2], [rows], torch.randn(rows, 8))}
+        ch.exchange(0, parts)  # connections open
+        c0 = time.thread_time()
+        for _ in range(5):
+            out = ch.exchange(0, parts)
+        assert torch.equal(out["g0"], _expected(0, parts["g0"].x, [1], [rows]))
+        return time.thread_time() - c0
+
+    small, large = busy_s(2), busy_s(5)  # 4 rows may spin, 10 (over 8) never
+    assert large < 0.03, large  # 5 exchanges of 20 ms slept through
+    if spins:
+        assert small > 0.05, small  # most of 5 x 20 ms polled
+    else:
+        assert small < 0.03, small
+    ch.close()

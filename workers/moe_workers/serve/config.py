@@ -57,6 +57,10 @@ class AppArgs(BaseModel):
     exchange_timeout_s: float = Field(default=30.0, gt=0, description="How long one layer's expert exchange may "
                                       "wait for the shard groups (retries on other replicas included) before the "
                                       "step's requests get a 503.")
+    exchange_spin_us: int = Field(default=1000, ge=0, le=100_000, description="How long the ingress polls for "
+                                  "a decode-sized exchange's replies before it sleeps (a sleeping thread's wake-up "
+                                  "costs a round trip a third more on a VM); 0 sleeps at once. The ingress' CPU is "
+                                  "busy meanwhile.")
     local_channel: bool = Field(default=True, description="Reach shard replicas on the ingress' own node over a "
                                 "Unix socket (Linux's abstract namespace) instead of TCP loopback; TCP when that fails.")
     max_request_bytes: int = Field(default=4 * 2**20, ge=1024, description="Largest HTTP request body; a larger "

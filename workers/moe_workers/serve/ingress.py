@@ -169,7 +169,8 @@ class Ingress:
         self.channel = ExpertChannel(self._members if board is not None else None,
                                      timeout_s=self.args.exchange_timeout_s,
                                      on_refused=self._forget if board is not None else None,
-                                     node=(ray_placement()[0] or "") if self.args.local_channel else "")
+                                     node=ray_placement()[0] or "", local_sockets=self.args.local_channel,
+                                     spin_s=self.args.exchange_spin_us / 1e6)
         self._group_tokens_exported: dict[str, int] = {}
         self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
         self.prefetch_lookahead = 0
@@ -554,10 +555,14 @@ class Ingress:
                             "last_membership_error": self.channel.last_membership_error},
                 "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs()}}
 
-    def use_local_channel(self, local: bool) -> None:
-        """Reach shard replicas on this node on their Unix sockets (True) or over TCP (False),
-        from the next connection on (bench/serving.py compares the two in one window)."""
-        self.channel.set_node((ray_placement()[0] or "") if local else "")
+    def tune_channel(self, local: bool | None = None, spin_us: int | None = None) -> None:
+        """Reach shard replicas on this node on their Unix sockets (local=True) or over TCP, from
+        the next connection on; poll for small exchanges' replies for spin_us (0: sleep at once).
+        bench/serving.py compares the ways in one window."""
+        if local is not None:
+            self.channel.use_local_sockets(local)
+        if spin_us is not None:
+            self.channel.spin_s = max(0, spin_us) / 1e6
 
     def engine_stats(self) -> dict:
         t = self.engine.timings
