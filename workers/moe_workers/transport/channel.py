@@ -22,8 +22,9 @@ arrives, costs a sleeping CPU's wake (on a VM, the hypervisor's: about 0.1 ms he
 third of a bare round trip, and a thread that slept resumes on cold caches. The poll is one
 non-blocking syscall at a time, with the GIL released in it and the CPU offered to others
 (sched_yield) between them. It only runs where it takes no CPU from the replicas computing the
-exchange: when the parts sent to replicas on this node, plus the polling thread, fit this
-process' CPUs. Larger exchanges, which take longer than a wake-up by far, block at once.
+exchange: when the parts still awaited from replicas on this node, plus the polling thread, fit
+this process' CPUs (on 2 CPUs: a part for one replica polls at once; parts for two, once the
+first reply is in). Larger exchanges, which take longer than a wake-up by far, block at once.
 
 A slow replica is hedged: when its group has another live replica and no reply came within the
 hedge delay (`hedge_factor` x the slowest recent exchange, at least `hedge_after_s`), the same
@@ -171,8 +172,9 @@ class ExpertChannel:
         recent exchange); `hedge_after_s` 0 turns hedging off. `node`: this side's Ray node id
         ("" when unknown); replicas reporting the same one share this node's CPUs, and are reached
         on their Unix socket when `local_sockets`. `spin_s`: how long to poll for the replies of
-        an exchange of at most `spin_max_rows` rows before blocking (0: block at once), when the
-        parts sent to this node's replicas are fewer than `cpus` (default: this process' CPUs)."""
+        an exchange of at most `spin_max_rows` rows before blocking (0: block at once), while the
+        parts still awaited from this node's replicas are fewer than `cpus` (default: this
+        process' CPUs)."""
         self.node = node
         self.local_sockets = local_sockets
         self.cpus = cpus or len(os.sched_getaffinity(0))
@@ -317,11 +319,10 @@ class ExpertChannel:
             hedge_at = time.monotonic() + self.hedge_delay_s() if self.hedge_after_s > 0 else 0.0
             spin_until = 0.0
             if self.spin_s > 0 and sum(pending[g].x.shape[0] for g, *_ in sent) <= self.spin_max_rows:
-                here = sum(1 for _, peer, *_ in sent if self.node and peer.member.node == self.node)
-                if here < self.cpus:
-                    spin_until = time.monotonic() + self.spin_s
-            for group, peer, conn, seq in sent:
-                if spin_until:
+                spin_until = time.monotonic() + self.spin_s
+                here = [bool(self.node) and peer.member.node == self.node for _, peer, *_ in sent]
+            for i, (group, peer, conn, seq) in enumerate(sent):
+                if spin_until and sum(here[i:]) < self.cpus:  # the parts still computing here leave a CPU
                     _spin_until_readable(conn, spin_until)
                 if hedge_at and self._group_sizes.get(group, 0) > 1 and not self._ready(conn, hedge_at):
                     peer, conn, seq = self._hedge(layer, group, pending[group], peer, conn, seq, failed[group],
