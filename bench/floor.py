@@ -11,10 +11,12 @@ window (this machine's speed drifts by 20-50% over minutes), with medians report
 - raw: the same model with each layer's experts in 2 plain child processes (half the experts
   each, as the served app's 2 groups), reached over TCP loopback with a 12-byte header and
   blocking reads: the least a process boundary costs here; raw-unix: the same over Unix sockets;
-- channel: the same split through our `ExpertChannel` and `ExchangeServer`, and the ingress'
+- channel: the same split through our `ExpertChannel` and `ExchangeServer` as the app sets them
+  up on one node (Unix sockets, the default poll for replies), and the ingress'
   decode routing (`routes`): the transport without Ray Serve, its HTTP path or its engine.
 served - channel is then what the served app adds on top (its replicas' code and processes),
-channel - raw our protocol's share. Dispatch per layer = (side - in-process) step time / layers, as in bench/serving.py.
+channel - raw our protocol's share, net of the poll for replies (the raw sides block on their
+reads). Dispatch per layer = (side - in-process) step time / layers, as in bench/serving.py.
 Ends with `figure: value` lines.
 """
 
@@ -106,7 +108,7 @@ def _raw_shard(path: str, experts: list[int], ready, port_out, unix: str = "") -
             conn.sendall(out.numpy().tobytes())
 
 
-def _channel_shard(path: str, experts: list[int], ready, port_out) -> None:
+def _channel_shard(path: str, experts: list[int], ready, port_out, local_out) -> None:
     from moe_workers.model.experts import compute_rows
     from moe_workers.transport import ExchangeServer
 
@@ -117,6 +119,7 @@ def _channel_shard(path: str, experts: list[int], ready, port_out) -> None:
 
     server = ExchangeServer(compute, lambda: ["floor"], torch_threads=1)
     port_out.value = server.port
+    local_out.value = server.local_endpoint.encode()
     ready.set()
     while True:
         time.sleep(3600)
@@ -139,19 +142,21 @@ def keep_awake() -> list:
     return procs
 
 
-def _start(target, path: Path, blocks: list[list[int]], unix: list[str] | None = None):
+def _start(target, path: Path, blocks: list[list[int]], unix: list[str] | None = None, local: bool = False):
+    """Each block's shard process: (processes, TCP ports[, their Unix socket endpoints when `local`])."""
     ctx = mp.get_context("spawn")
-    procs, ports = [], []
+    procs, ports, names = [], [], []
     for i, experts in enumerate(blocks):
-        ready, port = ctx.Event(), ctx.Value("i", 0)
-        p = ctx.Process(target=target, args=(str(path), experts, ready, port, *([unix[i]] if unix else [])),
-                        daemon=True)
+        ready, port, name = ctx.Event(), ctx.Value("i", 0), ctx.Array("c", 128)
+        extra = [unix[i]] if unix else [name] if local else []
+        p = ctx.Process(target=target, args=(str(path), experts, ready, port, *extra), daemon=True)
         p.start()
         if not ready.wait(120):
             raise RuntimeError("a shard process did not start")
         procs.append(p)
         ports.append(port.value)
-    return procs, ports
+        names.append(name.value.decode())
+    return (procs, ports, names) if local else (procs, ports)
 
 
 class _SplitExperts:
@@ -212,13 +217,17 @@ class RawExperts(_SplitExperts):
 
 
 class ChannelExperts(_SplitExperts):
-    """The ingress' decode `_dispatch` without the ingress: one Part per group, one exchange."""
+    """The ingress' decode `_dispatch` without the ingress: one Part per group, one exchange,
+    the channel set up as the app sets it (the shards on this node: their Unix sockets; the
+    app's default poll for replies)."""
 
-    def __init__(self, ports: list[int], blocks: list[list[int]]):
+    def __init__(self, ports: list[int], locals_: list[str], blocks: list[list[int]]):
+        from moe_workers.serve.config import AppArgs
         from moe_workers.transport import ExpertChannel, Member
 
-        self.channel = ExpertChannel()
-        self.channel.update([Member(f"g{g}", f"r{g}", f"127.0.0.1:{port}") for g, port in enumerate(ports)], "floor")
+        self.channel = ExpertChannel(node="floor", spin_s=AppArgs.model_fields["exchange_spin_us"].default / 1e6)
+        self.channel.update([Member(f"g{g}", f"r{g}", f"127.0.0.1:{port}", local_endpoint=name, node="floor")
+                             for g, (port, name) in enumerate(zip(ports, locals_))], "floor")
         self.group_of = {e: f"g{g}" for g, block in enumerate(blocks) for e in block}
 
     def exchange(self, layer: int, parts: dict) -> list:
@@ -245,9 +254,9 @@ def depth(a, n: int) -> dict:
     unix_dir = tempfile.mkdtemp(prefix="moe-floor-")
     unix_paths = [os.path.join(unix_dir, f"g{g}.sock") for g in range(len(blocks))]
     unix_procs, _ = _start(_raw_shard, path, blocks, unix_paths)
-    ch_procs, ch_ports = _start(_channel_shard, path, blocks)
+    ch_procs, ch_ports, ch_names = _start(_channel_shard, path, blocks, local=True)
     sides = {"in-process": local, "raw": RawExperts(raw_ports, blocks), "raw-unix": RawExperts(unix_paths, blocks),
-             "channel": ChannelExperts(ch_ports, blocks)}
+             "channel": ChannelExperts(ch_ports, ch_names, blocks)}
     prompt = [5, 6, 7]
     try:
         tokens = {}

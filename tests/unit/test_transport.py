@@ -3,6 +3,7 @@ routing to replicas, failover, draining, compute errors, a silent replica, a for
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -491,3 +492,15 @@ def test_a_small_exchange_polls_for_its_replies_only_where_the_replicas_leave_it
     else:
         assert small < 0.03, small
     ch.close()
+
+
+def test_a_cgroup_quota_caps_the_cpus_the_poll_counts_on():
+    from moe_workers.transport.channel import available_cpus, cpu_quota
+
+    assert cpu_quota("200000 100000\n") == 2.0
+    assert cpu_quota("150000 100000") == 1.5
+    assert cpu_quota("max 100000") is None
+    assert cpu_quota(None, "50000\n", "100000\n") == 0.5
+    assert cpu_quota(None, "-1", "100000") is None
+    assert cpu_quota() is None
+    assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))

@@ -123,6 +123,34 @@ class _Conn:
         self.link = None  # the process group goes with its last reference
 
 
+def cpu_quota(cpu_max: str | None = None, cfs_quota_us: str | None = None, cfs_period_us: str | None = None) -> float | None:
+    """CPUs a cgroup's quota allows (a container's CPU limit): from cgroup v2's `cpu.max`
+    ("200000 100000": 2.0; "max 100000": None) or v1's `cpu.cfs_quota_us` / `cpu.cfs_period_us`
+    (-1: None)."""
+    if cpu_max is not None:
+        quota, _, period = cpu_max.strip().partition(" ")
+        return None if quota == "max" else int(quota) / int(period or 100000)
+    if cfs_quota_us is not None and int(cfs_quota_us) > 0:
+        return int(cfs_quota_us) / int(cfs_period_us or 100000)
+    return None
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on at once: its affinity, capped by its cgroup's CPU quota."""
+    n = len(os.sched_getaffinity(0))
+    sources = [("/sys/fs/cgroup/cpu.max",), ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")]
+    for files in sources:
+        try:
+            texts = [open(f).read() for f in files]
+            quota = cpu_quota(*texts) if len(texts) == 1 else cpu_quota(None, *texts)
+        except (OSError, ValueError):
+            continue
+        if quota is not None:
+            n = min(n, max(1, int(quota)))
+        break
+    return n
+
+
 def _spin_until_readable(conn: _Conn, until: float) -> bool:
     """Poll without sleeping until the connection is readable (True) or `until` (monotonic)
     passes (False)."""
@@ -174,10 +202,10 @@ class ExpertChannel:
         on their Unix socket when `local_sockets`. `spin_s`: how long to poll for the replies of
         an exchange of at most `spin_max_rows` rows before blocking (0: block at once), while the
         parts still awaited from this node's replicas are fewer than `cpus` (default: this
-        process' CPUs)."""
+        process' CPUs, capped by its cgroup's quota)."""
         self.node = node
         self.local_sockets = local_sockets
-        self.cpus = cpus or len(os.sched_getaffinity(0))
+        self.cpus = cpus or available_cpus()
         self.spin_s = spin_s
         self.spin_max_rows = spin_max_rows
         self.on_refused = on_refused
