@@ -58,7 +58,7 @@ class AppArgs(BaseModel):
                                       "wait for the shard groups (retries on other replicas included) before the "
                                       "step's requests get a 503.")
     exchange_spin_us: int = Field(default=1000, ge=0, le=100_000, description="How long the ingress polls for "
-                                  "a decode-sized exchange's replies before it sleeps (a sleeping thread's wake-up "
+                                  "a small exchange's replies (32 rows or fewer) before it sleeps (a sleeping thread's wake-up "
                                   "costs a round trip a third more on a VM); 0 sleeps at once. The ingress' CPU is "
                                   "busy meanwhile.")
     local_channel: bool = Field(default=True, description="Reach shard replicas on the ingress' own node over a "
