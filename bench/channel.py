@@ -4,7 +4,9 @@
     python bench/channel.py --quick
 
 Peers are separate processes. Ours: `ExpertChannel.exchange` to `ExchangeServer`s whose compute
-copies the rows back (transport only: framing, routing to replicas, tensors in and out). The
+copies the rows back (transport only: framing, routing to replicas, tensors in and out), over TCP
+with blocking reads, and as the app sets it up with its peers on one node ("as app": their Unix
+sockets, and the poll for a small exchange's replies). The
 reference: the same bytes with an 8-byte length prefix, echoed by a minimal server over a plain
 TCP socket (the floor for a Python process on this machine). Both send to every peer first,
 then read every reply, as one exchange per layer does. Ends with `figure: value` lines.
@@ -57,7 +59,7 @@ def _raw_server(ready, port_out):
         c.sendmsg([h, mv[:n]])
 
 
-def _channel_server(ready, port_out):
+def _channel_server(ready, port_out, name_out):
     import torch
 
     torch.set_num_threads(1)
@@ -68,22 +70,25 @@ def _channel_server(ready, port_out):
 
     server = ExchangeServer(compute, lambda: ["bench"])
     port_out.value = server.port
+    name_out.value = server.local_endpoint.encode()
     ready.set()
     while True:
         time.sleep(3600)
 
 
-def _start(target, n):
+def _start(target, n, named: bool = False):
+    """n peer processes: (processes, their TCP ports[, their Unix socket endpoints when `named`])."""
     ctx = mp.get_context("spawn")
-    procs, ports = [], []
+    procs, ports, names = [], [], []
     for _ in range(n):
-        ready, port = ctx.Event(), ctx.Value("i", 0)
-        p = ctx.Process(target=target, args=(ready, port), daemon=True)
+        ready, port, name = ctx.Event(), ctx.Value("i", 0), ctx.Array("c", 128)
+        p = ctx.Process(target=target, args=(ready, port, *([name] if named else [])), daemon=True)
         p.start()
         ready.wait(60)
         procs.append(p)
         ports.append(port.value)
-    return procs, ports
+        names.append(name.value.decode())
+    return (procs, ports, names) if named else (procs, ports)
 
 
 def _time(fn, iters: int) -> float:
@@ -125,15 +130,22 @@ def raw_round_trip(peers: int, nbytes: int, iters: int) -> float:
             p.kill()
 
 
-def channel_round_trip(peers: int, rows: int, hidden: int, iters: int) -> float:
+def channel_round_trip(peers: int, rows: int, hidden: int, iters: int, as_app: bool = False) -> float:
+    """as_app: the channel as the app sets it up with its peers on one node (their Unix sockets,
+    the default poll for a small exchange's replies); else TCP, blocking reads."""
     import torch
 
+    from moe_workers.serve.config import AppArgs
     from moe_workers.transport import ExpertChannel, Member, Part
 
-    procs, ports = _start(_channel_server, peers)
+    procs, ports, names = _start(_channel_server, peers, named=True)
     try:
-        ch = ExpertChannel()
-        ch.update([Member(f"g{i}", f"r{i}", f"127.0.0.1:{port}") for i, port in enumerate(ports)], "bench")
+        if as_app:
+            ch = ExpertChannel(node="bench", spin_s=AppArgs.model_fields["exchange_spin_us"].default / 1e6)
+        else:
+            ch = ExpertChannel()
+        ch.update([Member(f"g{i}", f"r{i}", f"127.0.0.1:{port}", local_endpoint=name, node="bench")
+                   for i, (port, name) in enumerate(zip(ports, names))], "bench")
         x = torch.randn(rows, hidden)
         parts = {f"g{i}": Part([i], [rows], x) for i in range(peers)}
         out = ch.exchange(0, parts)
@@ -152,16 +164,21 @@ def main() -> int:
     peer_counts = [int(p) for p in a.peers.split(",")]
     iters = 200 if a.quick else a.iters
     rows_out, figures = [], {}
-    print(f"{'batch':>5} {'peers':>5} {'payload':>9} {'raw socket ms':>14} {'channel ms':>11} {'ratio':>6}")
+    print(f"{'batch':>5} {'peers':>5} {'payload':>9} {'raw socket ms':>14} {'channel ms':>11} {'ratio':>6} "
+          f"{'as app ms':>10} {'ratio':>6}")
     for b in batches:
         for n in peer_counts:
             nbytes = b * a.hidden * 4
             raw = raw_round_trip(n, nbytes, iters)
             ours = channel_round_trip(n, b, a.hidden, iters)
-            rows_out.append({"batch": b, "peers": n, "bytes": nbytes, "raw_ms": raw * 1e3, "channel_ms": ours * 1e3})
-            print(f"{b:5} {n:5} {nbytes / 1024:7.0f} K {raw * 1e3:14.3f} {ours * 1e3:11.3f} {ours / raw:6.2f}")
+            app = channel_round_trip(n, b, a.hidden, iters, as_app=True)
+            rows_out.append({"batch": b, "peers": n, "bytes": nbytes, "raw_ms": raw * 1e3, "channel_ms": ours * 1e3,
+                             "channel_as_app_ms": app * 1e3})
+            print(f"{b:5} {n:5} {nbytes / 1024:7.0f} K {raw * 1e3:14.3f} {ours * 1e3:11.3f} {ours / raw:6.2f} "
+                  f"{app * 1e3:10.3f} {app / raw:6.2f}")
             figures[f"channel-ms-batch{b}-{n}-peers"] = ours * 1e3
             figures[f"channel-over-raw-batch{b}-{n}-peers"] = ours / raw
+            figures[f"channel-as-app-over-raw-batch{b}-{n}-peers"] = app / raw
     return report(a.out, {"hidden": a.hidden, "rows": rows_out}, figures)
 
 

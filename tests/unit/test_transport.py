@@ -422,6 +422,12 @@ def test_a_replica_on_this_node_is_reached_on_its_unix_socket_and_others_over_tc
         assert torch.equal(out["g1"], _expected(1, x1, [3], [5000]))
     assert {g: [r["via"] for r in rs] for g, rs in ch.members().items()} == {"g0": ["unix"], "g1": ["tcp"]}
     assert (a.requests, a.connections(), b.requests) == (3, 1, 3)
+    # the Unix connection's send buffer as large as the kernel allows (it doubles what it grants)
+    from moe_workers.transport.server import UNIX_SNDBUF
+    wmem_max = int(open("/proc/sys/net/core/wmem_max").read())
+    sock = ch._peers["r0"].idle[0].sock
+    assert sock.family == socket.AF_UNIX
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * min(UNIX_SNDBUF, wmem_max)
     ch.use_local_sockets(False)  # TCP only from now on: the Unix connection closes, the next one is TCP
     assert torch.equal(ch.exchange(1, {"g0": Part([2], [1], x0)})["g0"], _expected(1, x0, [2], [1]))
     assert ch.members()["g0"][0]["via"] == "tcp"

@@ -354,7 +354,7 @@ class ExpertChannel:
                 spin_until = time.monotonic() + self.spin_s
                 here = [bool(self.node) and peer.member.node == self.node for _, peer, *_ in sent]
             for i, (group, peer, conn, seq) in enumerate(sent):
-                if spin_until and sum(here[i:]) < self.cpus:  # the parts still computing here leave a CPU
+                if spin_until and sum(here[i:]) < self.cpus:  # the parts still awaited here leave a CPU
                     _spin_until_readable(conn, spin_until)
                 if hedge_at and self._group_sizes.get(group, 0) > 1 and not self._ready(conn, hedge_at):
                     peer, conn, seq = self._hedge(layer, group, pending[group], peer, conn, seq, failed[group],

@@ -66,9 +66,17 @@ def send_all(sock: socket.socket, parts: list) -> None:
         sent = sock.sendmsg(views)
 
 
+UNIX_SNDBUF = 4 << 20  # asked for; the kernel caps it at net.core.wmem_max
+
+
 def tune(sock: socket.socket) -> None:
+    """TCP: no Nagle delay. Unix: a send buffer as large as the kernel allows (a Unix stream
+    socket's default, 208 KiB, splits a batch-64 exchange's 256 KiB into two wake-ups: 0.51
+    against 0.31 ms a round trip to 2 peers over TCP, whose buffers grow on their own)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    elif sock.family == socket.AF_UNIX:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
 
 
 class ExchangeServer:
