@@ -135,13 +135,13 @@ def channel_round_trip(peers: int, rows: int, hidden: int, iters: int, as_app: b
     the default poll for a small exchange's replies); else TCP, blocking reads."""
     import torch
 
-    from moe_workers.serve.config import AppArgs
+    from moe_workers.serve.config import EXCHANGE_SPIN_US
     from moe_workers.transport import ExpertChannel, Member, Part
 
     procs, ports, names = _start(_channel_server, peers, named=True)
     try:
         if as_app:
-            ch = ExpertChannel(node="bench", spin_s=AppArgs.model_fields["exchange_spin_us"].default / 1e6)
+            ch = ExpertChannel(node="bench", spin_s=EXCHANGE_SPIN_US / 1e6)
         else:
             ch = ExpertChannel()
         ch.update([Member(f"g{i}", f"r{i}", f"127.0.0.1:{port}", local_endpoint=name, node="bench")

@@ -222,10 +222,10 @@ class ChannelExperts(_SplitExperts):
     app's default poll for replies)."""
 
     def __init__(self, ports: list[int], locals_: list[str], blocks: list[list[int]]):
-        from moe_workers.serve.config import AppArgs
+        from moe_workers.serve.config import EXCHANGE_SPIN_US
         from moe_workers.transport import ExpertChannel, Member
 
-        self.channel = ExpertChannel(node="floor", spin_s=AppArgs.model_fields["exchange_spin_us"].default / 1e6)
+        self.channel = ExpertChannel(node="floor", spin_s=EXCHANGE_SPIN_US / 1e6)
         self.channel.update([Member(f"g{g}", f"r{g}", f"127.0.0.1:{port}", local_endpoint=name, node="floor")
                              for g, (port, name) in enumerate(zip(ports, locals_))], "floor")
         self.group_of = {e: f"g{g}" for g, block in enumerate(blocks) for e in block}

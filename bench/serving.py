@@ -350,13 +350,14 @@ def deep_point(a, n: int) -> dict:
 
         from ray import serve
 
+        from moe_workers.serve.config import EXCHANGE_SPIN_US
+
         ingress = serve.get_app_handle("bench")
         channels = a.deep_channels.split(",")
-        from moe_workers.serve.config import AppArgs
 
         def use(channel: str) -> None:
             way, _, sleep = channel.partition("-")
-            spin = 0 if sleep == "sleep" else AppArgs.model_fields["exchange_spin_us"].default
+            spin = 0 if sleep == "sleep" else EXCHANGE_SPIN_US
             ingress.tune_channel.remote(local=way == "unix", spin_us=spin).result()
 
         for channel in channels:  # warm-up, each way

@@ -122,6 +122,6 @@ class StatusBoard:
     def members(self, max_age_s: float = REPORT_MAX_AGE_S) -> dict:
         """The expert channel's members (replicas with an endpoint) and its token."""
         return {"token": self.token,
-                "members": [{k: st.get(k) for k in ("group", "replica", "endpoint", "experts", "local_endpoint",
-                                                     "node_id")}
+                "members": [{**{k: st[k] for k in ("group", "replica", "endpoint", "experts")},
+                             "local_endpoint": st.get("local_endpoint", ""), "node_id": st.get("node_id")}
                             for _, st in self._fresh(max_age_s) if st.get("endpoint")]}

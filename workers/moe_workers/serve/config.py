@@ -30,6 +30,11 @@ def group_name(index: int) -> str:
     return f"ExpertShard-{index}"
 
 
+# how long the ingress polls for a small exchange's replies by default (bench/serving.py, floor.py
+# and channel.py run the channel with it)
+EXCHANGE_SPIN_US = 1000
+
+
 class AppArgs(BaseModel):
     """Typed arguments of `build_app` (static for the app's lifetime)."""
 
@@ -57,7 +62,7 @@ class AppArgs(BaseModel):
     exchange_timeout_s: float = Field(default=30.0, gt=0, description="How long one layer's expert exchange may "
                                       "wait for the shard groups (retries on other replicas included) before the "
                                       "step's requests get a 503.")
-    exchange_spin_us: int = Field(default=1000, ge=0, le=100_000, description="How long the ingress polls for "
+    exchange_spin_us: int = Field(default=EXCHANGE_SPIN_US, ge=0, le=100_000, description="How long the ingress polls for "
                                   "a small exchange's replies (32 rows or fewer) before it sleeps (a sleeping thread's wake-up "
                                   "costs a round trip a third more on a VM); 0 sleeps at once. The ingress' CPU is "
                                   "busy meanwhile.")
