@@ -54,3 +54,42 @@ def test_a_whole_step_at_once_counts_what_layer_by_layer_counts():
         per_step.observe_step([0, 1, 2], picks, slots, starts, lengths)
     assert per_step.co_selected_pairs() == per_layer.co_selected_pairs()
     assert per_step.take() == per_layer.take()
+
+
+def test_steps_counted_in_batches_count_what_step_by_step_counts(monkeypatch):
+    """Decode steps kept and counted FLUSH_STEPS at a time give the figures of counting each step
+    as it comes: sequences continuing across steps, slots freed and reused by new sequences
+    (start 0), prefill and decode chunks in one step, a take() in the middle of a batch."""
+    import moe_workers.serve.routing_stats as rs
+
+    g = torch.Generator().manual_seed(11)
+    steps = []
+    pos = {}  # slot -> tokens cached
+    for i in range(40):
+        chunks = []
+        for slot in range(3):
+            if i % 7 == slot:  # this slot's sequence ends; a new one starts there with a prompt
+                pos.pop(slot, None)
+            start = pos.get(slot, 0)
+            length = 1 if start else 1 + int(torch.randint(0, 4, (1,), generator=g))
+            chunks.append((slot, start, length))
+            pos[slot] = start + length
+        n = sum(c[2] for c in chunks)
+        picks = torch.stack([torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(n)]) for _ in range(4)])
+        steps.append((picks, [c[0] for c in chunks], [c[1] for c in chunks], [c[2] for c in chunks]))
+
+    def run(flush_steps: int) -> list:
+        monkeypatch.setattr(rs, "FLUSH_STEPS", flush_steps)
+        s = RoutingStats(num_layers=5, num_experts=6, max_slots=3)
+        windows = []
+        for i, (picks, slots, starts, lengths) in enumerate(steps):
+            s.observe_step([0, 1, 3, 4], picks, slots, starts, lengths)
+            if i == 25:
+                windows.append(s.take())
+        windows.append(s.take())
+        return [windows, s.co_selected_pairs()]
+
+    one_by_one = run(1)
+    assert one_by_one[0][0]["switching_rate"][1] is not None and one_by_one[0][0]["switching_rate"][2] is None
+    assert run(8) == one_by_one
+    assert run(64) == one_by_one

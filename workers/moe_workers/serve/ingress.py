@@ -221,9 +221,18 @@ class Ingress:
         channel's membership thread calls this)."""
         self.board.forget.remote(member.replica, member.endpoint).result(timeout_s=10)
 
-    def _export_routing(self, every_s: float = 5.0) -> None:
+    def _export_routing(self, every_s: float = 5.0, latencies_every_s: float = 1.0) -> None:
+        """The engine's queued latencies every second; load and routing figures every `every_s`."""
+        last = time.monotonic()
         while True:
-            time.sleep(every_s)
+            time.sleep(latencies_every_s)
+            try:
+                self.metrics.flush()
+            except Exception:  # metrics never break serving
+                pass
+            if time.monotonic() - last < every_s:
+                continue
+            last = time.monotonic()
             try:
                 kv = self.engine_stats()
                 slot_bytes = kv["kv_cache_bytes"] // max(kv["kv_slots"], 1)

@@ -19,18 +19,21 @@ import threading
 
 import torch
 
+FLUSH_STEPS = 64  # steps kept before they are counted (at once)
+
 
 class RoutingStats:
     def __init__(self, num_layers: int, num_experts: int, max_slots: int):
         self.num_layers, self.num_experts = num_layers, num_experts
         self.prev_top1 = torch.full((max_slots, num_layers), -1, dtype=torch.long)
         self.lock = threading.Lock()
+        self._pending: list[tuple] = []  # steps observed, not yet counted
         self._reset()
         self.co_selection = torch.zeros(num_layers, num_experts, num_experts, dtype=torch.long)  # since start
 
     def _reset(self) -> None:
         self.selected = torch.zeros(self.num_layers, self.num_experts, dtype=torch.long)
-        self.activated_sum = 0.0
+        self.activated = 0  # (step, layer, expert) triples with a token, summed
         self.activated_steps = 0
         self.switches = torch.zeros(self.num_layers, dtype=torch.long)
         self.transitions = torch.zeros(self.num_layers, dtype=torch.long)
@@ -42,28 +45,64 @@ class RoutingStats:
 
     def observe_step(self, layers: list[int], indices: torch.Tensor, slots: list[int], starts: list[int],
                      lengths: list[int]) -> None:
-        """`indices` (len(layers), tokens, top_k): a step's router picks for these layers, counted
-        at once (a fixed number of tensor ops per step, not per layer: the engine calls this once
-        after a step's forward pass)."""
-        nl, n, k = indices.shape
-        e = self.num_experts
+        """`indices` (len(layers), tokens, top_k): a step's router picks for these layers. Kept
+        as they are and counted `FLUSH_STEPS` steps at a time, in one set of tensor ops (about 40
+        ops, 0.2-0.4 ms a call on this project's CPUs: counted every step, they cost a 4-layer
+        model's batch-1 decode as much as a layer's expert exchange); `take()` and
+        `co_selected_pairs()` count what is pending first."""
+        with self.lock:
+            self._pending.append((tuple(layers), indices, list(slots), list(starts), list(lengths)))
+            if len(self._pending) >= FLUSH_STEPS:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Count the pending steps (under the lock): runs of steps over the same layers at once."""
+        pending, self._pending = self._pending, []
+        i = 0
+        while i < len(pending):
+            j = i + 1
+            while j < len(pending) and pending[j][0] == pending[i][0]:
+                j += 1
+            self._count(pending[i:j])
+            i = j
+
+    def _count(self, steps: list[tuple]) -> None:
+        """Steps over the same layers, in order: their tokens side by side, as one batch whose
+        chunks are every step's chunks in order (a chunk that continues a sequence compares with
+        the slot's latest chunk before it, in this batch or before)."""
+        layers = list(steps[0][0])
+        nl, e, k = len(layers), self.num_experts, steps[0][1].shape[2]
+        indices = torch.cat([s[1] for s in steps], dim=1) if len(steps) > 1 else steps[0][1]
+        n = indices.shape[1]
         layer_t = torch.tensor(layers, dtype=torch.long)
-        flat = indices.reshape(nl, n * k)
-        counts = torch.zeros(nl, e, dtype=torch.long).scatter_add_(1, flat, torch.ones_like(flat))
+        step_of = torch.tensor([i for i, s in enumerate(steps) for _ in range(s[1].shape[1])], dtype=torch.long)
+        per_step = torch.bincount(((step_of[None, :, None] * nl + torch.arange(nl)[:, None, None]) * e
+                                   + indices).reshape(-1), minlength=len(steps) * nl * e)
+        counts = per_step.view(len(steps), nl, e).sum(0)
         top1 = indices[:, :, 0]
+        # chunks in row order: slot, continuing, first row, last row, and the row of the slot's
+        # latest chunk before it in this batch (-1: none, the slot's state from earlier batches)
+        slots, continuing, first_rows, last_rows, before = [], [], [], [], []
+        latest: dict[int, int] = {}
+        row = 0
+        for _, _, step_slots, starts, lengths in steps:
+            for slot, start, length in zip(step_slots, starts, lengths):
+                slots.append(slot)
+                continuing.append(start > 0)
+                first_rows.append(row)
+                last_rows.append(row + length - 1)
+                before.append(latest.get(slot, -1))
+                latest[slot] = row + length - 1
+                row += length
         # switching: consecutive rows of one chunk, and a chunk's first row against the slot's last token
-        first_rows, row = [], 0
-        for length in lengths:
-            first_rows.append(row)
-            row += length
         same_chunk = torch.ones(n, dtype=torch.bool)
         same_chunk[first_rows] = False
         switches = ((top1[:, 1:] != top1[:, :-1]) & same_chunk[1:]).sum(1)
         transitions = torch.full((nl,), int(same_chunk[1:].sum()), dtype=torch.long)
         slot_t = torch.tensor(slots, dtype=torch.long)
         first_t = torch.tensor(first_rows, dtype=torch.long)
-        last_t = torch.tensor([r + ln - 1 for r, ln in zip(first_rows, lengths)], dtype=torch.long)
-        continuing = torch.tensor([s > 0 for s in starts], dtype=torch.bool)
+        before_t = torch.tensor(before, dtype=torch.long)
+        in_batch = before_t >= 0
         pairs = None
         if k > 1:
             a, b = torch.triu_indices(k, k, offset=1)
@@ -71,25 +110,26 @@ class RoutingStats:
             hi = torch.maximum(indices[:, :, a], indices[:, :, b])
             pairs = torch.bincount((layer_t[:, None, None] * e * e + lo * e + hi).reshape(-1),
                                    minlength=self.num_layers * e * e).view(self.num_layers, e, e)
-        with self.lock:
-            prev = self.prev_top1[slot_t][:, layer_t].T  # (layers, chunks)
-            known = continuing & (prev >= 0)
-            transitions += known.sum(1)
-            switches += (known & (prev != top1[:, first_t])).sum(1)
-            self.prev_top1[slot_t[:, None], layer_t[None, :]] = top1[:, last_t].T
-            self.selected.index_add_(0, layer_t, counts)
-            self.activated_sum += int((counts > 0).sum()) / e
-            self.activated_steps += nl
-            self.switches.index_add_(0, layer_t, switches)
-            self.transitions.index_add_(0, layer_t, transitions)
-            if pairs is not None:
-                self.co_selection += pairs
+        prev = torch.where(in_batch[None, :], top1[:, before_t.clamp(min=0)], self.prev_top1[slot_t][:, layer_t].T)
+        known = torch.tensor(continuing, dtype=torch.bool) & (prev >= 0)  # (layers, chunks)
+        transitions += known.sum(1)
+        switches += (known & (prev != top1[:, first_t])).sum(1)
+        final = torch.tensor(sorted(latest), dtype=torch.long)  # each slot's latest chunk sets its state
+        self.prev_top1[final[:, None], layer_t[None, :]] = top1[:, [latest[s] for s in sorted(latest)]].T
+        self.selected.index_add_(0, layer_t, counts)
+        self.activated += int((per_step > 0).sum())
+        self.activated_steps += nl * len(steps)
+        self.switches.index_add_(0, layer_t, switches)
+        self.transitions.index_add_(0, layer_t, transitions)
+        if pairs is not None:
+            self.co_selection += pairs
 
     def take(self) -> dict:
         """The window's figures (None where nothing was routed), and a new window."""
         with self.lock:
+            self._flush()
             selected, switches, transitions = self.selected, self.switches, self.transitions
-            activation = self.activated_sum / self.activated_steps if self.activated_steps else None
+            activation = self.activated / self.num_experts / self.activated_steps if self.activated_steps else None
             self._reset()
         entropy = []
         for layer in range(self.num_layers):
@@ -107,6 +147,7 @@ class RoutingStats:
     def co_selected_pairs(self, limit: int = 256) -> list[tuple[str, str, int]]:
         """The most frequent pairs since start: (L.a, L.b, tokens), most first."""
         with self.lock:
+            self._flush()
             flat = self.co_selection.reshape(-1)
             nz = int((flat > 0).sum())
             if nz == 0:
