@@ -312,3 +312,39 @@ def test_small_steps_run_inline_and_one_over_its_budget_runs_again_in_a_step_thr
     rerun = calls[start + layers + 2:]
     assert rerun and all(c == (False, False) for c in rerun)  # again in a step thread, and the steps after it
     assert engine_mod.INLINE_PAUSE_STEPS > 6
+
+
+def test_an_inline_step_starts_once_the_last_steps_tokens_reached_their_streams(tmp_path):
+    """A token passes through tasks on its way out (as in the ingress: the request's queue, a
+    reader task, a merged queue, the response): each decode step, run on the loop's thread,
+    starts after the previous step's token got through them, not a step later."""
+    make_mixtral(tmp_path, num_local_experts=4, num_hidden_layers=2)
+    engine = _engine(tmp_path)
+    inner = engine.dispatch
+    delivered: list[int] = []
+    seen_at_step: list[int] = []
+
+    def dispatch(layer, x, indices, weights):
+        if layer == 0:
+            seen_at_step.append(len(delivered))
+        return inner(layer, x, indices, weights)
+
+    engine.dispatch = dispatch
+
+    async def main():
+        req = engine.submit(GenerationRequest(prompt=[5, 9, 11], max_tokens=6, stop_at_eos=False))
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def reader():
+            while (tok := await req.out.get()) is not None:
+                await merged.put(tok)
+            await merged.put(None)
+
+        task = asyncio.create_task(reader())
+        while (tok := await merged.get()) is not None:
+            delivered.append(tok)
+        await task
+
+    asyncio.run(main())
+    assert len(delivered) == 6
+    assert seen_at_step == list(range(6))  # step k (prefill is 0) began with k tokens delivered

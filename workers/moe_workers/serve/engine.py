@@ -35,6 +35,9 @@ from moe_workers.model.sampling import sample
 # the hop), a tenth of a small model's batch-1 step; the event loop waits for it (HTTP and
 # streaming run between steps, as they would wait for its tokens anyway)
 INLINE_MAX_TOKENS = 16
+# loop iterations an inline step yields before it starts: a token goes from its request's queue to
+# the client through a few tasks (the ingress' stream reader, the merged stream, the response)
+STREAM_HOPS = 4
 INLINE_MIN_BUDGET_S = 0.25  # an inline step's budget for waiting on experts: at least this
 INLINE_PAUSE_STEPS = 64  # small steps run in a step thread after one went over its budget
 
@@ -258,6 +261,8 @@ class Engine:
         if self._inline_pause:
             self._inline_pause -= 1
             return await self.forward(batch)
+        for _ in range(STREAM_HOPS):  # first the last step's tokens reach their streams
+            await asyncio.sleep(0)
         t0 = time.monotonic()
         _inline.deadline = t0 + max(INLINE_MIN_BUDGET_S, 4 * self._last_small_step_s)
         try:
@@ -269,7 +274,6 @@ class Engine:
             return await self.forward(batch)
         finally:
             _inline.deadline = 0.0
-        await asyncio.sleep(0)  # HTTP and streaming run between steps
         return logits
 
     async def forward(self, batch: StepBatch) -> torch.Tensor:
