@@ -8,8 +8,7 @@ engine runs in-process (tests) and in the Ingress deployment (the expert channel
 
 A step's forward pass runs in one worker thread from embedding to logits, layers and expert
 exchanges included: the event loop only admits, samples and streams, so a layer costs no hop
-between the loop and a thread. A small step (decode at small batch) runs on the loop's thread
-itself: it costs no hop at all. Micro-batches run in threads of their own; their dense compute
+between the loop and a thread. Micro-batches run in threads of their own; their dense compute
 takes turns (one lock) while one waits on its exchange and another computes.
 """
 
@@ -27,33 +26,6 @@ import torch
 
 from moe_workers.model.dense import Chunk, DenseModel, KVCache, StepBatch
 from moe_workers.model.sampling import sample
-
-# a step of at most this many tokens (decode at batch <= 16) runs on the event loop's thread: the
-# hop to a step thread and back costs two thread wake-ups, 0.3-0.5 ms on this project's CPUs once
-# the threads idle through a step of milliseconds (in-process engine against the model, batch 1,
-# 4 layers, interleaved: 0.22-0.48 ms a step over the model's own time inline, 0.59-1.24 ms with
-# the hop), a tenth of a small model's batch-1 step; the event loop waits for it (HTTP and
-# streaming run between steps, as they would wait for its tokens anyway)
-INLINE_MAX_TOKENS = 16
-# loop iterations an inline step yields before it starts: a token goes from its request's queue to
-# the client through a few tasks (the ingress' stream reader, the merged stream, the response)
-STREAM_HOPS = 4
-INLINE_MIN_BUDGET_S = 0.25  # an inline step's budget for waiting on experts: at least this
-INLINE_PAUSE_STEPS = 64  # small steps run in a step thread after one went over its budget
-
-_inline = threading.local()
-
-
-def step_deadline() -> float:
-    """The monotonic time by which the small step running inline on this thread must be done
-    (0.0: none, the step runs in a step thread). A dispatcher that would wait past it raises
-    StepDeferred."""
-    return getattr(_inline, "deadline", 0.0)
-
-
-class StepDeferred(Exception):
-    """Raised by a dispatcher within an inline step that cannot finish by `step_deadline()`
-    without waiting (a shard group without a live replica, a retry, a slow reply)."""
 
 Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # runs in a step thread
 
@@ -104,7 +76,6 @@ class StepTimings:
     dense_cpu: float = 0.0  # CPU of the calling thread only: with several torch threads, a share
     experts: float = 0.0
     steps: int = 0
-    deferred: int = 0  # small steps that went over their inline budget and ran again in a step thread
     tokens: int = 0
 
 
@@ -133,12 +104,9 @@ class Engine:
         # forward passes off the event loop, so HTTP stays responsive; one thread per micro-batch
         # (made on demand; torch's intra-op thread count is per thread under OpenMP: each step
         # thread takes the one of the thread that built the engine, not every core)
-        self._last_small_step_s = 0.0
-        self._inline_pause = 0  # small steps left to run in a step thread
-        self._torch_threads = torch.get_num_threads()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="step",
                                                            initializer=torch.set_num_threads,
-                                                           initargs=(self._torch_threads,))
+                                                           initargs=(torch.get_num_threads(),))
         self._dense = threading.Lock()  # micro-batches' dense compute takes turns
 
     def submit(self, req: GenerationRequest) -> GenerationRequest:
@@ -166,7 +134,6 @@ class Engine:
             self._finish(req, reason)
 
     async def _loop(self) -> None:
-        torch.set_num_threads(self._torch_threads)  # small steps run on this (the event loop's) thread
         while True:
             if not self.running and not self.waiting:
                 self._wake.clear()
@@ -215,9 +182,7 @@ class Engine:
                 chunks.append(Chunk(req.slot, req.cached, [req.produced[-1]]))
         tokens = sum(len(c.tokens) for c in chunks)
         parts = split_chunks(chunks, self.micro_batches if tokens >= self.micro_batch_min_tokens else 1)
-        if len(parts) == 1 and tokens <= INLINE_MAX_TOKENS:
-            logits = await self._small_step(StepBatch(chunks))
-        elif len(parts) == 1:
+        if len(parts) == 1:
             logits = await self.forward(StepBatch(chunks))
         else:
             logits = torch.cat(await asyncio.gather(*(self.forward(StepBatch(p)) for p in parts)))
@@ -251,30 +216,6 @@ class Engine:
         self.running = still
         self.timings.steps += 1
         self.timings.tokens += len(chunks)
-
-    async def _small_step(self, batch: StepBatch) -> torch.Tensor:
-        """A small step on the event loop's thread, within a budget (max(INLINE_MIN_BUDGET_S, 4 x
-        the last one)) that the dispatcher reads (`step_deadline()`): one that cannot finish
-        without waiting raises StepDeferred and runs again in a step thread (its KV cache writes
-        are rewritten with the same values), and the next INLINE_PAUSE_STEPS small steps run
-        there too. The loop is held for a step's compute, never for a missing replica."""
-        if self._inline_pause:
-            self._inline_pause -= 1
-            return await self.forward(batch)
-        for _ in range(STREAM_HOPS):  # first the last step's tokens reach their streams
-            await asyncio.sleep(0)
-        t0 = time.monotonic()
-        _inline.deadline = t0 + max(INLINE_MIN_BUDGET_S, 4 * self._last_small_step_s)
-        try:
-            logits = self._forward(batch)
-            self._last_small_step_s = time.monotonic() - t0
-        except StepDeferred:
-            self.timings.deferred += 1
-            self._inline_pause = INLINE_PAUSE_STEPS
-            return await self.forward(batch)
-        finally:
-            _inline.deadline = 0.0
-        return logits
 
     async def forward(self, batch: StepBatch) -> torch.Tensor:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._forward, batch)

@@ -29,7 +29,7 @@ from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel, KVCache
 from moe_workers.model.layers import combine, group_by_expert
 from moe_workers.serve.config import AppArgs, admission_capacity, engine_queue_limit
-from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded, StepDeferred, step_deadline
+from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
 from moe_workers.serve.migration import RESUME_HEADER, Resume, parse_resume
@@ -41,7 +41,7 @@ from moe_workers.serve.textstream import TextStream
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.serve.shard import ray_placement
-from moe_workers.transport import ExchangeOverBudget, ExpertChannel, ExpertsUnavailable, Member, Part
+from moe_workers.transport import ExpertChannel, ExpertsUnavailable, Member, Part
 
 fastapi_app = FastAPI(title="moe-operator", docs_url=None, redoc_url=None)
 
@@ -279,9 +279,7 @@ class Ingress:
             parts[group] = Part(experts, part_counts, payload, hints.get(group, []))
             router.begin(group, sum(part_counts))
         try:
-            results = self.channel.exchange(layer, parts, budget_until=step_deadline())
-        except ExchangeOverBudget as err:  # an inline step: it runs again in a step thread
-            raise StepDeferred(str(err)) from err
+            results = self.channel.exchange(layer, parts)
         finally:
             for group, part in parts.items():
                 router.end(group, sum(part.counts))
@@ -578,7 +576,7 @@ class Ingress:
     def engine_stats(self) -> dict:
         t = self.engine.timings
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        return {"steps": t.steps, "tokens": t.tokens, "deferred_steps": t.deferred, "dense_s": t.dense, "dense_cpu_s": t.dense_cpu,
+        return {"steps": t.steps, "tokens": t.tokens, "dense_s": t.dense, "dense_cpu_s": t.dense_cpu,
                 "experts_s": t.experts, "cpu_s": usage.ru_utime + usage.ru_stime,
                 "running": len(self.engine.running), "waiting": len(self.engine.waiting),
                 "kv_slots": self.cache.num_slots, "kv_free": self.cache.free_slots, "pid": os.getpid(),
