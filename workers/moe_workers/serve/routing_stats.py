@@ -47,7 +47,7 @@ class RoutingStats:
                      lengths: list[int]) -> None:
         """`indices` (len(layers), tokens, top_k): a step's router picks for these layers. Kept
         as they are and counted `FLUSH_STEPS` steps at a time, in one set of tensor ops (about 40
-        ops, 0.2-0.4 ms a call on this project's CPUs: counted every step, they cost a 4-layer
+        ops, 0.4-0.5 ms a call on this project's CPUs: counted every step, they cost a 4-layer
         model's batch-1 decode as much as a layer's expert exchange); `take()` and
         `co_selected_pairs()` count what is pending first."""
         with self.lock:
@@ -80,9 +80,9 @@ class RoutingStats:
                                    + indices).reshape(-1), minlength=len(steps) * nl * e)
         counts = per_step.view(len(steps), nl, e).sum(0)
         top1 = indices[:, :, 0]
-        # chunks in row order: slot, continuing, first row, last row, and the row of the slot's
-        # latest chunk before it in this batch (-1: none, the slot's state from earlier batches)
-        slots, continuing, first_rows, last_rows, before = [], [], [], [], []
+        # chunks in row order: slot, continuing, first row, and the last row of the slot's latest
+        # chunk before it in this batch (-1: none, the slot's state from earlier batches)
+        slots, continuing, first_rows, before = [], [], [], []
         latest: dict[int, int] = {}
         row = 0
         for _, _, step_slots, starts, lengths in steps:
@@ -90,7 +90,6 @@ class RoutingStats:
                 slots.append(slot)
                 continuing.append(start > 0)
                 first_rows.append(row)
-                last_rows.append(row + length - 1)
                 before.append(latest.get(slot, -1))
                 latest[slot] = row + length - 1
                 row += length
@@ -114,8 +113,8 @@ class RoutingStats:
         known = torch.tensor(continuing, dtype=torch.bool) & (prev >= 0)  # (layers, chunks)
         transitions += known.sum(1)
         switches += (known & (prev != top1[:, first_t])).sum(1)
-        final = torch.tensor(sorted(latest), dtype=torch.long)  # each slot's latest chunk sets its state
-        self.prev_top1[final[:, None], layer_t[None, :]] = top1[:, [latest[s] for s in sorted(latest)]].T
+        final = sorted(latest)  # each slot's latest chunk sets its state
+        self.prev_top1[torch.tensor(final, dtype=torch.long)[:, None], layer_t[None, :]] = top1[:, [latest[s] for s in final]].T
         self.selected.index_add_(0, layer_t, counts)
         self.activated += int((per_step > 0).sum())
         self.activated_steps += nl * len(steps)
