@@ -114,7 +114,8 @@ class RoutingStats:
         transitions += known.sum(1)
         switches += (known & (prev != top1[:, first_t])).sum(1)
         final = sorted(latest)  # each slot's latest chunk sets its state
-        self.prev_top1[torch.tensor(final, dtype=torch.long)[:, None], layer_t[None, :]] = top1[:, [latest[s] for s in final]].T
+        final_t = torch.tensor(final, dtype=torch.long)
+        self.prev_top1[final_t[:, None], layer_t[None, :]] = top1[:, [latest[s] for s in final]].T
         self.selected.index_add_(0, layer_t, counts)
         self.activated += int((per_step > 0).sum())
         self.activated_steps += nl * len(steps)
