@@ -40,7 +40,7 @@ from moe_workers.serve.proxy_gate import RETRY_AFTER_S, admission_header
 from moe_workers.serve.textstream import TextStream
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
-from moe_workers.serve.shard import ray_placement
+from moe_workers.serve.node import ray_placement
 from moe_workers.transport import ExpertChannel, ExpertsUnavailable, Member, Part
 
 fastapi_app = FastAPI(title="moe-operator", docs_url=None, redoc_url=None)
@@ -182,7 +182,7 @@ class Ingress:
                              engine_queue_limit(self.args), self.args.micro_batches,
                              self.args.micro_batch_min_tokens, routing_stats=self.routing_stats,
                              observer=self.metrics)
-        threading.Thread(target=self._export_routing, name="routing-metrics", daemon=True).start()
+        threading.Thread(target=self._export_metrics, name="ingress-metrics", daemon=True).start()
         tok_file = Path(self.args.model_path) / "tokenizer.json"
         self.tokenizer = None
         if tok_file.is_file():
@@ -221,7 +221,7 @@ class Ingress:
         channel's membership thread calls this)."""
         self.board.forget.remote(member.replica, member.endpoint).result(timeout_s=10)
 
-    def _export_routing(self, every_s: float = 5.0, latencies_every_s: float = 1.0) -> None:
+    def _export_metrics(self, every_s: float = 5.0, latencies_every_s: float = 1.0) -> None:
         """The engine's queued latencies every second; load and routing figures every `every_s`."""
         last = time.monotonic()
         while True:
@@ -577,7 +577,8 @@ class Ingress:
         t = self.engine.timings
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return {"steps": t.steps, "tokens": t.tokens, "dense_s": t.dense, "dense_cpu_s": t.dense_cpu,
-                "experts_s": t.experts, "cpu_s": usage.ru_utime + usage.ru_stime,
+                "experts_s": t.experts, "forward_s": t.forward, "step_s": t.step,
+                "cpu_s": usage.ru_utime + usage.ru_stime,
                 "running": len(self.engine.running), "waiting": len(self.engine.waiting),
                 "kv_slots": self.cache.num_slots, "kv_free": self.cache.free_slots, "pid": os.getpid(),
                 "peak_rss_bytes": peak_rss_bytes(), "dense_bytes": self.dense.nbytes(),

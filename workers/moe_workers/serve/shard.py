@@ -21,6 +21,7 @@ from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.experts import compute_rows
 from moe_workers.serve.memory import current_rss_bytes, peak_rss_bytes
 from moe_workers.serve.metrics import ShardMetrics
+from moe_workers.serve.node import node_address, ray_placement
 from moe_workers.store.store import StoreFull, TierConfig, TieredExpertStore
 from moe_workers.store.versions import CHECKPOINT, SwapError, load_expert_file
 from moe_workers.transport import ExchangeServer
@@ -35,28 +36,6 @@ def _expert_key(eid: str) -> tuple[int, int]:
 
 def _now_rfc3339() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def ray_placement() -> tuple[str | None, str | None]:
-    """This replica's Ray node id and runtime environment (serialized): the board starts warm
-    spares on the node in exactly this environment, the one Serve asks for when it replaces us."""
-    try:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return ctx.get_node_id(), ctx.runtime_env.serialize()
-    except Exception:  # noqa: BLE001 - outside Ray (unit use)
-        return None, None
-
-
-def _node_address() -> str:
-    """The address Ray uses for this node (127.0.0.1 on a local head): the channel listens there."""
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - outside Ray (unit use)
-        return "127.0.0.1"
 
 
 @serve.deployment
@@ -95,7 +74,7 @@ class ExpertShard:
         self._report_now = threading.Event()
         self.node_id, self.runtime_env = ray_placement()
         self.baseline_rss_bytes = current_rss_bytes()  # torch + Ray + this code, before any expert
-        self.channel = ExchangeServer(self._compute, lambda: self._tokens, host=_node_address(),
+        self.channel = ExchangeServer(self._compute, lambda: self._tokens, host=node_address(),
                                       torch_threads=torch_threads)
         threading.Thread(target=self._maintain, name="store-maintenance", daemon=True).start()
 
