@@ -341,7 +341,8 @@ def deep_point(a, n: int) -> dict:
             full = _concurrent(url, [{**body, "max_tokens": tokens}])
             e1, s1 = stats()
             steps = e1["steps"] - e0["steps"]
-            per_step = {"dense_ms": (e1["dense_s"] - e0["dense_s"]) / steps * 1000,
+            per_step = {"loop_ms": ((e1["step_s"] - e0["step_s"]) - (e1["forward_s"] - e0["forward_s"])) / steps * 1000,
+                        "dense_ms": (e1["dense_s"] - e0["dense_s"]) / steps * 1000,
                         "experts_ms": (e1["experts_s"] - e0["experts_s"]) / steps * 1000,
                         "shard_compute_ms": max(b["compute_s"] - a_["compute_s"] for a_, b in zip(s0, s1)) / steps * 1000,
                         "shard_handle_ms": max(b["channel"]["handle_s"] - a_["channel"]["handle_s"]
@@ -356,8 +357,8 @@ def deep_point(a, n: int) -> dict:
         channels = a.deep_channels.split(",")
 
         def use(channel: str) -> None:
-            way, _, sleep = channel.partition("-")
-            spin = 0 if sleep == "sleep" else EXCHANGE_SPIN_US
+            way, _, variant = channel.partition("-")
+            spin = 0 if variant == "sleep" else EXCHANGE_SPIN_US
             ingress.tune_channel.remote(local=way == "unix", spin_us=spin).result()
 
         for channel in channels:  # warm-up, each way
@@ -379,7 +380,9 @@ def deep_point(a, n: int) -> dict:
     return {"layers": n, "channel": channels[0], "in_process_ms_per_token": statistics.median(r["in_process_ms"] for r in rounds),
             "served_ms_per_token": med("served_ms"), "ratio": med("ratio"), "dispatch_ms_per_layer": med("dispatch_ms_per_layer"),
             "by_channel": {c: {"served_ms_per_token": med("served_ms", c), "ratio": med("ratio", c),
-                               "dispatch_ms_per_layer": med("dispatch_ms_per_layer", c)} for c in channels},
+                               "dispatch_ms_per_layer": med("dispatch_ms_per_layer", c),
+                               "loop_ms_per_step": statistics.median(r["by_channel"][c]["served_per_step"]["loop_ms"]
+                                                                     for r in rounds)} for c in channels},
             "rounds": rounds}
 
 
@@ -406,12 +409,12 @@ def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
             figures[f"dispatch-ms-per-layer-{channel}-{n}-layers"] = by["dispatch_ms_per_layer"]
     if rows:
         print(f"\nbatch-1 decode, 32 new tokens, medians over {a.deep_rounds} interleaved rounds:")
-        print(f"{'layers':>6} {'channel':>8} {'in-process ms/token':>20} {'served ms/token':>16} {'served/in-process':>18} "
-              f"{'dispatch ms/layer':>18}")
+        print(f"{'layers':>6} {'channel':>11} {'in-process ms/token':>20} {'served ms/token':>16} {'served/in-process':>18} "
+              f"{'dispatch ms/layer':>18} {'loop ms/step':>18}")
         for r in rows:
             for channel, by in r["by_channel"].items():
-                print(f"{r['layers']:6} {channel:>8} {r['in_process_ms_per_token']:20.2f} {by['served_ms_per_token']:16.2f} "
-                      f"{by['ratio']:18.2f} {by['dispatch_ms_per_layer']:18.3f}")
+                print(f"{r['layers']:6} {channel:>11} {r['in_process_ms_per_token']:20.2f} {by['served_ms_per_token']:16.2f} "
+                      f"{by['ratio']:18.2f} {by['dispatch_ms_per_layer']:18.3f} {by['loop_ms_per_step']:18.3f}")
         figures["dispatch-ms-per-layer"] = max(r["dispatch_ms_per_layer"] for r in rows)
     return rows, figures
 

@@ -55,6 +55,9 @@ def test_concurrent_requests_join_between_steps_and_match_reference(tmp_path):
     assert engine.cache.free_slots == 3
     # batching happened: fewer steps than total tokens produced
     assert engine.timings.steps < sum(len(r) for r in results)
+    # one forward pass a step (no micro-batches), in its thread: within the step's time on the loop
+    t = engine.timings
+    assert 0 < t.dense + t.experts <= t.forward <= t.step
 
 
 def test_full_queue_refuses(tmp_path):

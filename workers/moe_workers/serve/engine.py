@@ -75,6 +75,8 @@ class StepTimings:
     dense: float = 0.0
     dense_cpu: float = 0.0  # CPU of the calling thread only: with several torch threads, a share
     experts: float = 0.0
+    forward: float = 0.0  # the forward passes, in their threads
+    step: float = 0.0  # whole steps on the event loop (forward, hand-offs to and from its thread, sampling)
     steps: int = 0
     tokens: int = 0
 
@@ -167,6 +169,7 @@ class Engine:
         req.out.put_nowait(None)
 
     async def step(self) -> None:
+        t_step = time.perf_counter()
         for req in [r for r in self.running if r.cancelled]:
             self._finish(req, req.cancelled)
         self.running = [r for r in self.running if not r.cancelled]
@@ -214,6 +217,7 @@ class Engine:
             else:
                 still.append(req)
         self.running = still
+        self.timings.step += time.perf_counter() - t_step
         self.timings.steps += 1
         self.timings.tokens += len(chunks)
 
@@ -225,8 +229,12 @@ class Engine:
         expert exchange outside it (another micro-batch computes meanwhile). The whole step is
         one inference-mode region (entering one costs a few microseconds; a step entered four a
         layer)."""
-        with torch.inference_mode():
-            return self._forward_steps(batch)
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                return self._forward_steps(batch)
+        finally:
+            self.timings.forward += time.perf_counter() - t0
 
     def _forward_steps(self, batch: StepBatch) -> torch.Tensor:
         dense, timings = self.dense, self.timings
