@@ -264,3 +264,90 @@ def test_ingress_metrics_queue_the_engines_reports_and_record_them_on_flush():
     base = {"app": "app", "replica": "r1"}
     assert seen == [("ttft", 0.5, base), ("itl", 0.02, base), ("e2e", 1.5, {**base, "finish_reason": "error"}),
                     ("prompt", 3, base), ("generated", 2, base)]
+
+
+def test_small_steps_run_inline_and_one_over_its_budget_runs_again_in_a_step_thread(tmp_path):
+    """Decode steps of a few tokens run on the event loop's thread with a deadline the dispatcher
+    can read; a prefill step runs in a step thread without one. A dispatcher that raises
+    StepDeferred (an exchange that would wait) makes the step run again in a step thread, and
+    the next small steps too: the tokens are the reference's all the same."""
+    import threading
+
+    from moe_workers.serve import engine as engine_mod
+    from moe_workers.serve.engine import StepDeferred, step_deadline
+
+    make_mixtral(tmp_path, num_local_experts=4, num_hidden_layers=2)
+    reference = InProcessModel(tmp_path)
+    prompt = [5, 9, 11] * 7  # 21 tokens: over INLINE_STEP_TOKENS
+    expected = reference.generate([prompt], max_tokens=8)[0]
+    engine = _engine(tmp_path)
+    inner = engine.dispatch
+    calls = []  # (on the loop's thread, deadline set)
+    defer_at = {"call": None}
+
+    def dispatch(layer, x, indices, weights):
+        calls.append((threading.current_thread() is loop_thread, step_deadline() > 0))
+        if defer_at["call"] == len(calls):
+            raise StepDeferred("a shard group has no live replica")
+        return inner(layer, x, indices, weights)
+
+    engine.dispatch = dispatch
+    layers = engine.dense.cfg.num_layers
+
+    async def main():
+        global loop_thread
+        loop_thread = threading.current_thread()
+        req = engine.submit(GenerationRequest(prompt=list(prompt), max_tokens=3, stop_at_eos=False))
+        first = await _collect(req)
+        defer_at["call"] = len(calls) + 2 * layers + 2  # the next request: its second decode step, second layer
+        req = engine.submit(GenerationRequest(prompt=list(prompt), max_tokens=8, stop_at_eos=False))
+        return first, await _collect(req)
+
+    globals()["loop_thread"] = None
+    first, second = asyncio.run(main())
+    assert first == expected[:3] and second == expected
+    assert calls[:layers] == [(False, False)] * layers  # prefill: a step thread, no deadline
+    assert calls[layers:3 * layers] == [(True, True)] * (2 * layers)  # two decode steps inline
+    assert engine.timings.deferred == 1
+    start = 3 * layers + layers  # the second request's prefill, then its first decode step inline
+    assert calls[start:start + layers] == [(True, True)] * layers
+    assert calls[start + layers:start + layers + 2] == [(True, True)] * 2  # deferred at its second layer
+    rerun = calls[start + layers + 2:]
+    assert rerun and all(c == (False, False) for c in rerun)  # again in a step thread, and the steps after it
+    assert engine_mod.INLINE_PAUSE_STEPS > 6
+
+
+def test_an_inline_step_starts_once_the_last_steps_tokens_reached_their_streams(tmp_path):
+    """A token passes through tasks on its way out (as in the ingress: the request's queue, a
+    reader task, a merged queue, the response): each decode step, run on the loop's thread,
+    starts after the previous step's token got through them, not a step later."""
+    make_mixtral(tmp_path, num_local_experts=4, num_hidden_layers=2)
+    engine = _engine(tmp_path)
+    inner = engine.dispatch
+    delivered: list[int] = []
+    seen_at_step: list[int] = []
+
+    def dispatch(layer, x, indices, weights):
+        if layer == 0:
+            seen_at_step.append(len(delivered))
+        return inner(layer, x, indices, weights)
+
+    engine.dispatch = dispatch
+
+    async def main():
+        req = engine.submit(GenerationRequest(prompt=[5, 9, 11], max_tokens=6, stop_at_eos=False))
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def reader():
+            while (tok := await req.out.get()) is not None:
+                await merged.put(tok)
+            await merged.put(None)
+
+        task = asyncio.create_task(reader())
+        while (tok := await merged.get()) is not None:
+            delivered.append(tok)
+        await task
+
+    asyncio.run(main())
+    assert len(delivered) == 6
+    assert seen_at_step == list(range(6))  # step k (prefill is 0) began with k tokens delivered
