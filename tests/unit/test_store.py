@@ -506,3 +506,56 @@ def test_a_batch_that_pinned_the_expert_never_waits_on_the_swap_staged_beside_it
         assert torch.equal(w[k]["w1"], ref["w1"] * 3)
     assert s.staging == {HOT: 0, WARM: 0} and s.reserved == {HOT: 0, WARM: 0}
     assert s.used[HOT] <= 2 * n  # back within the budget after the commit
+
+
+def test_a_swap_waits_for_room_while_every_expert_is_in_use(model_dir, tmp_path):
+    """The swapped expert in warm (full with it), hot full of experts that batches hold (under
+    load, at any one moment): the swap waits for one to be let go and stages there, instead of
+    failing at once; held past the store's wait it fails, saying why, and the old version serves."""
+    n = make_store(model_dir).expert_bytes
+    k, m, w = (0, 0), (1, 0), (1, 1)
+    ref = Checkpoint(model_dir).expert(*k)
+    f = write_expert(tmp_path / "v2.safetensors", ref, scale=3.0)
+
+    def full(wait_s: float) -> TieredExpertStore:
+        s = make_store(model_dir, tmp_path, hot_budget=2 * n, warm_budget=n)
+        s.configure([k, m, w])
+        with s.use([m, w]):
+            pass
+        s.promote(k, WARM)
+        assert [s.entries[x].tier for x in (k, m, w)] == [WARM, HOT, HOT]
+        s.wait_timeout_s = wait_s
+        return s
+
+    def swap(s):
+        return s.swap(k, lambda: load_expert_file(f, *k, s.model, [str(tmp_path)]), str(f))
+
+    s = full(0.5)
+    with s.use([m, w]):  # every other resident expert in use for longer than the store waits
+        with pytest.raises(SwapError, match="stayed full of experts in use"):
+            swap(s)
+    with s.use([k]) as got:
+        assert torch.equal(got[k]["w1"], ref["w1"])  # the old version serves
+
+    s = full(10.0)
+    done, errors = threading.Event(), []
+
+    def run():
+        try:
+            swap(s)
+        except Exception as err:  # noqa: BLE001 - recorded for the assertion
+            errors.append(err)
+        done.set()
+
+    batch = s.use([m, w])
+    batch.__enter__()
+    try:
+        t = threading.Thread(target=run)
+        t.start()
+        assert not done.wait(0.3)  # no room anywhere: it waits (it used to fail here)
+    finally:
+        batch.__exit__(None, None, None)
+    t.join(10)
+    assert done.is_set() and not errors, errors
+    with s.use([k]) as got:
+        assert torch.equal(got[k]["w1"], ref["w1"] * 3)

@@ -49,7 +49,9 @@ class StepDeferred(Exception):
     """Raised by a dispatcher within an inline step that cannot finish by `step_deadline()`
     without waiting (a shard group without a live replica, a retry, a slow reply)."""
 
-Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # runs in a step thread
+
+# runs in a step thread, or on the event loop's thread for a small step (`step_deadline()` set)
+Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Overloaded(Exception):

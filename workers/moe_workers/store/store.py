@@ -823,14 +823,7 @@ class TieredExpertStore:
         with lock:  # swaps of one expert are serialised; the last one to commit wins
             with self._cv:
                 e = self.entries[key]
-                stage = None
-                for tier in ([e.tier] if e.tier in (HOT, WARM) else []) + [WARM, HOT]:
-                    if self._make_room(tier, e.nbytes, exclude={key}, wait=False):
-                        stage = tier
-                        break
-                if stage is None:
-                    raise SwapError(f"no room to stage expert {key[0]}.{key[1]} beside the serving version "
-                                    "(hot and warm budgets are full of experts in use)")
+                stage = self._stage_room(key, e, time.monotonic() + self.wait_timeout_s)
                 self.reserved[stage] += e.nbytes
                 self.staging[stage] += e.nbytes
             slot = None
@@ -882,6 +875,21 @@ class TieredExpertStore:
             threading.Thread(target=self._write_cold_if_current, args=(key, version, raw), name="cold-write",
                              daemon=True).start()
             return version
+
+    def _stage_room(self, key: Key, e: Entry, deadline: float) -> str:
+        """The tier to stage a new version of `key` in, with room made there (lock held): its
+        own tier first, then warm, then hot. When every expert there is in use (pinned by a
+        batch, or moving), wait for one to be let go, up to `deadline`: under load the tiers are
+        full of experts in use at any one moment, but not for long."""
+        while True:
+            if e.removed:
+                raise SwapError(f"expert {key[0]}.{key[1]} was removed from this replica; swap not committed")
+            for tier in ([e.tier] if e.tier in (HOT, WARM) else []) + [WARM, HOT]:
+                if self._make_room(tier, e.nbytes, exclude={key}, wait=False):
+                    return tier
+            if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                raise SwapError(f"no room to stage expert {key[0]}.{key[1]} beside the serving version: the hot and "
+                                f"warm budgets stayed full of experts in use for {self.wait_timeout_s:.0f} s")
 
     # -- status -------------------------------------------------------------------------------
 
