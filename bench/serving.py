@@ -58,11 +58,10 @@ def parse_args():
                    help="depth sweep: torch threads in-process and of the served ingress (1: the app's default, and "
                         "the faster setting for batch-1 decode on both sides)")
     p.add_argument("--deep-rounds", type=int, default=5, help="depth sweep: interleaved rounds per depth")
-    p.add_argument("--deep-channels", default="unix,tcp,unix-sleep,unix-thread",
+    p.add_argument("--deep-channels", default="unix,tcp,unix-sleep",
                    help="depth sweep: how the ingress reaches its shard replicas (all on one node), each measured "
-                        "in every round; the first one gives the main figures. unix, tcp: with the app's defaults "
-                        "(the poll for replies, exchange_spin_us; small steps on the event loop's thread, "
-                        "inline_step_tokens); -sleep: without the poll; -thread: every step in a step thread")
+                        "in every round; the first one gives the main figures. unix, tcp: with the app's default "
+                        "poll for replies (exchange_spin_us); -sleep: without it")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
     return p.parse_args()
@@ -352,7 +351,7 @@ def deep_point(a, n: int) -> dict:
 
         from ray import serve
 
-        from moe_workers.serve.config import EXCHANGE_SPIN_US, INLINE_STEP_TOKENS
+        from moe_workers.serve.config import EXCHANGE_SPIN_US
 
         ingress = serve.get_app_handle("bench")
         channels = a.deep_channels.split(",")
@@ -361,7 +360,6 @@ def deep_point(a, n: int) -> dict:
             way, _, variant = channel.partition("-")
             spin = 0 if variant == "sleep" else EXCHANGE_SPIN_US
             ingress.tune_channel.remote(local=way == "unix", spin_us=spin).result()
-            ingress.tune_engine.remote(inline_step_tokens=0 if variant == "thread" else INLINE_STEP_TOKENS).result()
 
         for channel in channels:  # warm-up, each way
             use(channel)

@@ -87,8 +87,7 @@ def test_killed_shard_replicas_fail_requests_at_most_with_503_and_rejoin(ray_hea
             recovered_at = len(outcomes)
             replacements = {r["pid"] for r in _status(url)["replicas"]} - {r["pid"] for r in status["replicas"]}
             time.sleep(4)
-            before = _status(url)["channel"]
-            moved = before["hedged"] + before["over_budget"]
+            hedged = _status(url)["channel"]["hedged"]
             stalled = next(r["pid"] for r in _status(url)["replicas"] if r["group"] == "ExpertShard-0")
             stall_from = len(outcomes)
             os.kill(stalled, signal.SIGSTOP)
@@ -114,14 +113,11 @@ def test_killed_shard_replicas_fail_requests_at_most_with_503_and_rejoin(ray_hea
         assert killed_at > 0
         # a replacement took the spare (a process that was already running, the app imported)
         assert replacements & spares, (replacements, spares)
-        # the stall: its part goes to the other replica of the group (hedged from a step thread; an
-        # inline decode step goes over its budget and runs again in a step thread, which sends it
-        # to the replica with nothing in flight), nobody waits for the exchange timeout
+        # the stall: hedged to the other replica of the group, nobody waits for the exchange timeout
         during = outcomes[stall_from:stall_to]
         assert during and all(code == 200 for code, *_ in during), [code for code, *_ in during]
         assert max(seconds for _, seconds, *_ in during) < TIMEOUT_S, [round(s, 2) for _, s, *_ in during]
-        after_stall = _status(url)["channel"]
-        assert after_stall["hedged"] + after_stall["over_budget"] > moved
+        assert _status(url)["channel"]["hedged"] > hedged
         failed = codes.count(503)
         print(f"requests: {len(codes)}, answered {codes.count(200)}, 503 {failed}")
     finally:

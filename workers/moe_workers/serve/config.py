@@ -34,14 +34,6 @@ def group_name(index: int) -> str:
 # and channel.py run the channel with it)
 EXCHANGE_SPIN_US = 1000
 
-# an engine step of at most this many tokens (decode at batch <= 16) runs on the event loop's
-# thread by default: the hop to a step thread and back costs two thread wake-ups, 0.3-0.5 ms on
-# this project's CPUs once the threads idle through a step of milliseconds (in-process engine
-# against the model, batch 1, 4 layers, interleaved: 0.22-0.48 ms a step over the model's own
-# time inline, 0.59-1.24 ms with the hop), a tenth of a small model's batch-1 step; the event
-# loop waits for it (HTTP and streaming run between steps, as they would wait for its tokens)
-INLINE_STEP_TOKENS = 16
-
 
 class AppArgs(BaseModel):
     """Typed arguments of `build_app` (static for the app's lifetime)."""
@@ -81,10 +73,6 @@ class AppArgs(BaseModel):
     request_body_timeout_s: float = Field(default=30.0, gt=0, description="How long a request body may take "
                                           "to arrive; then 408.")
     ingress_torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per ingress replica.")
-    inline_step_tokens: int = Field(default=INLINE_STEP_TOKENS, ge=0, le=4096, description="Engine steps of at most this many "
-                                    "tokens (decode at small batch) run on the ingress' event loop thread instead of "
-                                    "being handed to a step thread and back (two thread wake-ups a step); the loop "
-                                    "serves HTTP between steps. 0: every step in a step thread.")
     warm_spares: int = Field(default=1, ge=0, le=8, description="Idle worker processes, with the app's modules "
                              "imported, kept on each node that hosts shard replicas: a replacement replica starts "
                              "in one instead of a new process.")

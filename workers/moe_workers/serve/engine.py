@@ -8,8 +8,7 @@ engine runs in-process (tests) and in the Ingress deployment (the expert channel
 
 A step's forward pass runs in one worker thread from embedding to logits, layers and expert
 exchanges included: the event loop only admits, samples and streams, so a layer costs no hop
-between the loop and a thread. A small step (decode at small batch) runs on the loop's thread
-itself: it costs no hop at all. Micro-batches run in threads of their own; their dense compute
+between the loop and a thread. Micro-batches run in threads of their own; their dense compute
 takes turns (one lock) while one waits on its exchange and another computes.
 """
 
@@ -27,30 +26,9 @@ import torch
 
 from moe_workers.model.dense import Chunk, DenseModel, KVCache, StepBatch
 from moe_workers.model.sampling import sample
-from moe_workers.serve.config import INLINE_STEP_TOKENS
-
-# loop iterations an inline step yields before it starts: a token goes from its request's queue to
-# the client through a few tasks (the ingress' stream reader, the merged stream, the response)
-STREAM_HOPS = 4
-INLINE_MIN_BUDGET_S = 0.25  # an inline step's budget for waiting on experts: at least this
-INLINE_PAUSE_STEPS = 64  # small steps run in a step thread after one went over its budget
-
-_inline = threading.local()
 
 
-def step_deadline() -> float:
-    """The monotonic time by which the small step running inline on this thread must be done
-    (0.0: none, the step runs in a step thread). A dispatcher that would wait past it raises
-    StepDeferred."""
-    return getattr(_inline, "deadline", 0.0)
-
-
-class StepDeferred(Exception):
-    """Raised by a dispatcher within an inline step that cannot finish by `step_deadline()`
-    without waiting (a shard group without a live replica, a retry, a slow reply)."""
-
-
-# runs in a step thread, or on the event loop's thread for a small step (`step_deadline()` set)
+# runs in a step thread
 Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -102,16 +80,13 @@ class StepTimings:
     forward: float = 0.0  # the forward passes, in their threads
     step: float = 0.0  # whole steps on the event loop (forward, hand-offs to and from its thread, sampling)
     steps: int = 0
-    deferred: int = 0  # small steps that went over their inline budget and ran again in a step thread
     tokens: int = 0
 
 
 class Engine:
     def __init__(self, dense: DenseModel, cache: KVCache, dispatch: Dispatcher, max_batch_size: int,
                  max_queued: int, micro_batches: int = 1, micro_batch_min_tokens: int = 256,
-                 routing_stats=None, observer: Observer | None = None, inline_max_tokens: int = INLINE_STEP_TOKENS):
-        """`inline_max_tokens`: steps of at most this many tokens run on the event loop's thread
-        (0: every step in a step thread)."""
+                 routing_stats=None, observer: Observer | None = None):
         self.dense = dense
         self.routing_stats = routing_stats  # RoutingStats, or None
         self.observer = observer or Observer()
@@ -133,13 +108,9 @@ class Engine:
         # forward passes off the event loop, so HTTP stays responsive; one thread per micro-batch
         # (made on demand; torch's intra-op thread count is per thread under OpenMP: each step
         # thread takes the one of the thread that built the engine, not every core)
-        self.inline_max_tokens = inline_max_tokens
-        self._last_small_step_s = 0.0
-        self._inline_pause = 0  # small steps left to run in a step thread
-        self._torch_threads = torch.get_num_threads()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="step",
                                                            initializer=torch.set_num_threads,
-                                                           initargs=(self._torch_threads,))
+                                                           initargs=(torch.get_num_threads(),))
         self._dense = threading.Lock()  # micro-batches' dense compute takes turns
 
     def submit(self, req: GenerationRequest) -> GenerationRequest:
@@ -167,7 +138,6 @@ class Engine:
             self._finish(req, reason)
 
     async def _loop(self) -> None:
-        torch.set_num_threads(self._torch_threads)  # small steps run on this (the event loop's) thread
         while True:
             if not self.running and not self.waiting:
                 self._wake.clear()
@@ -217,9 +187,7 @@ class Engine:
                 chunks.append(Chunk(req.slot, req.cached, [req.produced[-1]]))
         tokens = sum(len(c.tokens) for c in chunks)
         parts = split_chunks(chunks, self.micro_batches if tokens >= self.micro_batch_min_tokens else 1)
-        if len(parts) == 1 and tokens <= self.inline_max_tokens:
-            logits = await self._small_step(StepBatch(chunks))
-        elif len(parts) == 1:
+        if len(parts) == 1:
             logits = await self.forward(StepBatch(chunks))
         else:
             logits = torch.cat(await asyncio.gather(*(self.forward(StepBatch(p)) for p in parts)))
@@ -254,30 +222,6 @@ class Engine:
         self.timings.step += time.perf_counter() - t_step
         self.timings.steps += 1
         self.timings.tokens += len(chunks)
-
-    async def _small_step(self, batch: StepBatch) -> torch.Tensor:
-        """A small step on the event loop's thread, within a budget (max(INLINE_MIN_BUDGET_S, 4 x
-        the last one)) that the dispatcher reads (`step_deadline()`): one that cannot finish
-        without waiting raises StepDeferred and runs again in a step thread (its KV cache writes
-        are rewritten with the same values), and the next INLINE_PAUSE_STEPS small steps run
-        there too. The loop is held for a step's compute, never for a missing replica."""
-        if self._inline_pause:
-            self._inline_pause -= 1
-            return await self.forward(batch)
-        for _ in range(STREAM_HOPS):  # first the last step's tokens reach their streams
-            await asyncio.sleep(0)
-        t0 = time.monotonic()
-        _inline.deadline = t0 + max(INLINE_MIN_BUDGET_S, 4 * self._last_small_step_s)
-        try:
-            logits = self._forward(batch)
-            self._last_small_step_s = time.monotonic() - t0
-        except StepDeferred:
-            self.timings.deferred += 1
-            self._inline_pause = INLINE_PAUSE_STEPS
-            return await self.forward(batch)
-        finally:
-            _inline.deadline = 0.0
-        return logits
 
     async def forward(self, batch: StepBatch) -> torch.Tensor:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._forward, batch)

@@ -29,7 +29,7 @@ from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel, KVCache
 from moe_workers.model.layers import combine, group_by_expert
 from moe_workers.serve.config import AppArgs, admission_capacity, engine_queue_limit
-from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded, StepDeferred, step_deadline
+from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
 from moe_workers.serve.migration import RESUME_HEADER, Resume, parse_resume
@@ -41,7 +41,7 @@ from moe_workers.serve.textstream import TextStream
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.serve.node import ray_placement
-from moe_workers.transport import ExchangeOverBudget, ExpertChannel, ExpertsUnavailable, Member, Part
+from moe_workers.transport import ExpertChannel, ExpertsUnavailable, Member, Part
 
 fastapi_app = FastAPI(title="moe-operator", docs_url=None, redoc_url=None)
 
@@ -181,7 +181,7 @@ class Ingress:
         self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
                              engine_queue_limit(self.args), self.args.micro_batches,
                              self.args.micro_batch_min_tokens, routing_stats=self.routing_stats,
-                             observer=self.metrics, inline_max_tokens=self.args.inline_step_tokens)
+                             observer=self.metrics)
         threading.Thread(target=self._export_metrics, name="ingress-metrics", daemon=True).start()
         tok_file = Path(self.args.model_path) / "tokenizer.json"
         self.tokenizer = None
@@ -279,9 +279,7 @@ class Ingress:
             parts[group] = Part(experts, part_counts, payload, hints.get(group, []))
             router.begin(group, sum(part_counts))
         try:
-            results = self.channel.exchange(layer, parts, budget_until=step_deadline())
-        except ExchangeOverBudget as err:  # an inline step: it runs again in a step thread
-            raise StepDeferred(str(err)) from err
+            results = self.channel.exchange(layer, parts)
         finally:
             for group, part in parts.items():
                 router.end(group, sum(part.counts))
@@ -575,17 +573,11 @@ class Ingress:
         if spin_us is not None:
             self.channel.spin_s = max(0, spin_us) / 1e6
 
-    def tune_engine(self, inline_step_tokens: int | None = None) -> None:
-        """Steps of at most this many tokens on the event loop's thread (0: none) from the next
-        step on; bench/serving.py compares both ways in one window."""
-        if inline_step_tokens is not None:
-            self.engine.inline_max_tokens = max(0, inline_step_tokens)
-
     def engine_stats(self) -> dict:
         t = self.engine.timings
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        return {"steps": t.steps, "tokens": t.tokens, "deferred_steps": t.deferred, "dense_s": t.dense,
-                "dense_cpu_s": t.dense_cpu, "experts_s": t.experts, "forward_s": t.forward, "step_s": t.step,
+        return {"steps": t.steps, "tokens": t.tokens, "dense_s": t.dense, "dense_cpu_s": t.dense_cpu,
+                "experts_s": t.experts, "forward_s": t.forward, "step_s": t.step,
                 "cpu_s": usage.ru_utime + usage.ru_stime,
                 "running": len(self.engine.running), "waiting": len(self.engine.waiting),
                 "kv_slots": self.cache.num_slots, "kv_free": self.cache.free_slots, "pid": os.getpid(),

@@ -60,12 +60,6 @@ class ExchangeFailed(RuntimeError):
     """Every replica of a shard group tried answered this exchange with an error."""
 
 
-class ExchangeOverBudget(RuntimeError):
-    """An exchange given a budget could not finish by it without a slow path (a group without a
-    live replica, a retry, a reply later than the budget): nothing was waited for; the caller
-    runs it again without one. Late replies are read and dropped in the background."""
-
-
 @dataclass(frozen=True)
 class Member:
     """One shard replica on the channel, as it reports itself."""
@@ -238,7 +232,7 @@ class ExpertChannel:
         self._nudge = threading.Event()
         self._stop = threading.Event()
         self.stats = {"exchanges": 0, "retries": 0, "unavailable": 0, "failed": 0, "membership_errors": 0,
-                      "hedged": 0, "over_budget": 0, "exchange_s": 0.0}
+                      "hedged": 0, "exchange_s": 0.0}
         self.last_membership_error = ""
         if source is not None:
             self._refresh_s = refresh_s
@@ -317,13 +311,11 @@ class ExpertChannel:
 
     # -- the exchange -------------------------------------------------------------------------
 
-    def exchange(self, layer: int, parts: dict[str, Part], budget_until: float = 0.0) -> dict[str, torch.Tensor]:
-        """Each group's outputs for its part (rows in the order sent). With `budget_until` (a
-        monotonic time), the exchange takes only its fast path, and raises ExchangeOverBudget
-        where it would wait past that time or take a slow one."""
+    def exchange(self, layer: int, parts: dict[str, Part]) -> dict[str, torch.Tensor]:
+        """Each group's outputs for its part (rows in the order sent)."""
         t0 = time.perf_counter()
         try:
-            return self._exchange(layer, parts, time.monotonic() + self.timeout_s, budget_until)
+            return self._exchange(layer, parts, time.monotonic() + self.timeout_s)
         finally:
             took = time.perf_counter() - t0
             self.stats["exchange_s"] += took
@@ -333,8 +325,7 @@ class ExpertChannel:
         """How long a reply may take before its part goes to another replica of the group."""
         return max(self.hedge_after_s, self.hedge_factor * self._recent_max_s)
 
-    def _exchange(self, layer: int, parts: dict[str, Part], deadline: float,
-                  budget_until: float = 0.0) -> dict[str, torch.Tensor]:
+    def _exchange(self, layer: int, parts: dict[str, Part], deadline: float) -> dict[str, torch.Tensor]:
         pending = dict(parts)
         results: dict[str, torch.Tensor] = {}
         failed: dict[str, set[str]] = {g: set() for g in parts}  # replicas that answered with an error
@@ -342,9 +333,6 @@ class ExpertChannel:
         self.stats["exchanges"] += 1
         passes = 0
         while pending:
-            if budget_until and passes:
-                self.stats["over_budget"] += 1
-                raise ExchangeOverBudget(f"layer {layer}: {', '.join(sorted(pending))} needs a retry")
             self.stats["retries"] += passes > 0
             passes += 1
             sent = []
@@ -360,9 +348,6 @@ class ExpertChannel:
                     self._checkin(peer, conn, ok=False)
                     continue
                 sent.append((group, peer, conn, seq))
-            if budget_until and len(sent) < len(pending):
-                missing = sorted(set(pending) - {group for group, *_ in sent})
-                self._over_budget(layer, sent, deadline, f"{', '.join(missing)} has no live replica")
             hedge_at = time.monotonic() + self.hedge_delay_s() if self.hedge_after_s > 0 else 0.0
             spin_until = 0.0
             if self.spin_s > 0 and sum(pending[g].x.shape[0] for g, *_ in sent) <= self.spin_max_rows:
@@ -371,9 +356,6 @@ class ExpertChannel:
             for i, (group, peer, conn, seq) in enumerate(sent):
                 if spin_until and sum(here[i:]) < self.cpus:  # the parts still awaited here leave a CPU
                     _spin_until_readable(conn, spin_until)
-                if budget_until and not self._ready(conn, budget_until):
-                    late = sorted(group for group, *_ in sent[i:])
-                    self._over_budget(layer, sent[i:], deadline, f"{', '.join(late)} answered later than the budget")
                 if hedge_at and self._group_sizes.get(group, 0) > 1 and not self._ready(conn, hedge_at):
                     peer, conn, seq = self._hedge(layer, group, pending[group], peer, conn, seq, failed[group],
                                                   deadline)
@@ -401,15 +383,6 @@ class ExpertChannel:
             if not sent:
                 self._wait_for_members(min(deadline, time.monotonic() + 0.1))
         return results
-
-    def _over_budget(self, layer: int, outstanding: list, deadline: float, why: str) -> None:
-        """Leave an exchange over its budget: the replies still coming are read and dropped in
-        the background (their replicas stay in service: slow is not down)."""
-        self.stats["over_budget"] += 1
-        if outstanding:
-            threading.Thread(target=lambda: [self._reap(peer, conn, seq, deadline) for _, peer, conn, seq in outstanding],
-                             name="expert-channel-late", daemon=True).start()
-        raise ExchangeOverBudget(f"layer {layer}: {why}")
 
     @staticmethod
     def _ready(conn: _Conn, until: float) -> bool:
