@@ -357,8 +357,8 @@ def deep_point(a, n: int) -> dict:
         channels = a.deep_channels.split(",")
 
         def use(channel: str) -> None:
-            way, _, variant = channel.partition("-")
-            spin = 0 if variant == "sleep" else EXCHANGE_SPIN_US
+            way, _, sleep = channel.partition("-")
+            spin = 0 if sleep == "sleep" else EXCHANGE_SPIN_US
             ingress.tune_channel.remote(local=way == "unix", spin_us=spin).result()
 
         for channel in channels:  # warm-up, each way

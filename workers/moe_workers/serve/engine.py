@@ -27,9 +27,7 @@ import torch
 from moe_workers.model.dense import Chunk, DenseModel, KVCache, StepBatch
 from moe_workers.model.sampling import sample
 
-
-# runs in a step thread
-Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # runs in a step thread
 
 
 class Overloaded(Exception):
