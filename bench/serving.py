@@ -238,8 +238,12 @@ def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_la
         print(f"warm spares ready after {wait_spares(status, args.warm_spares)} s", flush=True)
         yield url, stats
         client.delete_all()
-        ray.shutdown()
     finally:
+        # the driver leaves before its head stops, on an error too: a driver left connected
+        # exits on its own after a minute without the head, before Python prints the error
+        import ray
+
+        ray.shutdown()
         head.stop()
 
 
