@@ -190,7 +190,8 @@ def test_api_keys_apply_in_place_and_refuse_wrong_keys(ray_head, app, client):
         r = requests.get(url + "/v1/models", headers={"Authorization": "Basic k-two"}, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert requests.get(url + "/moe/v1/status", timeout=30).json()["ingress"]["pid"] == pid  # not restarted
-        rejected = _wait_for_metric(ray_head, "ray_moe_requests_rejected_total", 'code="401"', 2)
+        name = "ray_moe_requests_rejected_total"
+        rejected = _total(_metrics(ray_head, [name], lambda f: _total(f[name], 'code="401"') >= 2)[name], 'code="401"')
         assert rejected >= 2, rejected  # the refused completion and /v1/models, on Ray's metrics export
     finally:
         deploy(ray_head, [serve_application("openai", "/", args, PLACEMENT)])
@@ -200,19 +201,23 @@ def test_api_keys_apply_in_place_and_refuse_wrong_keys(ray_head, app, client):
     assert client.models.list().data[0].id == "tiny"
 
 
-def _wait_for_metric(ray_head, name: str, needle: str, at_least: float, timeout_s: float = 90) -> float:
-    """The sum of the app's `name` lines (those containing `needle`) on Ray's metrics export,
-    once it reaches `at_least` or the timeout passes."""
-    total = 0.0
+def _metrics(ray_head, names: list[str], ready, timeout_s: float = 90) -> dict[str, list[str]]:
+    """The app's lines of each metric in `names` on Ray's metrics export, polled every 2 s until
+    `ready(lines by name)` or the timeout passes (then the last ones)."""
+    found: dict[str, list[str]] = {}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = requests.get(ray_head.metrics_url, timeout=10).text
-        total = sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                    if l.startswith(name + "{") and 'app="openai"' in l and needle in l)
-        if total >= at_least:
+        found = {n: [l for l in text.splitlines() if l.startswith(n + "{") and 'app="openai"' in l] for n in names}
+        if ready(found):
             break
         time.sleep(2)
-    return total
+    return found
+
+
+def _total(lines: list[str], needle: str = "") -> float:
+    """The sum of the values of `lines` (those containing `needle`)."""
+    return sum(float(l.rsplit(" ", 1)[1]) for l in lines if needle in l)
 
 
 def test_serving_metrics_reach_rays_prometheus_export(ray_head, app, client):
@@ -224,21 +229,11 @@ def test_serving_metrics_reach_rays_prometheus_export(ray_head, app, client):
             "ray_moe_request_latency_seconds_bucket", "ray_moe_prompt_tokens_total", "ray_moe_generation_tokens_total",
             "ray_moe_requests_running", "ray_moe_requests_waiting", "ray_moe_kv_cache_used_bytes",
             "ray_moe_kv_cache_budget_bytes"]
-    found: dict[str, list[str]] = {}
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        text = requests.get(ray_head.metrics_url, timeout=10).text
-        found = {n: [l for l in text.splitlines() if l.startswith(n + "{") and 'app="openai"' in l] for n in want}
-        if all(found.values()):
-            break
-        time.sleep(2)
+    found = _metrics(ray_head, want, lambda f: all(f.values()))
     assert all(found.values()), [n for n, v in found.items() if not v]
-
-    def total(name, needle=""):
-        return sum(float(l.rsplit(" ", 1)[1]) for l in found[name] if needle in l)
-    assert total("ray_moe_generation_tokens_total") >= 18 and total("ray_moe_prompt_tokens_total") >= 9
-    assert total("ray_moe_kv_cache_budget_bytes") > 0
-    assert total("ray_moe_request_latency_seconds_bucket", 'le="+Inf"') >= 3
+    assert _total(found["ray_moe_generation_tokens_total"]) >= 18 and _total(found["ray_moe_prompt_tokens_total"]) >= 9
+    assert _total(found["ray_moe_kv_cache_budget_bytes"]) > 0
+    assert _total(found["ray_moe_request_latency_seconds_bucket"], 'le="+Inf"') >= 3
 
 
 def test_a_full_queue_is_a_503_the_client_raises_with_retry_after(app):
