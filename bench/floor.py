@@ -4,6 +4,7 @@ that the served decode of bench/serving.py (the depth sweep) is measured against
     python bench/floor.py                  # 32 layers, the depth sweep's shape
     python bench/floor.py --layers 4,16,32 --rounds 7
     python bench/floor.py --keep-awake     # idle CPUs kept from halting, for all sides
+    python bench/floor.py --beside-app     # the same, with the served bench app idle beside it
 
 Three sides decode the same greedy tokens from the same checkpoint, alternating in rounds in one
 window (this machine's speed drifts by 20-50% over minutes), with medians reported:
@@ -17,15 +18,20 @@ window (this machine's speed drifts by 20-50% over minutes), with medians report
 served - channel is then what the served app adds on top (its replicas' code and processes),
 channel - raw our protocol's share, net of the poll for replies (the raw sides block on their
 reads). Dispatch per layer = (side - in-process) step time / layers, as in bench/serving.py.
-Ends with `figure: value` lines.
+With --beside-app, bench/serving.py's app (a local Ray head, its daemons, Serve and the app's
+replicas) runs idle beside the sides, and every round measures them twice: with its processes
+running and with all of them stopped (SIGSTOP, for the length of the measurement): what an idle
+Ray cluster on the same CPUs costs a process boundary per layer. Ends with `figure: value` lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import statistics
 import struct
@@ -54,6 +60,9 @@ def parse_args():
     p.add_argument("--keep-awake", action="store_true",
                    help="a SCHED_IDLE busy loop on every CPU for the whole run (all sides): what the machine's "
                         "idle-CPU wake-ups cost the split sides")
+    p.add_argument("--beside-app", action="store_true",
+                   help="bench/serving.py's app idle beside the sides; each round measured with its processes "
+                        "running and stopped")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "floor.json"))
     return p.parse_args()
 
@@ -132,6 +141,70 @@ def _spin(cpu: int) -> None:
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     while True:
         pass
+
+
+def _hold_app(path: str, started, done) -> None:
+    """bench/serving.py's app (2 groups) on its own local Ray head, idle until `done` is set."""
+    from serving import served_app
+
+    with served_app(Path(path), 2, 1, 1, 0, 8, 1, {}, 8):
+        started.set()
+        done.wait()
+
+
+class AppBeside:
+    """The served bench app, idle in a child process; `stopped()` stops every process of it
+    (the child, its Ray head's daemons, Serve, the replicas) for the length of a block."""
+
+    def __init__(self, path: Path):
+        ctx = mp.get_context("spawn")
+        self.started, self.done = ctx.Event(), ctx.Event()
+        self.proc = ctx.Process(target=_hold_app, args=(str(path), self.started, self.done), daemon=False)
+        self.proc.start()
+        deadline = time.monotonic() + 900
+        while not self.started.wait(1.0):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the app beside did not start (exit code {self.proc.exitcode})")
+        time.sleep(10)  # its start-up settles (warm spares, first reports)
+
+    def processes(self) -> list[int]:
+        """The child and every process below it."""
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry))
+        out, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo += children.get(pid, [])
+        return out
+
+    @contextlib.contextmanager
+    def stopped(self):
+        pids = self.processes()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.5)  # the stop reaches them all
+            yield
+        finally:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+
+    def close(self) -> None:
+        self.done.set()
+        self.proc.join(300)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 def keep_awake() -> list:
@@ -237,7 +310,8 @@ class ChannelExperts(_SplitExperts):
         return [results[g] for g in parts]
 
 
-def depth(a, n: int) -> dict:
+def depth(a, n: int, beside: AppBeside | None = None) -> dict[str, dict]:
+    """The sides' medians at n layers, by state of the app beside ("" without one)."""
     import torch
 
     from moe_workers.model.inprocess import InProcessModel
@@ -265,25 +339,32 @@ def depth(a, n: int) -> dict:
             tokens[name] = model.generate([prompt], max_tokens=a.tokens)[0]
         if len({tuple(t) for t in tokens.values()}) != 1:
             raise AssertionError(f"the sides decoded different tokens: {tokens}")
-        ms: dict[str, list[float]] = {name: [] for name in sides}
-        for _ in range(a.rounds):
-            for name, experts in sides.items():
-                model.experts = experts
-                t0 = time.perf_counter()
-                model.generate([prompt], max_tokens=1)
-                t1 = time.perf_counter()
-                model.generate([prompt], max_tokens=a.tokens)
-                ms[name].append(((time.perf_counter() - t1) - (t1 - t0)) / (a.tokens - 1) * 1000)
+        states = ["app running", "app stopped"] if beside else [""]
+        ms: dict[str, dict[str, list[float]]] = {state: {name: [] for name in sides} for state in states}
+        for i in range(a.rounds):
+            for state in states[i % 2:] + states[:i % 2]:  # which state goes first alternates
+                with beside.stopped() if state == "app stopped" else contextlib.nullcontext():
+                    for name, experts in sides.items():
+                        model.experts = experts
+                        t0 = time.perf_counter()
+                        model.generate([prompt], max_tokens=1)
+                        t1 = time.perf_counter()
+                        model.generate([prompt], max_tokens=a.tokens)
+                        ms[state][name].append(((time.perf_counter() - t1) - (t1 - t0)) / (a.tokens - 1) * 1000)
     finally:
         model.experts = local
         sides["channel"].channel.close()
         for p in raw_procs + unix_procs + ch_procs:
             p.kill()
         shutil.rmtree(unix_dir, ignore_errors=True)
-    med = {name: statistics.median(v) for name, v in ms.items()}
-    return {"layers": n, "ms_per_token": med, "rounds_ms": ms,
-            "ratio": {k: med["in-process"] / v for k, v in med.items() if k != "in-process"},
-            "dispatch_ms_per_layer": {k: (v - med["in-process"]) / n for k, v in med.items() if k != "in-process"}}
+    out = {}
+    for state, by_side in ms.items():
+        med = {name: statistics.median(v) for name, v in by_side.items()}
+        out[state] = {"layers": n, "state": state, "ms_per_token": med, "rounds_ms": by_side,
+                      "ratio": {k: med["in-process"] / v for k, v in med.items() if k != "in-process"},
+                      "dispatch_ms_per_layer": {k: (v - med["in-process"]) / n for k, v in med.items()
+                                                if k != "in-process"}}
+    return out
 
 
 def main() -> int:
@@ -294,18 +375,31 @@ def main() -> int:
     split = ("raw", "raw-unix", "channel")
     print(f"{'layers':>6} {'in-process ms':>13}" + "".join(f" {s + ' ms':>11} {'ratio':>6} {'ms/layer':>8}" for s in split),
           flush=True)
-    for n in (int(v) for v in a.layers.split(",")):
-        r = depth(a, n)
-        rows.append(r)
-        m, q, d = r["ms_per_token"], r["ratio"], r["dispatch_ms_per_layer"]
-        print(f"{n:6} {m['in-process']:13.2f}" + "".join(f" {m[s]:11.2f} {q[s]:6.2f} {d[s]:8.3f}" for s in split),
-              flush=True)
-        for side in split:
-            figures[f"floor-{side}{tag}-decode1-ratio-{n}-layers"] = q[side]
-            figures[f"floor-{side}{tag}-dispatch-ms-per-layer-{n}-layers"] = d[side]
-    for p in spinners:
-        p.kill()
-    return report(a.out, {"keep_awake": a.keep_awake, "rows": rows}, figures)
+    layer_counts = [int(v) for v in a.layers.split(",")]
+    beside = None
+    if a.beside_app:
+        from serving import ensure_checkpoint
+
+        shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=layer_counts[0], num_heads=8,
+                     num_kv_heads=2, num_experts=8, top_k=2, max_position_embeddings=512)
+        beside = AppBeside(ensure_checkpoint(a.cache_dir, shape, a.family))
+    try:
+        for n in layer_counts:
+            for state, r in depth(a, n, beside).items():
+                rows.append(r)
+                m, q, d = r["ms_per_token"], r["ratio"], r["dispatch_ms_per_layer"]
+                print(f"{n:6} {m['in-process']:13.2f}" + "".join(f" {m[s]:11.2f} {q[s]:6.2f} {d[s]:8.3f}" for s in split)
+                      + (f"  ({state})" if state else ""), flush=True)
+                state_tag = "-" + state.replace(" ", "-") if state else ""
+                for side in split:
+                    figures[f"floor-{side}{tag}{state_tag}-decode1-ratio-{n}-layers"] = q[side]
+                    figures[f"floor-{side}{tag}{state_tag}-dispatch-ms-per-layer-{n}-layers"] = d[side]
+    finally:
+        if beside is not None:
+            beside.close()
+        for p in spinners:
+            p.kill()
+    return report(a.out, {"keep_awake": a.keep_awake, "beside_app": a.beside_app, "rows": rows}, figures)
 
 
 if __name__ == "__main__":
