@@ -208,6 +208,16 @@ class _Outcome:
         self.status["observedGeneration"] = g
         return Result(self.status, (event_type, reason, message), retry, ok, placement or {})
 
+    def serving(self, message: str, step: transition.Step, events: list[tuple[str, str, str]]) -> Result:
+        """Ready (Serving), and Progressing (Rebalancing) while the placement step is not done,
+        retried when the step says."""
+        res = self(True, cond.SERVING, message, placement=step.ingress)
+        if not step.done:
+            self.set(cond.PROGRESSING, True, "Rebalancing", f"{step.phase}: {step.message}")
+            res.retry_after_s = step.retry_after_s
+        res.events = events
+        return res
+
 
 def _validated(raw_spec, spec, allowed_roots, result: _Outcome):
     """(spec, facts, None) or (None, None, a failed Result)."""
@@ -293,12 +303,7 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
     result.set(cond.DEGRADED, bool(short), "ReplicasNotReady" if short else "AllReplicasReady",
                ", ".join(f"{g['name']}: {g['readyReplicas']}/{g['replicas']} ready" for g in short)
                or f"every replica of {len(status['groups'])} groups is running")
-    res = result(True, cond.SERVING, f"serving at {status['endpoint']}", placement=step.ingress)
-    if not step.done:
-        result.set(cond.PROGRESSING, True, "Rebalancing", f"{step.phase}: {step.message}")
-        res.retry_after_s = step.retry_after_s
-    res.events = swap_events + events
-    return res
+    return result.serving(f"serving at {status['endpoint']}", step, swap_events + events)
 
 
 def observed_groups(cluster: dict, app: str, placement: dict[str, list[str]], desired: int,
@@ -401,9 +406,4 @@ def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None
     events = record_step(status, step, ingress_now)
     live, swap_events = observe_live(spec, status, fetch)
     status.update(live)
-    res = result(True, cond.SERVING, f"serving at {status['endpoint']} (RayService {name})", placement=step.ingress)
-    if not step.done:
-        result.set(cond.PROGRESSING, True, "Rebalancing", f"{step.phase}: {step.message}")
-        res.retry_after_s = step.retry_after_s
-    res.events = swap_events + events
-    return res
+    return result.serving(f"serving at {status['endpoint']} (RayService {name})", step, swap_events + events)
