@@ -47,14 +47,17 @@ def test_gpus_are_rendered_for_the_ingress_and_the_shards():
 def test_the_ingress_admits_batch_and_queue_and_the_proxy_refuses_the_rest():
     """Overload is refused by Serve's router in the proxy (503 + Retry-After: 1), not by a
     replica busy with the model: a replica takes its batch, its wait queue and a headroom; the
-    proxy holds a few more; its engine never refuses what the gate let in."""
-    from moe_workers.serve.config import ADMISSION_HEADROOM, MIN_PROXY_QUEUE, AppArgs, engine_queue_limit
+    proxy's router holds what the admission gate lets in; its engine never refuses what the gate
+    let in."""
+    from moe_workers.serve.config import (ADMISSION_HEADROOM, MIN_PROXY_QUEUE, AppArgs, admission_capacity,
+                                          engine_queue_limit)
 
     spec = parse_spec({**VALID["spec"], "ingress": {"maxBatchSize": 12, "maxQueuedRequests": 40}})
     args = render_application("team-a", "mixtral", spec, initial_placement(2, 4, 2))["args"]
     ingress = _ingress_options(args)
     assert ingress["max_ongoing_requests"] == 12 + 40 + ADMISSION_HEADROOM
-    assert ingress["max_queued_requests"] == 12  # a batch's worth
+    # Serve's router can hold a burst of all the admission gate lets in while it assigns them
+    assert ingress["max_queued_requests"] == admission_capacity(AppArgs.model_validate(args)) == 12 + 40
     assert ingress["backpressure"] == {"status_code": 503, "retry_after_s": 1}
     # everything a replica takes beyond its batch may wait in its engine
     assert engine_queue_limit(AppArgs.model_validate(args)) == ingress["max_ongoing_requests"] - 12

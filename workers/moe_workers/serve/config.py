@@ -91,11 +91,13 @@ class AppArgs(BaseModel):
 # Beside its batch and wait queue a replica takes this many more requests (health, models and
 # metrics calls, and generations its queue then holds), so a full queue never blocks them
 ADMISSION_HEADROOM = 8
-# Requests that wait in the Serve proxy for a replica with room: a batch's worth, at least this
-# many. Serve's router counts a request as queued while it assigns it, so a burst of arrivals
-# (a batch finishing and its clients sending again) needs that much room even when the replicas
-# have some; more would wait in the proxy, where a queued request polls the replicas with a
-# backoff of up to 0.5 s; the replica's own queue is where waiting belongs.
+# Requests that may wait in Serve's router (in the proxy) for a replica with room: as many as the
+# admission gate lets in (admission_capacity), at least this many. Serve's router counts a
+# request as queued while it assigns it, so a burst the gate lets through at once (up to its
+# whole capacity, from idle) needs that much room even when the replicas have plenty: with a
+# batch's worth (8 against a gate of 16), a full test run had one admitted request refused by
+# Serve's backpressure (a plain-text 503) in such a burst. With the gate the router never holds
+# more than the gate admitted; without it (a proxy not started with the gate) this is the bound.
 MIN_PROXY_QUEUE = 8
 
 
@@ -107,12 +109,12 @@ HEALTH_CHECK_PERIOD_S = 1.0
 
 def admission(args: AppArgs) -> dict:
     """The Ingress' admission gate (Serve deployment options): a replica holds its batch, its
-    wait queue (max_queued_requests) and the headroom; a batch's worth more (at least
-    MIN_PROXY_QUEUE) wait in the proxy; the
+    wait queue (max_queued_requests) and the headroom; Serve's router may hold what the
+    admission gate lets in (at least MIN_PROXY_QUEUE) while it assigns them; the
     proxy refuses the rest with 503 and Retry-After: 1 before any replica sees them, so refusing
     costs the proxy's HTTP handling and nothing of the replica running the model."""
     return {"max_ongoing_requests": args.max_batch_size + args.max_queued_requests + ADMISSION_HEADROOM,
-            "max_queued_requests": max(MIN_PROXY_QUEUE, args.max_batch_size),
+            "max_queued_requests": max(MIN_PROXY_QUEUE, admission_capacity(args)),
             "backpressure_config": {"status_code": 503, "retry_after_s": RETRY_AFTER_S}}
 
 
