@@ -169,21 +169,11 @@ class AppBeside:
         time.sleep(10)  # its start-up settles (warm spares, first reports)
 
     def processes(self) -> list[int]:
-        """The child and every process below it."""
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    continue
-                children.setdefault(ppid, []).append(int(entry))
-        out, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            out.append(pid)
-            todo += children.get(pid, [])
-        return out
+        """The child and every process below it (its Ray head runs in a session of its own, but
+        is still its descendant)."""
+        import psutil
+
+        return [self.proc.pid, *(c.pid for c in psutil.Process(self.proc.pid).children(recursive=True))]
 
     @contextlib.contextmanager
     def stopped(self):
