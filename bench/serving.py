@@ -58,10 +58,12 @@ def parse_args():
                    help="depth sweep: torch threads in-process and of the served ingress (1: the app's default, and "
                         "the faster setting for batch-1 decode on both sides)")
     p.add_argument("--deep-rounds", type=int, default=5, help="depth sweep: interleaved rounds per depth")
-    p.add_argument("--deep-channels", default="unix,tcp,unix-sleep",
+    p.add_argument("--deep-channels", default="unix,unix-idle,tcp",
                    help="depth sweep: how the ingress reaches its shard replicas (all on one node), each measured "
-                        "in every round; the first one gives the main figures. unix, tcp: with the app's default "
-                        "poll for replies (exchange_spin_us); -sleep: without it")
+                        "in every round; the first one gives the main figures. unix, tcp: with the app's defaults "
+                        "(poll for replies: exchange_spin_us; CPU wake-up latency asked for: cpu_wake_latency_us); "
+                        "-sleep: without the poll; -idle: without the wake-up latency request (modifiers combine: "
+                        "unix-sleep-idle)")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
     return p.parse_args()
@@ -355,19 +357,26 @@ def deep_point(a, n: int) -> dict:
 
         from ray import serve
 
-        from moe_workers.serve.config import EXCHANGE_SPIN_US
+        from moe_workers.serve.config import CPU_WAKE_LATENCY_US, EXCHANGE_SPIN_US
 
         ingress = serve.get_app_handle("bench")
+        shard_handles = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="bench") for g in range(2)]
         channels = a.deep_channels.split(",")
 
         def use(channel: str) -> None:
-            way, _, sleep = channel.partition("-")
-            spin = 0 if sleep == "sleep" else EXCHANGE_SPIN_US
-            ingress.tune_channel.remote(local=way == "unix", spin_us=spin).result()
+            way, *mods = channel.split("-")
+            spin = 0 if "sleep" in mods else EXCHANGE_SPIN_US
+            wake = None if "idle" in mods else CPU_WAKE_LATENCY_US
+            ingress.tune_channel.remote(local=way == "unix", spin_us=spin, wake_latency_us=wake).result()
+            for h in shard_handles:
+                h.tune_channel.remote(wake).result()
+            time.sleep(0.5)  # the wake-latency request is taken or dropped by a background thread
 
         for channel in channels:  # warm-up, each way
             use(channel)
             served_ms()
+            wake = [sh["channel"]["wake_latency"] for sh in stats()[1]]
+            print(f"  {channel}: shards' CPU wake-up latency request {wake}", flush=True)
         for _ in range(a.deep_rounds):
             lm = local_ms()
             rnd = {"in_process_ms": lm, "by_channel": {}}

@@ -33,6 +33,9 @@ def group_name(index: int) -> str:
 # how long the ingress polls for a small exchange's replies by default (bench/serving.py, floor.py
 # and channel.py run the channel with it)
 EXCHANGE_SPIN_US = 1000
+# the CPU wake-up latency the channel's processes ask for while exchanges run (moe_workers.transport.wakeup):
+# 0 leaves idle CPUs polling, so a woken replica runs at once
+CPU_WAKE_LATENCY_US = 0
 
 
 class AppArgs(BaseModel):
@@ -66,6 +69,11 @@ class AppArgs(BaseModel):
                                   "a small exchange's replies (32 rows or fewer) before it sleeps (a sleeping thread's wake-up "
                                   "costs a round trip a third more on a VM); 0 sleeps at once. The ingress' CPU is "
                                   "busy meanwhile.")
+    cpu_wake_latency_us: int | None = Field(default=CPU_WAKE_LATENCY_US, ge=0, le=1_000_000, description="While "
+                                            "expert exchanges run, ask the kernel to keep every CPU of the node out "
+                                            "of idle states slower than this to leave (PM QoS, /dev/cpu_dma_latency: "
+                                            "needs write access to it, else nothing changes and status says why); "
+                                            "dropped 2 s after the last exchange. None: never ask.")
     local_channel: bool = Field(default=True, description="Reach shard replicas on the ingress' own node over a "
                                 "Unix socket (Linux's abstract namespace) instead of TCP loopback; TCP when that fails.")
     max_request_bytes: int = Field(default=4 * 2**20, ge=1024, description="Largest HTTP request body; a larger "

@@ -170,7 +170,8 @@ class Ingress:
                                      timeout_s=self.args.exchange_timeout_s,
                                      on_refused=self._forget if board is not None else None,
                                      node=ray_placement()[0] or "", local_sockets=self.args.local_channel,
-                                     spin_s=self.args.exchange_spin_us / 1e6)
+                                     spin_s=self.args.exchange_spin_us / 1e6,
+                                     wake_latency_us=self.args.cpu_wake_latency_us)
         self._group_tokens_exported: dict[str, int] = {}
         self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
         self.prefetch_lookahead = 0
@@ -561,17 +562,22 @@ class Ingress:
                 "prefetch_lookahead": self.prefetch_lookahead, "ingress": self.engine_stats(), "replicas": replicas,
                 "spares": spares,
                 "channel": {"members": self.channel.members(), **self.channel.stats,
-                            "last_membership_error": self.channel.last_membership_error},
+                            "last_membership_error": self.channel.last_membership_error,
+                            "wake_latency": self.channel.wake.status()},
                 "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs()}}
 
-    def tune_channel(self, local: bool | None = None, spin_us: int | None = None) -> None:
+    def tune_channel(self, local: bool | None = None, spin_us: int | None = None,
+                     wake_latency_us: int | None | str = "keep") -> None:
         """Reach shard replicas on this node on their Unix sockets (local=True) or over TCP, from
-        the next connection on; poll for small exchanges' replies for spin_us (0: sleep at once).
-        bench/serving.py compares the ways in one window."""
+        the next connection on; poll for small exchanges' replies for spin_us (0: sleep at once);
+        ask for this CPU wake-up latency while exchanges run (None: never). bench/serving.py
+        compares the ways in one window."""
         if local is not None:
             self.channel.use_local_sockets(local)
         if spin_us is not None:
             self.channel.spin_s = max(0, spin_us) / 1e6
+        if wake_latency_us != "keep":
+            self.channel.wake.set_limit(wake_latency_us)
 
     def engine_stats(self) -> dict:
         t = self.engine.timings

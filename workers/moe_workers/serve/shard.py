@@ -45,7 +45,8 @@ class ExpertShard:
     {L.E: {"path": ..., "sha256": ...}}}; changes apply in place (reconfigure)."""
 
     def __init__(self, model_path: str, dtype: str, torch_threads: int, allowed_weight_roots: list[str] | None = None,
-                 board: DeploymentHandle | None = None, family: str | None = None):
+                 board: DeploymentHandle | None = None, family: str | None = None,
+                 wake_latency_us: int | None = None):
         torch.set_num_threads(torch_threads)
         self.ckpt = Checkpoint(model_path, family)
         self.cfg = self.ckpt.config.with_dtype(dtype)
@@ -75,7 +76,7 @@ class ExpertShard:
         self.node_id, self.runtime_env = ray_placement()
         self.baseline_rss_bytes = current_rss_bytes()  # torch + Ray + this code, before any expert
         self.channel = ExchangeServer(self._compute, lambda: self._tokens, host=node_address(),
-                                      torch_threads=torch_threads)
+                                      torch_threads=torch_threads, wake_latency_us=wake_latency_us)
         threading.Thread(target=self._maintain, name="store-maintenance", daemon=True).start()
 
     def reconfigure(self, config: dict) -> None:
@@ -94,6 +95,11 @@ class ExpertShard:
                 if self.overrides.get(eid) != o:
                     self._swap(eid, o)
         self._report_now.set()
+
+    def tune_channel(self, wake_latency_us: int | None) -> None:
+        """Ask for this CPU wake-up latency while requests come (None: never); bench/serving.py
+        compares both in one window."""
+        self.channel.wake.set_limit(wake_latency_us)
 
     def check_health(self) -> None:
         """Serve restarts a replica whose channel stopped accepting connections."""
@@ -221,7 +227,7 @@ class ExpertShard:
             "compute_cpu_s": self.compute_cpu_s,
             "calls": self.calls,
             "channel": {"requests": self.channel.requests, "errors": self.channel.errors,
-                        "handle_s": self.channel.handle_s,
+                        "handle_s": self.channel.handle_s, "wake_latency": self.channel.wake.status(),
                         "connections": self.channel.connections(), "last_error": self.channel.last_error},
             "peak_rss_bytes": peak_rss_bytes(),
             "rss_bytes": current_rss_bytes(),

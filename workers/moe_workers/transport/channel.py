@@ -50,6 +50,7 @@ import torch
 from . import wire
 from .link import LinkError, LinkOffer, PairLink
 from .server import _recv_at_least, recv_bytes, recv_exact, send_all, tune
+from .wakeup import WakeLatency
 
 
 class ExpertsUnavailable(RuntimeError):
@@ -193,7 +194,8 @@ class ExpertChannel:
                  refresh_s: float = 1.0, down_s: float = 2.0, device_link: str | None = None,
                  link_host: str = "127.0.0.1", on_refused: Callable[[Member], None] | None = None,
                  hedge_after_s: float = 0.25, hedge_factor: float = 4.0, node: str = "", local_sockets: bool = True,
-                 spin_s: float = 0.0, spin_max_rows: int = SPIN_MAX_ROWS, cpus: int | None = None):
+                 spin_s: float = 0.0, spin_max_rows: int = SPIN_MAX_ROWS, cpus: int | None = None,
+                 wake_latency_us: int | None = None):
         """`device_link`: None (tensor bytes on the socket), or a backend ("nccl" for CUDA rows,
         "gloo") for a device link per connection, its store on `link_host` (this side's address).
         `on_refused(member)`: called from the membership thread for a replica whose port refused
@@ -206,7 +208,9 @@ class ExpertChannel:
         on their Unix socket when `local_sockets`. `spin_s`: how long to poll for the replies of
         an exchange of at most `spin_max_rows` rows before blocking (0: block at once), while the
         parts still awaited from this node's replicas are fewer than `cpus` (default: this
-        process' CPUs, capped by its cgroup's quota)."""
+        process' CPUs, capped by its cgroup's quota). `wake_latency_us`: the CPU wake-up latency
+        to ask the kernel for while exchanges run (`WakeLatency`; None: never ask)."""
+        self.wake = WakeLatency(wake_latency_us)
         self.node = node
         self.local_sockets = local_sockets
         self.cpus = cpus or available_cpus()
@@ -303,6 +307,7 @@ class ExpertChannel:
     def close(self) -> None:
         self._stop.set()
         self._nudge.set()
+        self.wake.close()
         with self._lock:
             for p in self._peers.values():
                 p.retired = True
@@ -314,6 +319,7 @@ class ExpertChannel:
     def exchange(self, layer: int, parts: dict[str, Part]) -> dict[str, torch.Tensor]:
         """Each group's outputs for its part (rows in the order sent)."""
         t0 = time.perf_counter()
+        self.wake.touch()
         try:
             return self._exchange(layer, parts, time.monotonic() + self.timeout_s)
         finally:

@@ -29,6 +29,7 @@ import torch
 
 from . import wire
 from .link import LinkError, LinkOffer, PairLink
+from .wakeup import WakeLatency
 
 Compute = Callable[[int, torch.Tensor, list[int], list[int], list[tuple[int, int]], torch.Tensor], None]
 
@@ -81,11 +82,14 @@ def tune(sock: socket.socket) -> None:
 
 class ExchangeServer:
     def __init__(self, compute: Compute, tokens: Callable[[], list[str]], host: str = "127.0.0.1", port: int = 0,
-                 hello_timeout_s: float = 10.0, torch_threads: int | None = None, local: bool = True):
+                 hello_timeout_s: float = 10.0, torch_threads: int | None = None, local: bool = True,
+                 wake_latency_us: int | None = None):
         """`tokens()`: the channel tokens accepted now (the current one, and the previous one for
         a while after it changes). `torch_threads`: intra-op threads of the connection threads
         (torch's setting is per thread under OpenMP: a new thread would otherwise use every core).
-        `local`: listen on an abstract Unix socket too (Linux only)."""
+        `local`: listen on an abstract Unix socket too (Linux only). `wake_latency_us`: the CPU
+        wake-up latency to ask the kernel for while requests come (`WakeLatency`; None: never ask)."""
+        self.wake = WakeLatency(wake_latency_us)
         self.compute = compute
         self.torch_threads = torch_threads
         self.tokens = tokens
@@ -130,6 +134,7 @@ class ExchangeServer:
 
     def close(self) -> None:
         self._closed.set()
+        self.wake.close()
         for ls in self._listeners:
             try:
                 ls.shutdown(socket.SHUT_RDWR)  # wakes the accept thread: a bare close leaves the port open
@@ -232,6 +237,7 @@ class ExchangeServer:
                 view_shape = None  # the tensor views were over the old buffer
             _recv_at_least(conn, view, got, total)
             t0 = time.perf_counter()
+            self.wake.touch()
             experts, counts, prefetch = wire.decode_request_body(view, head, n_experts, n_prefetch, rows)
             if linked:  # the rows come on the link, in frame order; take them even when draining
                 x = torch.empty(rows, hidden, dtype=dtype, device=link.device)
