@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import threading
 import time
 
 import pytest
@@ -246,6 +248,38 @@ def test_expert_load_exported_in_prometheus_format(served, ray_head):
     assert lines, "ray_moe_expert_tokens not exported"
     total = sum(float(l.rsplit(" ", 1)[1]) for l in lines)
     assert total > 0 and all('layer="' in l and 'expert="' in l for l in lines)
+
+
+def test_the_cpu_wake_latency_request_is_held_while_decoding_or_its_reason_reported(served):
+    """While exchanges run the ingress and every shard replica hold a PM QoS request for CPU
+    wake-up latency (bound 0); where /dev/cpu_dma_latency cannot be written each says why."""
+    url = served[0]
+    writable = os.access("/dev/cpu_dma_latency", os.W_OK)  # the replicas run as this user, on this host
+    stop = threading.Event()
+
+    def decode():
+        while not stop.is_set():
+            _complete(url, prompt=[3, 4, 5], max_tokens=16)
+
+    t = threading.Thread(target=decode)
+    t.start()
+    try:
+        def states():
+            status = requests.get(url + "/moe/v1/status", timeout=30).json()
+            got = [status["channel"]["wake_latency"], *(r["channel"]["wake_latency"] for r in status["replicas"])]
+            done = all(w["held"] or w["error"] for w in got) and len(status["replicas"]) >= 4  # 4 groups
+            return got if done else None
+
+        got = wait_for(states, timeout_s=30, what="every replica's wake-latency request taken or refused")
+    finally:
+        stop.set()
+        t.join()
+    for w in got:
+        assert w["limit_us"] == 0, got
+        if writable:
+            assert w["held"] and w["holds"] >= 1 and w["error"] == "", got
+        else:
+            assert not w["held"] and "/dev/cpu_dma_latency" in w["error"], got
 
 
 def test_every_shard_replica_is_on_the_expert_channel_at_rays_node_address(served):
