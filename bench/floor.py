@@ -4,6 +4,7 @@ that the served decode of bench/serving.py (the depth sweep) is measured against
     python bench/floor.py                  # 32 layers, the depth sweep's shape
     python bench/floor.py --layers 4,16,32 --rounds 7
     python bench/floor.py --keep-awake     # idle CPUs kept from halting, for all sides
+    python bench/floor.py --wake-latency   # the served app's CPU wake-up latency request held, for all sides
     python bench/floor.py --beside-app     # the same, with the served bench app idle beside it
 
 Three sides decode the same greedy tokens from the same checkpoint, alternating in rounds in one
@@ -60,6 +61,10 @@ def parse_args():
     p.add_argument("--keep-awake", action="store_true",
                    help="a SCHED_IDLE busy loop on every CPU for the whole run (all sides): what the machine's "
                         "idle-CPU wake-ups cost the split sides")
+    p.add_argument("--wake-latency", action="store_true",
+                   help="hold the CPU wake-up latency request the served app holds while it decodes "
+                        "(cpu_wake_latency_us, /dev/cpu_dma_latency) for the whole run (all sides): the floor "
+                        "under the app's default")
     p.add_argument("--beside-app", action="store_true",
                    help="bench/serving.py's app idle beside the sides; each round measured with its processes "
                         "running and stopped")
@@ -361,7 +366,19 @@ def main() -> int:
     a = parse_args()
     rows, figures = [], {}
     spinners = keep_awake() if a.keep_awake else []
-    tag = "-keep-awake" if a.keep_awake else ""
+    tag = ("-keep-awake" if a.keep_awake else "") + ("-wake-latency" if a.wake_latency else "")
+    wake = None
+    if a.wake_latency:
+        from moe_workers.serve.config import CPU_WAKE_LATENCY_US
+        from moe_workers.transport.wakeup import WakeLatency
+
+        wake = WakeLatency(CPU_WAKE_LATENCY_US, idle_s=float("inf"))  # held until the end
+        wake.touch()
+        deadline = time.monotonic() + 5
+        while not (wake.held or wake.error) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not wake.held:
+            raise SystemExit(f"--wake-latency: the request could not be taken: {wake.error or 'timed out'}")
     split = ("raw", "raw-unix", "channel")
     print(f"{'layers':>6} {'in-process ms':>13}" + "".join(f" {s + ' ms':>11} {'ratio':>6} {'ms/layer':>8}" for s in split),
           flush=True)
@@ -389,7 +406,10 @@ def main() -> int:
             beside.close()
         for p in spinners:
             p.kill()
-    return report(a.out, {"keep_awake": a.keep_awake, "beside_app": a.beside_app, "rows": rows}, figures)
+        if wake is not None:
+            wake.close()
+    return report(a.out, {"keep_awake": a.keep_awake, "wake_latency": a.wake_latency, "beside_app": a.beside_app,
+                          "rows": rows}, figures)
 
 
 if __name__ == "__main__":

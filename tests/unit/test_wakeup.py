@@ -122,3 +122,17 @@ def test_the_channel_and_the_server_hold_it_while_exchanges_run(tmp_path):
         ch.close()
         server.close()
     assert _open_by_us(devices[0]) == 0 and _open_by_us(devices[1]) == 0
+
+
+def test_an_endless_idle_time_holds_the_request_until_closed(tmp_path):
+    """bench/floor.py --wake-latency holds it for a whole run (idle_s infinite)."""
+    device = tmp_path / "cpu_dma_latency"
+    device.write_bytes(b"")
+    wake = WakeLatency(0, idle_s=float("inf"), device=str(device))
+    wake.touch()
+    wait_for(lambda: wake.held, timeout_s=5, what="the request taken", interval_s=0.01)
+    time.sleep(0.3)
+    assert wake.held and wake._thread.is_alive()  # its wait is bounded, not an overflowing timeout
+    wake.close()
+    wait_for(lambda: not wake._thread.is_alive(), timeout_s=5, what="the holder thread ended", interval_s=0.01)
+    assert _open_by_us(device) == 0

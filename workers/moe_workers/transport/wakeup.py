@@ -86,7 +86,7 @@ class WakeLatency:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._kick.wait(self.idle_s / 2 if self._fd is not None else None)
+            self._kick.wait(min(self.idle_s / 2, 60.0) if self._fd is not None else None)  # idle_s may be inf
             self._kick.clear()
             if self._stop.is_set():
                 return
