@@ -35,6 +35,26 @@ def test_render_carries_spec_into_static_args_and_in_place_options():
     assert deployments["ExpertShard-0"]["num_replicas"] == spec.experts.replicas_per_group
 
 
+def test_the_cpu_wake_latency_request_is_rendered_into_the_args_and_can_be_turned_off():
+    from moe_workers.serve.app import build_app
+    from moe_workers.serve.config import AppArgs
+
+    placement = initial_placement(2, 4, 2)
+    default = render_application("team-a", "mixtral", parse_spec(VALID["spec"]), placement)["args"]
+    assert default["cpu_wake_latency_us"] == 0
+    off = parse_spec({**VALID["spec"], "ingress": {"cpuWakeLatencyMicroseconds": -1}})
+    args = render_application("team-a", "mixtral", off, placement)["args"]
+    assert args["cpu_wake_latency_us"] == -1 and AppArgs.model_validate(args).wake_latency_us() is None
+    bound = parse_spec({**VALID["spec"], "ingress": {"cpuWakeLatencyMicroseconds": 20}})
+    args = render_application("team-a", "mixtral", bound, placement)["args"]
+    assert args["cpu_wake_latency_us"] == 20
+    # the shards get it from the builder too
+    shards = build_app(AppArgs.model_validate({**args, "placement": placement}))._bound_deployment.init_args[1]
+    assert [s._bound_deployment.init_args[-1] for s in shards.values()] == [20, 20]
+    with pytest.raises(Exception, match="cpuWakeLatencyMicroseconds|cpu_wake_latency"):
+        parse_spec({**VALID["spec"], "ingress": {"cpuWakeLatencyMicroseconds": -2}})
+
+
 def test_gpus_are_rendered_for_the_ingress_and_the_shards():
     """spec.ingress.numGpus used to be accepted and dropped: the dense part never got a GPU."""
     spec = parse_spec({**VALID["spec"], "ingress": {"numGpus": 1}, "experts": {**VALID["spec"]["experts"], "numGpus": 0.5}})

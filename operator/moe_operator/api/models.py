@@ -204,6 +204,15 @@ class IngressSpec(ApiModel):
         default="4Mi",
         description="Largest HTTP request body the API accepts; a larger one gets 413 before it is read.",
     )
+    cpu_wake_latency_microseconds: int = Field(
+        default=0, ge=-1, le=1_000_000,
+        description="While expert exchanges run, the app's replicas (Ingress and shards) ask each node's "
+        "kernel to keep its CPUs out of idle states slower than this to leave (PM QoS on "
+        "/dev/cpu_dma_latency, dropped 2 s after the last exchange): a woken replica then runs at once "
+        "instead of waiting for a halted CPU. 0 leaves idle CPUs polling; -1 never asks. Needs write access "
+        "to the device in the Ray containers (else it is not taken and the replicas' status says why); it "
+        "changes the whole node's power management while held.",
+    )
     api_key_secret_ref: SecretKeyRef | None = Field(
         default=None,
         description="API keys for /v1/*: a Secret key holding one key per line. With keys set, every "

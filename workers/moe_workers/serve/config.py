@@ -69,11 +69,11 @@ class AppArgs(BaseModel):
                                   "a small exchange's replies (32 rows or fewer) before it sleeps (a sleeping thread's wake-up "
                                   "costs a round trip a third more on a VM); 0 sleeps at once. The ingress' CPU is "
                                   "busy meanwhile.")
-    cpu_wake_latency_us: int | None = Field(default=CPU_WAKE_LATENCY_US, ge=0, le=1_000_000, description="While "
-                                            "expert exchanges run, ask the kernel to keep every CPU of the node out "
-                                            "of idle states slower than this to leave (PM QoS, /dev/cpu_dma_latency: "
-                                            "needs write access to it, else nothing changes and status says why); "
-                                            "dropped 2 s after the last exchange. None: never ask.")
+    cpu_wake_latency_us: int = Field(default=CPU_WAKE_LATENCY_US, ge=-1, le=1_000_000, description="While "
+                                     "expert exchanges run, ask the kernel to keep every CPU of the node out of "
+                                     "idle states slower than this to leave (PM QoS, /dev/cpu_dma_latency: needs "
+                                     "write access to it, else nothing changes and status says why); dropped 2 s "
+                                     "after the last exchange. -1: never ask.")
     local_channel: bool = Field(default=True, description="Reach shard replicas on the ingress' own node over a "
                                 "Unix socket (Linux's abstract namespace) instead of TCP loopback; TCP when that fails.")
     max_request_bytes: int = Field(default=4 * 2**20, ge=1024, description="Largest HTTP request body; a larger "
@@ -94,6 +94,10 @@ class AppArgs(BaseModel):
 
     def group_names(self) -> list[str]:
         return [group_name(k) for k in range(self.num_groups)]
+
+    def wake_latency_us(self) -> int | None:
+        """The CPU wake-up latency the channel's processes ask for (None: never ask)."""
+        return None if self.cpu_wake_latency_us < 0 else self.cpu_wake_latency_us
 
 
 # Beside its batch and wait queue a replica takes this many more requests (health, models and

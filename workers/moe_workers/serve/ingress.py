@@ -171,7 +171,7 @@ class Ingress:
                                      on_refused=self._forget if board is not None else None,
                                      node=ray_placement()[0] or "", local_sockets=self.args.local_channel,
                                      spin_s=self.args.exchange_spin_us / 1e6,
-                                     wake_latency_us=self.args.cpu_wake_latency_us)
+                                     wake_latency_us=self.args.wake_latency_us())
         self._group_tokens_exported: dict[str, int] = {}
         self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
         self.prefetch_lookahead = 0
