@@ -98,15 +98,13 @@ class WakeLatency:
                     self._release()
 
     def _take(self) -> None:
+        fd = None
         try:
             fd = os.open(self.device, os.O_WRONLY)
-        except OSError as err:
-            self.error = f"{self.device}: {err.strerror or err}"
-            return
-        try:
             os.write(fd, struct.pack("i", self.limit_us))
         except OSError as err:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
             self.error = f"{self.device}: {err.strerror or err}"
             return
         self._fd = fd
