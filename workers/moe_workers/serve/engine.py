@@ -1,4 +1,4 @@
-"""Continuous batching over the dense model; experts are reached through an async dispatcher.
+"""Continuous batching over the dense model; experts are reached through a dispatcher.
 
 The engine owns the KV cache and a bounded wait queue. Each step takes every running sequence
 (one decode token each) plus newly admitted prompts (prefill), runs them through the model
@@ -6,10 +6,12 @@ together, samples, and streams tokens out. New requests join between steps. Noth
 about Ray: the dispatcher is any `(layer, x, indices, weights) -> moe_out`, which is how the same
 engine runs in-process (tests) and in the Ingress deployment (the expert channel).
 
-A step's forward pass runs in one worker thread from embedding to logits, layers and expert
-exchanges included: the event loop only admits, samples and streams, so a layer costs no hop
-between the loop and a thread. Micro-batches run in threads of their own; their dense compute
-takes turns (one lock) while one waits on its exchange and another computes.
+Steps run back to back in one engine thread, from admission through the forward pass (layers
+and expert exchanges included) to sampling: the event loop only submits, cancels and streams,
+and a step's tokens reach it in one hand-off that the next step does not wait for (a round trip
+between the loop and a thread cost a step 0.3-0.4 ms). Micro-batches run in threads of their
+own; their dense compute takes turns (one lock) while one waits on its exchange and another
+computes.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class GenerationRequest:
     stop_at_eos: bool = True
     logprobs: int | None = None  # also record each token's logprob and this many alternatives
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then None
+    loop: asyncio.AbstractEventLoop | None = None  # the one that reads `out` (set on submit)
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     error: Exception | None = None  # what failed the step that ended this request
@@ -76,7 +79,7 @@ class StepTimings:
     dense_cpu: float = 0.0  # CPU of the calling thread only: with several torch threads, a share
     experts: float = 0.0
     forward: float = 0.0  # the forward passes, in their threads
-    step: float = 0.0  # whole steps on the event loop (forward, hand-offs to and from its thread, sampling)
+    step: float = 0.0  # whole steps in the engine thread (admission, forward, sampling, the hand-off of tokens)
     steps: int = 0
     tokens: int = 0
 
@@ -101,14 +104,15 @@ class Engine:
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[GenerationRequest] = []
         self.timings = StepTimings()
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        # forward passes off the event loop, so HTTP stays responsive; one thread per micro-batch
-        # (made on demand; torch's intra-op thread count is per thread under OpenMP: each step
-        # thread takes the one of the thread that built the engine, not every core)
+        # the engine thread runs steps off the event loop, so HTTP stays responsive; micro-batches
+        # past the first run in the pool (made on demand). torch's intra-op thread count is per
+        # thread under OpenMP: each takes the one of the thread that built the engine
+        self._threads = torch.get_num_threads()
+        self._work = threading.Condition()  # guards `waiting`; the engine thread waits on it when idle
+        self._thread: threading.Thread | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="step",
                                                            initializer=torch.set_num_threads,
-                                                           initargs=(torch.get_num_threads(),))
+                                                           initargs=(self._threads,))
         self._dense = threading.Lock()  # micro-batches' dense compute takes turns
 
     def submit(self, req: GenerationRequest) -> GenerationRequest:
@@ -119,59 +123,77 @@ class Engine:
         if req.seed is not None:
             req.generator = torch.Generator().manual_seed(req.seed)
         req.t_submit = time.perf_counter()
-        self.waiting.append(req)
-        self._wake.set()
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+        req.loop = asyncio.get_running_loop()
+        with self._work:
+            self.waiting.append(req)
+            self._work.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="moe-engine", daemon=True)
+                self._thread.start()
         return req
 
     def cancel(self, req: GenerationRequest, reason: str = "cancelled") -> None:
         """The client is gone (or a stop sequence ended the text): the request leaves the queue
-        now, or its KV slot at the next step, finishing with `reason`."""
+        now, or its KV slot at the next step, finishing with `reason`. On the event loop."""
         if req.finish_reason is not None or req.cancelled:
             return
         req.cancelled = reason
-        if req in self.waiting:
-            self.waiting.remove(req)
+        with self._work:
+            queued = req in self.waiting
+            if queued:
+                self.waiting.remove(req)
+        if queued:
             self._finish(req, reason)
 
-    async def _loop(self) -> None:
+    def _run(self) -> None:
+        """The engine thread: steps while there is work, waits for a submit when there is none."""
+        torch.set_num_threads(self._threads)
         while True:
-            if not self.running and not self.waiting:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
+            with self._work:
+                while not self.running and not self.waiting:
+                    self._work.wait()
+            out: list[tuple[GenerationRequest, int | None]] = []
             try:
-                await self.step()
+                self.step(out)
             except Exception as err:  # a failed step fails its requests, not the server
                 for req in self.running:
                     req.error = err
-                    self._finish(req, f"error: {err}")
+                    self._finish(req, f"error: {err}", out)
                 self.running = []
+            _deliver(out)
 
     def _admit(self) -> list[GenerationRequest]:
         admitted = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
-            slot = self.cache.allocate()
-            if slot is None:
-                break
-            req = self.waiting.popleft()
-            req.slot = slot
-            admitted.append(req)
+        with self._work:
+            while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+                slot = self.cache.allocate()
+                if slot is None:
+                    break
+                req = self.waiting.popleft()
+                req.slot = slot
+                admitted.append(req)
         return admitted
 
-    def _finish(self, req: GenerationRequest, reason: str) -> None:
+    def _finish(self, req: GenerationRequest, reason: str,
+                out: list[tuple[GenerationRequest, int | None]] | None = None) -> None:
+        """`out`: the engine thread's tokens of this step, handed to the loop together; None on
+        the event loop (a queued request cancelled)."""
         req.finish_reason = reason
         self.observer.finished(req, time.perf_counter() - req.t_submit)
         if req.slot is not None:
             self.cache.release(req.slot)
             req.slot = None
-        req.out.put_nowait(None)
+        if out is None:
+            req.out.put_nowait(None)
+        else:
+            out.append((req, None))
 
-    async def step(self) -> None:
+    def step(self, out: list[tuple[GenerationRequest, int | None]]) -> None:
+        """One step in the engine thread; the tokens it produced (and the Nones ending requests)
+        are appended to `out` for the event loop."""
         t_step = time.perf_counter()
         for req in [r for r in self.running if r.cancelled]:
-            self._finish(req, req.cancelled)
+            self._finish(req, req.cancelled, out)
         self.running = [r for r in self.running if not r.cancelled]
         seqs = self.running + self._admit()
         if not seqs:
@@ -186,9 +208,14 @@ class Engine:
         tokens = sum(len(c.tokens) for c in chunks)
         parts = split_chunks(chunks, self.micro_batches if tokens >= self.micro_batch_min_tokens else 1)
         if len(parts) == 1:
-            logits = await self.forward(StepBatch(chunks))
+            logits = self._forward(StepBatch(chunks))
         else:
-            logits = torch.cat(await asyncio.gather(*(self.forward(StepBatch(p)) for p in parts)))
+            rest = [self._pool.submit(self._forward, StepBatch(p)) for p in parts[1:]]
+            try:
+                first = self._forward(StepBatch(parts[0]))
+            finally:  # the others write the KV cache too: never leave one running
+                concurrent.futures.wait(rest)
+            logits = torch.cat([first, *(f.result() for f in rest)])
         still = []
         for row, (req, chunk) in enumerate(zip(seqs, chunks)):
             req.cached = chunk.start + len(chunk.tokens)
@@ -196,7 +223,7 @@ class Engine:
                 tok = sample(logits[row], req.temperature, req.top_p, req.generator)
             except Exception as err:  # this sequence's sampling failed: it ends, the batch goes on
                 req.error = err
-                self._finish(req, f"error: {err}")
+                self._finish(req, f"error: {err}", out)
                 continue
             if req.logprobs is not None:
                 req.token_logprobs.append(token_logprobs(logits[row], tok, req.logprobs))
@@ -207,22 +234,19 @@ class Engine:
             else:
                 self.observer.inter_token(now - req.t_last)
             req.t_last = now
-            req.out.put_nowait(tok)
+            out.append((req, tok))
             if len(req.produced) >= req.max_tokens:
-                self._finish(req, "length")
+                self._finish(req, "length", out)
             elif req.stop_at_eos and tok == self.dense.cfg.eos_token_id:
-                self._finish(req, "stop")
+                self._finish(req, "stop", out)
             elif req.cached + 1 >= self.cache.max_len:
-                self._finish(req, "length")
+                self._finish(req, "length", out)
             else:
                 still.append(req)
         self.running = still
         self.timings.step += time.perf_counter() - t_step
         self.timings.steps += 1
         self.timings.tokens += len(chunks)
-
-    async def forward(self, batch: StepBatch) -> torch.Tensor:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._forward, batch)
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         """Embedding to logits in this thread: dense parts under the dense lock, each layer's
@@ -266,6 +290,23 @@ class Engine:
                                             [c.slot for c in batch.chunks], [c.start for c in batch.chunks],
                                             [len(c.tokens) for c in batch.chunks])
         return logits.cpu()  # sampling runs on the host, with each request's own generator
+
+
+def _deliver(out: list[tuple[GenerationRequest, int | None]]) -> None:
+    """Hand a step's tokens to the event loops that read them: one call per loop, not waited for."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, int | None]]] = {}
+    for req, tok in out:
+        by_loop.setdefault(req.loop, []).append((req.out, tok))
+    for loop, puts in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, puts)
+        except RuntimeError:  # that loop is closed: nobody reads these any more
+            pass
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, int | None]]) -> None:
+    for queue, tok in puts:
+        queue.put_nowait(tok)
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
