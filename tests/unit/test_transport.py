@@ -510,3 +510,39 @@ def test_a_cgroup_quota_caps_the_cpus_the_poll_counts_on():
     assert cpu_quota(None, "-1", "100000") is None
     assert cpu_quota() is None
     assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))
+
+
+def _voluntary_switches(tid: int) -> int:
+    for line in open(f"/proc/self/task/{tid}/status"):
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches in /proc")
+
+
+def test_neither_side_is_woken_when_the_other_reads_what_it_sent(servers):
+    """Over a Unix socket a blocked recv() also wakes whenever the peer reads what this side
+    sent (the kernel's write-space wake-up), a synchronous wake that queued a shard replica on the
+    ingress' CPU. Both ends wait for data in poll(): each sleeps once an exchange, not twice."""
+    tids = []
+
+    def compute(layer, x, experts, counts, prefetch, out):
+        if not tids:
+            tids.append(threading.get_native_id())
+        time.sleep(0.002)  # the ingress blocks before the reply comes
+        out.copy_(x)
+
+    a = servers(compute)
+    ch = _channel([Member("g0", "r0", experts=frozenset(), **_on_node(a, "node-1"))], node="node-1")
+    x = torch.randn(1, 64)
+    ch.exchange(0, {"g0": Part([0], [1], x)})
+    assert ch.members()["g0"][0]["via"] == "unix"
+    me, n = threading.get_native_id(), 100
+    server0, ingress0 = _voluntary_switches(tids[0]), _voluntary_switches(me)
+    for _ in range(n):
+        assert torch.equal(ch.exchange(0, {"g0": Part([0], [1], x)})["g0"], x)
+        time.sleep(0.0005)  # the replica waits for the next request while its reply is read
+    server, ingress = _voluntary_switches(tids[0]) - server0, _voluntary_switches(me) - ingress0
+    # one sleep each per exchange (the replica's compute sleeps once more); a blocking recv made it two
+    assert server <= 2.4 * n, f"replica thread: {server / n:.2f} sleeps an exchange"
+    assert ingress <= 2.4 * n, f"ingress thread: {ingress / n:.2f} sleeps an exchange"
+    ch.close()

@@ -49,7 +49,7 @@ import torch
 
 from . import wire
 from .link import LinkError, LinkOffer, PairLink
-from .server import _recv_at_least, recv_bytes, recv_exact, send_all, tune
+from .server import _recv_at_least, readable_poller, recv_bytes, recv_exact, send_all, tune
 from .wakeup import WakeLatency
 
 
@@ -106,14 +106,14 @@ class _Conn:
         self.sock = sock
         self.link = link
         self.view = memoryview(bytearray(1 << 16))
-        self.poller = select.poll()  # readable: the reply (or the peer's close) arrived
-        self.poller.register(sock, select.POLLIN)
+        self.poller = readable_poller(sock)  # the reply (or the peer's close) arrived
         self.wait_s = 0.0  # the kernel's limit on one send or receive (SO_SNDTIMEO / SO_RCVTIMEO); 0: none
 
     def set_wait(self, seconds: float) -> None:
         """Bound each send and receive in the kernel. The socket stays blocking: a Python
-        timeout would put a poll() before every send and receive and two syscalls more on each
-        wait (half the syscalls of a batch-1 exchange). A bound that passes is an OSError (EAGAIN)."""
+        timeout would put a poll() before every send and every read of a reply (a reply's first
+        read waits in a poll of its own, which takes the deadline: readable_poller). A bound that
+        passes is an OSError (EAGAIN)."""
         seconds = max(0.001, seconds)  # 0 would mean no limit
         tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
@@ -555,6 +555,8 @@ class ExpertChannel:
             left = deadline - time.monotonic()
             if abs(conn.wait_s - left) > min(0.05, self.timeout_s / 10):  # a retry pass, or a long step
                 conn.set_wait(left)
+            if not conn.poller.poll(max(0.0, left) * 1000.0):  # woken by the reply only (readable_poller)
+                return None
             got = _recv_at_least(sock, view, 0, head)
             reply, n = wire.decode_reply_header(view)
             if reply.seq != seq:

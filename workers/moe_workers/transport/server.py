@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
+import select
 import socket
 import sys
 import threading
@@ -222,7 +223,9 @@ class ExchangeServer:
         view = memoryview(buf)
         outbuf = np.empty(1 << 16, dtype=np.uint8)
         view_shape = None  # (offset, rows, hidden, dtype) of the tensor views x and out over buf and outbuf
+        poller = readable_poller(conn)
         while True:
+            poller.poll()  # the next request (not the ingress reading the last reply: readable_poller)
             got = _recv_at_least(conn, view, 0, head)
             seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size, flags = wire.decode_request_header(view)
             linked = bool(flags & wire.LINKED)
@@ -273,6 +276,21 @@ class ExchangeServer:
             else:
                 send_all(conn, [wire.encode_reply(seq, wire.OK, rows, hidden, dtype), memoryview(outbuf[:nbytes])])
             self.handle_s += time.perf_counter() - t0
+
+
+def readable_poller(sock: socket.socket) -> select.poll:
+    """A poller for `sock`'s data (or its peer's close), to block on before a receive.
+
+    A blocking recv() on a Unix socket is also woken each time the peer reads what this side
+    sent: the kernel wakes every waiter of the socket when write space frees, whatever it waits
+    for, and synchronously (the waker's CPU is preferred). A shard replica blocked for its next
+    request was so woken when the ingress read its reply, queued on the ingress' CPU, and was
+    still queued there behind the ingress' dense compute when the request came (a scheduler
+    trace of a 16-layer decode: 5% of the wall time, a shard waiting 0.6 ms on average beside an
+    idle CPU). poll() for POLLIN is woken by data or the peer's close only."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return poller
 
 
 def _recv_at_least(sock: socket.socket, view: memoryview, got: int, n: int) -> int:
