@@ -264,3 +264,21 @@ def test_ingress_metrics_queue_the_engines_reports_and_record_them_on_flush():
     base = {"app": "app", "replica": "r1"}
     assert seen == [("ttft", 0.5, base), ("itl", 0.02, base), ("e2e", 1.5, {**base, "finish_reason": "error"}),
                     ("prompt", 3, base), ("generated", 2, base)]
+
+
+def test_a_final_only_request_hands_over_its_end_not_each_token(tmp_path):
+    """A whole completion without stop strings needs its tokens at the end: its queue gets the
+    None only (the event loop is not woken for every token), its tokens are the model's."""
+    make_mixtral(tmp_path, num_local_experts=4, num_hidden_layers=2)
+    reference = InProcessModel(tmp_path)
+
+    async def main():
+        engine = _engine(tmp_path)
+        whole = engine.submit(GenerationRequest(prompt=[5, 9, 11], max_tokens=6, stop_at_eos=False, final_only=True))
+        streamed = engine.submit(GenerationRequest(prompt=[5, 9, 11], max_tokens=6, stop_at_eos=False))
+        items = [await whole.out.get()]
+        return items, await _collect(streamed), whole
+
+    items, streamed, whole = asyncio.run(main())
+    assert items == [None] and whole.out.empty() and whole.finish_reason == "length"
+    assert whole.produced == streamed == reference.generate([[5, 9, 11]], 6)[0]

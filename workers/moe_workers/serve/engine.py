@@ -46,6 +46,9 @@ class GenerationRequest:
     stop_at_eos: bool = True
     logprobs: int | None = None  # also record each token's logprob and this many alternatives
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then None
+    # the reader needs the end only (a whole completion, no stop strings to watch): `out` gets the
+    # None and the tokens stay in `produced`, so the event loop is not woken for every token
+    final_only: bool = False
     loop: asyncio.AbstractEventLoop | None = None  # the one that reads `out` (set on submit)
     generator: torch.Generator | None = None
     finish_reason: str | None = None
@@ -234,7 +237,8 @@ class Engine:
             else:
                 self.observer.inter_token(now - req.t_last)
             req.t_last = now
-            out.append((req, tok))
+            if not req.final_only:
+                out.append((req, tok))
             if len(req.produced) >= req.max_tokens:
                 self._finish(req, "length", out)
             elif req.stop_at_eos and tok == self.dense.cfg.eos_token_id:

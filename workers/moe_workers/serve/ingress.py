@@ -387,7 +387,8 @@ class Ingress:
             streams[0].push(tok)
         finish = self._resumed_finish(resume, ids, new_tokens, streams[0]) if resume is not None else None
         gens = [GenerationRequest(prompt=ids + prefix, max_tokens=new_tokens - len(prefix), temperature=req.temperature,
-                                  top_p=req.top_p, seed=None if req.seed is None else req.seed + i, logprobs=logprobs)
+                                  top_p=req.top_p, seed=None if req.seed is None else req.seed + i, logprobs=logprobs,
+                                  final_only=not req.stream and not req.stops)  # _collect reads `produced` at the end
                 for i in range(req.n if finish is None else 0)]
         try:
             for gen in gens:
@@ -431,7 +432,7 @@ class Ingress:
     async def _collect(self, gen: GenerationRequest, stops: list[str]) -> tuple[str, str | None]:
         """One choice's whole text and finish reason; a stop sequence ends it ("stop", the stop
         not included)."""
-        if not stops:  # nothing to watch for: decode once at the end, not at every token
+        if not stops:  # nothing to watch for: decode once at the end (the engine hands over the end only)
             while await gen.out.get() is not None:
                 pass
             return self._decode(gen.produced), gen.finish_reason
