@@ -62,8 +62,9 @@ def parse_args():
                    help="depth sweep: how the ingress reaches its shard replicas (all on one node), each measured "
                         "in every round; the first one gives the main figures. unix, tcp: with the app's defaults "
                         "(poll for replies: exchange_spin_us; CPU wake-up latency asked for: cpu_wake_latency_us); "
-                        "-sleep: without the poll; -idle: without the wake-up latency request (modifiers combine: "
-                        "unix-sleep-idle)")
+                        "-sleep: without the poll; -idle: without the wake-up latency request; -float: the shard "
+                        "replicas' threads on every CPU (the kernel places them) instead of the CPUs each took "
+                        "(pin_shard_cpus) (modifiers combine: unix-sleep-idle)")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
     return p.parse_args()
@@ -313,6 +314,16 @@ def print_breakdown(title: str, bd: dict) -> None:
     print(f"    dispatch overhead (wait - slowest compute) {bd['expert_wait_s'] - bd['shard_compute_max_s']:7.2f} s")
 
 
+def pin_threads(pid: int, cpus: list[int] | None) -> None:
+    """Every thread of process `pid` onto `cpus` (None: every CPU of this machine)."""
+    cpus = cpus or sorted(os.sched_getaffinity(0))
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def deep_point(a, n: int) -> dict:
     """Batch-1 decode of one model depth, served against in-process, interleaved: the two sides
     alternate --deep-rounds times in one window (this machine's speed drifts by 20-30% over
@@ -370,13 +381,16 @@ def deep_point(a, n: int) -> dict:
             ingress.tune_channel.remote(local=way == "unix", spin_us=spin, wake_latency_us=wake).result()
             for h in shard_handles:
                 h.tune_channel.remote(wake).result()
+            for shard in stats()[1]:  # -float: undo the pinning from here, for this round
+                pin_threads(shard["pid"], None if "float" in mods else shard["cpu_affinity"]["cpus"])
             time.sleep(0.5)  # the wake-latency request is taken or dropped by a background thread
 
         for channel in channels:  # warm-up, each way
             use(channel)
             served_ms()
             wake = [sh["channel"]["wake_latency"] for sh in stats()[1]]
-            print(f"  {channel}: shards' CPU wake-up latency request {wake}", flush=True)
+            cpus = [sh["cpu_affinity"] for sh in stats()[1]]
+            print(f"  {channel}: shards' CPU wake-up latency request {wake}; CPUs taken {cpus}", flush=True)
         for _ in range(a.deep_rounds):
             lm = local_ms()
             rnd = {"in_process_ms": lm, "by_channel": {}}

@@ -282,6 +282,31 @@ def test_the_cpu_wake_latency_request_is_held_while_decoding_or_its_reason_repor
             assert not w["held"] and "/dev/cpu_dma_latency" in w["error"], got
 
 
+def test_shard_replicas_run_on_cpus_of_their_own_while_there_are_free_ones(served):
+    """Each shard replica takes a CPU no other live replica holds and runs every thread there
+    (checked from /proc: the replicas run on this host); one that finds none free, or runs under
+    a smaller CPU quota, says why and is left to the kernel."""
+    url = served[0]
+    replicas = wait_for(lambda: (r := requests.get(url + "/moe/v1/status", timeout=30).json()["replicas"])
+                        and len(r) >= 4 and r, timeout_s=30, what="4 shard reports")
+    held: dict[int, str] = {}
+    for r in replicas:
+        aff = r["cpu_affinity"]
+        if aff["cpus"] is None:
+            assert aff["reason"], r["group"]
+            continue
+        for cpu in aff["cpus"]:
+            assert cpu not in held, (cpu, held[cpu], r["group"])
+            held[cpu] = r["group"]
+        for tid in os.listdir(f"/proc/{r['pid']}/task"):
+            try:
+                assert sorted(os.sched_getaffinity(int(tid))) == aff["cpus"], (r["group"], tid)
+            except ProcessLookupError:
+                pass  # a thread that just ended
+    # the module's first app found the CPUs free (unless this host runs it under a CPU quota)
+    assert held or all("quota" in r["cpu_affinity"]["reason"] for r in replicas), [r["cpu_affinity"] for r in replicas]
+
+
 def test_every_shard_replica_is_on_the_expert_channel_at_rays_node_address(served):
     """The per-layer traffic goes over the expert channel: each shard replica listens on the
     address Ray registered for its node (no other interface) and the ingress knows every one;

@@ -50,9 +50,22 @@ def test_the_cpu_wake_latency_request_is_rendered_into_the_args_and_can_be_turne
     assert args["cpu_wake_latency_us"] == 20
     # the shards get it from the builder too
     shards = build_app(AppArgs.model_validate({**args, "placement": placement}))._bound_deployment.init_args[1]
-    assert [s._bound_deployment.init_args[-1] for s in shards.values()] == [20, 20]
+    assert [s._bound_deployment.init_args[6] for s in shards.values()] == [20, 20]
     with pytest.raises(Exception, match="cpuWakeLatencyMicroseconds|cpu_wake_latency"):
         parse_spec({**VALID["spec"], "ingress": {"cpuWakeLatencyMicroseconds": -2}})
+
+
+def test_shards_take_cpus_of_their_own_unless_turned_off():
+    from moe_workers.serve.app import build_app
+    from moe_workers.serve.config import AppArgs
+
+    placement = initial_placement(2, 4, 2)
+    for experts, want in (({}, True), ({"pinCpus": False}, False)):
+        spec = parse_spec({**VALID["spec"], "experts": {**VALID["spec"]["experts"], **experts}})
+        args = render_application("team-a", "mixtral", spec, placement)["args"]
+        assert args["pin_shard_cpus"] is want
+        shards = build_app(AppArgs.model_validate({**args, "placement": placement}))._bound_deployment.init_args[1]
+        assert [s._bound_deployment.init_args[7] for s in shards.values()] == [want, want]
 
 
 def test_gpus_are_rendered_for_the_ingress_and_the_shards():

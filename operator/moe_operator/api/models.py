@@ -320,6 +320,13 @@ class ExpertsSpec(ApiModel):
     num_cpus: float = Field(default=1.0, gt=0, le=512, description="CPUs reserved per shard replica (Ray num_cpus).")
     num_gpus: float = Field(default=0.0, ge=0, le=16, description="GPUs reserved per shard replica (Ray num_gpus). "
                             "With one, the hot tier lives on it and warm memory is pinned (not yet run on a GPU).")
+    pin_cpus: bool = Field(
+        default=True,
+        description="Each shard replica runs all its threads on CPUs of its own: one no other shard replica on the "
+        "machine holds (of those its container may use), while there are such CPUs; else the kernel places it. "
+        "A decode layer's parts on two groups then compute side by side instead of queueing on one CPU. The "
+        "replicas' status shows what each took (cpu_affinity). false leaves placement to the kernel.",
+    )
     warm_spares: int = Field(
         default=1, ge=0, le=8,
         description="Idle Ray worker processes, with torch and the app's code already imported, kept "

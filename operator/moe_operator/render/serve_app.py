@@ -56,6 +56,7 @@ def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None
         ingress_num_gpus=spec.ingress.num_gpus,
         shard_num_cpus=spec.experts.num_cpus,
         shard_num_gpus=spec.experts.num_gpus,
+        pin_shard_cpus=spec.experts.pin_cpus,
         warm_spares=spec.experts.warm_spares,
         allowed_weight_roots=list(allowed_roots or []),
     )

@@ -62,6 +62,9 @@ class AppArgs(BaseModel):
     micro_batch_min_tokens: int = Field(default=256, ge=1, description="Steps with fewer tokens are not split "
                                         "(decode steps are dispatch-bound; extra calls would cost more than the overlap).")
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per shard replica.")
+    pin_shard_cpus: bool = Field(default=True, description="Each shard replica runs on torch_threads CPUs no other "
+                                 "shard replica on the machine holds, while there are such CPUs (else the kernel "
+                                 "places it): a layer's parts then compute side by side (moe_workers.serve.cpus).")
     exchange_timeout_s: float = Field(default=30.0, gt=0, description="How long one layer's expert exchange may "
                                       "wait for the shard groups (retries on other replicas included) before the "
                                       "step's requests get a 503.")

@@ -19,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from moe_workers.device import replica_device
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.experts import compute_rows
+from moe_workers.serve.cpus import CpuClaim
 from moe_workers.serve.memory import current_rss_bytes, peak_rss_bytes
 from moe_workers.serve.metrics import ShardMetrics
 from moe_workers.serve.node import node_address, ray_placement
@@ -46,8 +47,13 @@ class ExpertShard:
 
     def __init__(self, model_path: str, dtype: str, torch_threads: int, allowed_weight_roots: list[str] | None = None,
                  board: DeploymentHandle | None = None, family: str | None = None,
-                 wake_latency_us: int | None = None):
+                 wake_latency_us: int | None = None, pin_cpus: bool = True):
         torch.set_num_threads(torch_threads)
+        self.cpu_claim = CpuClaim()
+        if pin_cpus:  # before any thread of ours starts: they inherit it
+            self.cpu_claim.take(torch_threads)
+        else:
+            self.cpu_claim.reason = "not asked (pinCpus false)"
         self.ckpt = Checkpoint(model_path, family)
         self.cfg = self.ckpt.config.with_dtype(dtype)
         self.allowed_roots = list(allowed_weight_roots or [])
@@ -113,6 +119,7 @@ class ExpertShard:
         try:
             self.channel.drain()
             self._stop.set()
+            self.cpu_claim.release()
             if self.board is not None:
                 self.board.leave.remote(self.replica)
             deadline = time.monotonic() + DRAIN_GRACE_S
@@ -210,6 +217,7 @@ class ExpertShard:
             "group": self.group,
             "replica": self.replica,
             "pid": os.getpid(),
+            "cpu_affinity": self.cpu_claim.status(),
             "node_id": self.node_id,
             "runtime_env": self.runtime_env,
             "endpoint": self.channel.endpoint,
