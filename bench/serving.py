@@ -314,16 +314,6 @@ def print_breakdown(title: str, bd: dict) -> None:
     print(f"    dispatch overhead (wait - slowest compute) {bd['expert_wait_s'] - bd['shard_compute_max_s']:7.2f} s")
 
 
-def pin_threads(pid: int, cpus: list[int] | None) -> None:
-    """Every thread of process `pid` onto `cpus` (None: every CPU of this machine)."""
-    cpus = cpus or sorted(os.sched_getaffinity(0))
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 def deep_point(a, n: int) -> dict:
     """Batch-1 decode of one model depth, served against in-process, interleaved: the two sides
     alternate --deep-rounds times in one window (this machine's speed drifts by 20-30% over
@@ -369,6 +359,7 @@ def deep_point(a, n: int) -> dict:
         from ray import serve
 
         from moe_workers.serve.config import CPU_WAKE_LATENCY_US, EXCHANGE_SPIN_US
+        from moe_workers.serve.cpus import pin_process
 
         ingress = serve.get_app_handle("bench")
         shard_handles = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="bench") for g in range(2)]
@@ -382,7 +373,8 @@ def deep_point(a, n: int) -> dict:
             for h in shard_handles:
                 h.tune_channel.remote(wake).result()
             for shard in stats()[1]:  # -float: undo the pinning from here, for this round
-                pin_threads(shard["pid"], None if "float" in mods else shard["cpu_affinity"]["cpus"])
+                pin_process(shard["cpu_affinity"]["cpus"] if "float" not in mods and shard["cpu_affinity"]["cpus"]
+                            else sorted(os.sched_getaffinity(0)), shard["pid"])
             time.sleep(0.5)  # the wake-latency request is taken or dropped by a background thread
 
         for channel in channels:  # warm-up, each way

@@ -201,9 +201,10 @@ def _write(f, claims: dict) -> None:
     f.flush()
 
 
-def pin_process(cpus: list[int]) -> None:
-    """Every thread of this process onto `cpus` (sched_setaffinity is per thread on Linux)."""
-    for tid in os.listdir("/proc/self/task"):
+def pin_process(cpus: list[int], pid: int | str = "self") -> None:
+    """Every thread of a process (this one by default) onto `cpus` (sched_setaffinity is per
+    thread on Linux)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
         except (ProcessLookupError, PermissionError):
