@@ -122,6 +122,27 @@ def test_stop_kill_and_restart_on_the_same_port(tmp_path):
         proc.wait(timeout=30)
 
 
+def test_a_head_that_dies_under_a_serving_moectl_up_ends_it_naming_the_heads_log(tmp_path):
+    """Ray's head gone (here killed; once its runtime-env agent could not bind its port): nothing
+    is left to serve from, so `moectl up` says so and exits instead of retrying forever."""
+    state = tmp_path / "state"
+    env = {**os.environ, "MOE_STATE_DIR": str(state)}
+    f = _manifest(tmp_path, "first", 1)
+    log = tmp_path / "up.log"
+    proc = _up(f, free_port(), env, log)
+    try:
+        _serving(proc, log)
+        os.killpg(_head_group(state, proc.pid), signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1, log.read_text()
+        text = " ".join(log.read_text().split())
+        assert "the local Ray head exited" in text and "ray-head.log" in text, text
+        assert _ready(env, "first")["reason"] == "Stopped"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_port_someone_else_listens_on_is_refused_naming_them(tmp_path):
     env = {**os.environ, "MOE_STATE_DIR": str(tmp_path / "state")}
     f = _manifest(tmp_path, "tiny", 0)

@@ -161,7 +161,13 @@ def up(
         if once:
             return
         err.print(f"watching {file} for changes; Ctrl-C to stop")
-        runner.watch(stopping.is_set)
+
+        def head_gone() -> bool:
+            return head is not None and head.process is not None and head.process.poll() is not None
+
+        runner.watch(lambda: stopping.is_set() or head_gone())
+        if head_gone() and not stopping.is_set():  # nothing left to serve from: say so, do not retry forever
+            fail(f"the local Ray head exited (code {head.process.returncode}); its log: {head.work_dir / 'ray-head.log'}")
     except KeyboardInterrupt:
         pass
     finally:

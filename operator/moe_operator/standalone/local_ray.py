@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import secrets
 import signal
 import socket
@@ -30,17 +31,32 @@ _WORKER_PORTS = (20000, 29999)
 _handed_out: set[int] = set()
 
 
+def ephemeral_ports() -> range:
+    """The kernel's range for the source ports of outgoing connections (ip_local_port_range)."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port(avoid: range = range(10002, 30000)) -> int:
-    """A free TCP port on 127.0.0.1 outside Ray's worker port range, never one this process has
-    handed out before (several are chosen before anything binds them)."""
-    for _ in range(200):
+    """A free TCP port outside Ray's worker port range and outside the kernel's ephemeral range,
+    never one this process has handed out before (several are chosen before anything binds
+    them). Not from the ephemeral range: between this choice and the server's bind, any
+    outgoing connection on the machine could take such a port as its source port (a Ray head's
+    runtime-env agent once failed to bind so, and the head with it)."""
+    ephemeral = ephemeral_ports()
+    candidates = [p for p in range(30000, 65536) if p not in avoid and p not in ephemeral and p not in _handed_out]
+    for port in random.sample(candidates, min(200, len(candidates))):
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in avoid and port not in _handed_out:
-            _handed_out.add(port)
-            return port
-    raise RuntimeError("no free loopback port outside Ray's worker range")
+            try:
+                s.bind(("", port))  # every address: a listener on any of them would refuse the server
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free TCP port outside Ray's worker range and the ephemeral range")
 
 
 @dataclass
