@@ -31,7 +31,7 @@ import os
 import tempfile
 from pathlib import Path
 
-CLAIMS_ENV = "MOE_CPU_CLAIMS"  # the claims file (tests point it elsewhere); default under the temp dir
+CLAIMS_ENV = "MOE_CPU_CLAIMS"  # where the claims file lives (processes of one pid namespace); default: the temp dir
 
 
 def claims_path() -> Path:
