@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from moe_workers.serve.cpus import CpuClaim, choose, live_claims, process_start, quota_cpus
+from moe_workers.serve.cpus import CpuClaim, choose, live_claims, quota_cpus
 
 WORKERS = os.path.join(os.path.dirname(__file__), "..", "..", "workers")
 
@@ -46,13 +46,14 @@ def test_the_lowest_free_cpus_are_chosen_and_none_when_too_few_are_free():
 
 
 def test_claims_of_gone_or_replaced_processes_lapse():
-    starts = {10: 500, 11: 600}
-    claims = {"10": {"start": 500, "cpus": [0]},  # running
-              "11": {"start": 599, "cpus": [1]},  # the pid now names another process
-              "12": {"start": 700, "cpus": [2]},  # gone
-              "13": {"cpus": [3]}}  # malformed
-    assert live_claims(claims, starts.get) == {"10": {"start": 500, "cpus": [0]}}
-    assert process_start(os.getpid()) == process_start(os.getpid()) is not None
+    running = {"10:500.00"}  # processes by tag: pid and start time
+    claims = {"10:500.00": [0],  # running
+              "11:599.00": [1],  # the pid now names another process (or none)
+              "12:700.00": [2],  # gone
+              "13:800.00": "x"}  # malformed
+    assert live_claims(claims, running.__contains__) == {"10:500.00": [0]}
+    with_bad = {**claims, "10:500.00": ["x"]}
+    assert live_claims(with_bad, running.__contains__) == {}
 
 
 def test_the_cpu_quota_is_read_from_cgroup_v2_and_v1_and_the_smallest_ancestor_wins(tmp_path):

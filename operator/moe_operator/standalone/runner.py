@@ -25,6 +25,7 @@ from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_r
 from moe_operator.backends.ray_rest import RayServeClient
 from moe_operator.reconcile import observe_live, reconcile, remove_application
 from moe_operator.render.serve_app import app_name
+from moe_workers.process_tag import process_tag, tag_running
 from moe_workers.serve.auth import digests
 
 
@@ -39,22 +40,8 @@ def status_path(state_dir: Path, namespace: str, name: str) -> Path:
 OWNER_ANNOTATION = "serving.moe.io/moectl-up"  # "<pid>:<process start time>" of the `moectl up` serving it
 
 
-def owner_tag(pid: int | None = None) -> str:
-    import psutil
-
-    p = psutil.Process(pid)
-    return f"{p.pid}:{p.create_time():.2f}"
-
-
-def owner_running(tag: str) -> bool:
-    """Whether the process `tag` names still runs (the same process: a reused pid has another start time)."""
-    import psutil
-
-    try:
-        pid, started = tag.split(":", 1)
-        return f"{psutil.Process(int(pid)).create_time():.2f}" == started
-    except (ValueError, psutil.Error):
-        return False
+owner_tag = process_tag  # the `moectl up` that owns an app, named so that a reused pid does not pass for it
+owner_running = tag_running
 
 
 def as_seen(doc: dict, running: Callable[[str], bool] = owner_running) -> dict:

@@ -8,8 +8,8 @@ first shard runs, and a CPU whose idle spells are short skips pulling queued wor
 shard replica on a CPU of its own, the two parts run side by side (docs/benchmarks.md).
 
 How: the machine's replicas record what they hold in one small JSON file, under an exclusive
-flock: {pid: {"start": the process' start time, "cpus": [...]}}. A claim lapses when its process
-is gone (or the pid now names another process). A replica takes `n` CPUs of its allowed set
+flock: {process tag ("pid:start time"): [cpus]}. A claim lapses when its process is gone (or the
+pid now names another process). A replica takes `n` CPUs of its allowed set
 (`os.sched_getaffinity`: a container's cpuset, Kubernetes' static CPU manager's exclusive CPUs)
 that no live claim holds, lowest first; when fewer are free it takes none and the kernel places
 it, as without this. The ingress is not pinned: it is the busiest process on the decode path and
@@ -25,11 +25,14 @@ smaller than its CPUs, and is pinned within.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import tempfile
 from pathlib import Path
+
+from moe_workers.process_tag import process_tag, tag_running
 
 CLAIMS_ENV = "MOE_CPU_CLAIMS"  # where the claims file lives (processes of one pid namespace); default: the temp dir
 
@@ -89,24 +92,14 @@ def choose(allowed: list[int], held: set[int], n: int) -> list[int] | None:
     return free[:n] if n >= 1 and len(free) >= n else None
 
 
-def process_start(pid: int) -> int | None:
-    """The process' start time (clock ticks after boot, /proc/PID/stat field 22), None when gone:
-    with the pid it names one process, whatever reuses the pid later."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def live_claims(claims: dict, start_of=process_start) -> dict[str, dict]:
-    """The claims whose process still runs (same pid, same start time)."""
+def live_claims(claims: dict, running=tag_running) -> dict[str, list[int]]:
+    """The claims whose process still runs (the same process: tag_running)."""
     out = {}
-    for pid, c in claims.items():
+    for tag, cpus in claims.items():
         try:
-            if start_of(int(pid)) == c["start"]:
-                out[pid] = {"start": c["start"], "cpus": [int(x) for x in c["cpus"]]}
-        except (ValueError, KeyError, TypeError):
+            if running(tag):
+                out[tag] = [int(c) for c in cpus]
+        except (ValueError, TypeError):
             continue  # a malformed entry lapses
     return out
 
@@ -116,6 +109,7 @@ class CpuClaim:
 
     def __init__(self, path: Path | None = None, quota=quota_cpus):
         self.path = path or claims_path()
+        self.tag = process_tag()  # this process, in the claims file
         self._quota = quota
         self.cpus: list[int] | None = None
         self.reason = ""  # why no CPUs were taken, when none were
@@ -123,7 +117,6 @@ class CpuClaim:
     def take(self, n: int) -> list[int] | None:
         """Claim n free CPUs and run every thread of this process on them (threads started later
         inherit it). Returns the CPUs, or None (then `reason` says why)."""
-        pid = os.getpid()
         try:
             allowed = sorted(os.sched_getaffinity(0))
             quota = self._quota()
@@ -131,17 +124,17 @@ class CpuClaim:
                 self.reason = (f"a CPU quota of {quota:g} over {len(allowed)} shared CPUs: placed by the kernel "
                                f"(pinned, it could share its CPU with a neighbour's)")
                 return None
-            with self._locked() as f:
+            with _locked(self.path) as f:
                 claims = live_claims(_read(f))
-                claims.pop(str(pid), None)
-                held = {c for cl in claims.values() for c in cl["cpus"]}
+                claims.pop(self.tag, None)
+                held = {c for cpus in claims.values() for c in cpus}
                 cpus = choose(allowed, held, n)
                 if cpus is None:
                     self.reason = (f"{len(allowed) - len(held & set(allowed))} of CPUs {allowed} free for {n}: "
                                    f"placed by the kernel")
                     _write(f, claims)
                     return None
-                claims[str(pid)] = {"start": process_start(pid), "cpus": cpus}
+                claims[self.tag] = cpus
                 _write(f, claims)
             pin_process(cpus)
         except OSError as err:
@@ -156,9 +149,9 @@ class CpuClaim:
         if self.cpus is None:
             return
         try:
-            with self._locked() as f:
+            with _locked(self.path) as f:
                 claims = live_claims(_read(f))
-                claims.pop(str(os.getpid()), None)
+                claims.pop(self.tag, None)
                 _write(f, claims)
         except OSError:
             pass
@@ -167,22 +160,13 @@ class CpuClaim:
     def status(self) -> dict:
         return {"cpus": self.cpus, "reason": self.reason}
 
-    def _locked(self):
-        return _Locked(self.path)
 
-
-class _Locked:
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        self.f = os.fdopen(fd, "r+")
-        fcntl.flock(self.f, fcntl.LOCK_EX)
-        return self.f
-
-    def __exit__(self, *exc):
-        self.f.close()  # closing drops the lock
+@contextlib.contextmanager
+def _locked(path: Path):
+    """The claims file, open for reading and writing under an exclusive flock (closing drops it)."""
+    with os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield f
 
 
 def _read(f) -> dict:
@@ -208,4 +192,4 @@ def pin_process(cpus: list[int], pid: int | str = "self") -> None:
         try:
             os.sched_setaffinity(int(tid), cpus)
         except (ProcessLookupError, PermissionError):
-            pass  # a thread that just ended
+            pass  # a thread that just ended, or one we may not move
