@@ -1,6 +1,6 @@
 """moectl's live views from an app report (pure)."""
 
-from moe_operator.cli.main import expert_rows, heatmap, load_grid
+from moe_operator.cli.views import expert_rows, heatmap, load_grid
 
 
 def report():
@@ -35,7 +35,7 @@ def test_load_grid_and_heatmap_imbalance():
 
 
 def test_replica_progress_of_a_swap():
-    from moe_operator.cli.main import replica_progress
+    from moe_operator.cli.views import replica_progress
 
     path = "/w/new.safetensors"
     rep = {"replicas": [

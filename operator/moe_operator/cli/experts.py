@@ -1,0 +1,82 @@
+"""moectl experts and moectl top: an app's experts (placement, tiers, versions, load) and a live
+heatmap of load per layer."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+import yaml
+from rich.table import Table
+
+from .access import app_report, base_url
+from .console import app, fail, out
+from .views import expert_rows, heatmap, load_grid
+
+@app.command()
+def experts(
+    name: str = typer.Argument(..., help="MoEDeployment name."),
+    namespace: str = typer.Option("default", "-n", "--namespace"),
+    output: str = typer.Option("", "-o", "--output", help="json, yaml or wide."),
+    kubeconfig: Optional[Path] = typer.Option(None, "--kubeconfig", envvar="KUBECONFIG"),
+    local: bool = typer.Option(False, "--local", help="Standalone mode (moectl up)."),
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="The app's URL, when status.endpoint is not "
+                                           "reachable from here (for example through kubectl port-forward)."),
+):
+    """Every expert: groups hosting it, replicas, tier residency, version, tokens served (live from the app)."""
+    if output not in ("", "json", "yaml", "wide"):
+        fail(f"-o {output!r}: expected json, yaml or wide", 2)
+    rows = expert_rows(app_report(base_url(name, namespace, kubeconfig, local, endpoint)))
+    if output == "json":
+        out.print_json(json.dumps({"experts": rows}))
+        return
+    if output == "yaml":
+        sys.stdout.write(yaml.safe_dump({"experts": rows}, sort_keys=False))
+        return
+    table = Table(box=None, header_style="bold")
+    for col in ("EXPERT", "GROUPS", "REPLICAS", "TIER", "VERSION", "LOAD"):
+        table.add_column(col, justify="right" if col in ("REPLICAS", "LOAD") else "left", no_wrap=True)
+    total = sum(r["tokens"] for r in rows) or 1
+    for r in rows:
+        digest = r["version"].removeprefix("sha256:")
+        version = (digest if output == "wide" else digest[:12]) + (" (override)" if r["override"] else "")
+        tiers = " ".join(f"{t}x{n}" if n > 1 else t for t, n in r["tiers"].items())
+        table.add_row(r["expert"], ",".join(g.removeprefix("ExpertShard-") for g in r["groups"]), str(r["replicas"]),
+                      tiers, version, f"{r['tokens']} ({100 * r['tokens'] / total:.1f}%)")
+    out.print(table)
+
+
+@app.command()
+def top(
+    name: str = typer.Argument(..., help="MoEDeployment name."),
+    namespace: str = typer.Option("default", "-n", "--namespace"),
+    kubeconfig: Optional[Path] = typer.Option(None, "--kubeconfig", envvar="KUBECONFIG"),
+    local: bool = typer.Option(False, "--local", help="Standalone mode (moectl up)."),
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="The app's URL (see moectl experts)."),
+    interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes."),
+    once: bool = typer.Option(False, "--once", help="Print one frame (tokens so far) and exit."),
+):
+    """A live heatmap of expert load per layer (tokens/s over the last interval), refreshed."""
+    import time
+
+    from rich.live import Live
+
+    base = base_url(name, namespace, kubeconfig, local, endpoint)
+    grid, _, _ = load_grid(app_report(base))
+    if once:
+        out.print(heatmap(grid, f"{namespace}/{name}: tokens per expert so far"))
+        return
+    with Live(heatmap(grid, f"{namespace}/{name}: waiting for the first interval"), console=out,
+              refresh_per_second=4) as live:
+        try:
+            while True:
+                time.sleep(interval)
+                now, _, _ = load_grid(app_report(base))
+                rate = [[(b - a) / interval for a, b in zip(ra, rb)] for ra, rb in zip(grid, now)] if grid else now
+                live.update(heatmap(rate, f"{namespace}/{name}: tokens/s per expert (every {interval:g} s; Ctrl-C quits)"))
+                grid = now
+        except KeyboardInterrupt:
+            pass
