@@ -14,98 +14,43 @@ evicted, and a hot-swap commits only between batches, so no batch mixes versions
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from moe_workers.device import DeviceOps, ops_for
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.config import MoEConfig
 
-from moe_workers.model.index import safetensors_header as _safetensors_header
-
 from .cold import ColdCache
+from .coldio import ColdIO
 from .config import TierConfig, TierConfigError
-from .fileread import TruncatedFile, read_ranges
-from moe_workers.device import DeviceOps, ops_for
+from .entry import COLD, HOT, SOURCE, TIERS, WARM, Entry, Key, MoveHook, StoreFull, StoreStats
 from .policy import HintTracker, Policy, make_policy
+from .prefetch import Prefetch
 from .slots import SlotPool
-from .versions import CHECKPOINT, SwapError, Version, content_digest, match_parts
+from .swap import HotSwap
+from .versions import CHECKPOINT, Version
 
-HOT, WARM, COLD, SOURCE = "hot", "warm", "cold", "source"
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
-TIERS = (HOT, WARM, COLD)
 # A prefetch may evict resident experts only while at least this share of recent hints came
 # true; below it, it fills free room only. With the router's hints right 28% of the time and
 # RAM short of the experts, evicting for them doubled the reads from disk and halved decode
 # (bench/tiering.py, served: RAM at 50% of a shard's experts, batch 1).
 PREFETCH_EVICT_ACCURACY = 0.5
 
-Key = tuple[int, int]  # (layer, expert)
+__all__ = ["COLD", "HOT", "PREFETCH_EVICT_ACCURACY", "SOURCE", "TIERS", "WARM", "Batch", "Entry", "Key", "StoreFull",
+           "StoreStats", "TierConfig", "TieredExpertStore"]
 
 
-class StoreFull(RuntimeError):
-    """No room could be made in a tier in time (every resident expert is in use)."""
-
-
-@dataclass(eq=False)  # identity: entries are looked up in lists (_retiring), never compared by value
-class Entry:
-    key: Key
-    version: Version
-    nbytes: int
-    tier: str = COLD
-    tensors: dict[str, torch.Tensor] | None = None  # hot or warm copy: views into `slot`
-    slot: torch.Tensor | None = None
-    pins: int = 0
-    busy: bool = False  # being moved; waiters wait on the store's condition
-    swap_pending: bool = False
-    prefetched: bool = False  # promoted by a hint and not yet used
-    last_used: float = field(default_factory=time.monotonic)
-    removed: bool = False  # no longer hosted; its memory goes back at its last unpin / the end of its move
-    ready: object = None  # device event: the copy into `slot` is complete (None: nothing pending)
-    read_done: object = None  # device event: the last batch that read `slot` is complete
-
-
-@dataclass
-class StoreStats:
-    hits: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
-    misses: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
-    bytes_moved: dict[str, int] = field(default_factory=dict)  # "cold->hot": bytes
-    promotions: int = 0
-    demotions: int = 0
-    prefetch_issued: int = 0  # prefetches that moved an expert up
-    prefetch_used: int = 0  # of those, used by a batch before leaving the tier
-    prefetch_skipped: int = 0  # no room without evicting experts in use (or hints too often wrong to evict)
-    hint_accuracy: float | None = None  # share of recent hints a call then used (HintTracker)
-    cold_reads: dict[str, int] = field(default_factory=lambda: {"cache": 0, "disk": 0})  # where cold files' bytes were
-
-    def as_dict(self) -> dict:
-        acc = self.prefetch_used / self.prefetch_issued if self.prefetch_issued else None
-        return {"hits": dict(self.hits), "misses": dict(self.misses), "bytes_moved": dict(self.bytes_moved),
-                "promotions": self.promotions, "demotions": self.demotions,
-                "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
-                "prefetch_skipped": self.prefetch_skipped, "prefetch_accuracy": acc,
-                "hint_accuracy": self.hint_accuracy,
-                "cold_reads": dict(self.cold_reads)}
-
-
-MoveHook = Callable[[str, str, float, int], None]  # (from tier, to tier, seconds, bytes)
-
-
-class TieredExpertStore:
-    """Experts of one replica across hot / warm / cold, moved by use and by prefetch hints."""
+class TieredExpertStore(ColdIO, Prefetch, HotSwap):
+    """Experts of one replica across hot / warm / cold, moved by use and by prefetch hints. Its
+    disk reads and writes (`coldio`), prefetch thread (`prefetch`) and hot-swap (`swap`) live in
+    modules of their own, over this class' state and lock."""
 
     def __init__(self, checkpoint: Checkpoint, compute_dtype: torch.dtype, config: TierConfig | None = None,
                  device: torch.device | str | None = None, on_move: MoveHook | None = None,
@@ -280,53 +225,6 @@ class TieredExpertStore:
         with self._cv:
             self.entries[key] = Entry(key, version, self.expert_bytes)
 
-    def _stream_from_checkpoint(self, key: Key) -> str:
-        """The checkpoint version's digest, and its cold file, in one sequential pass over the
-        bytes with a small buffer: registering hundreds of experts never maps them into memory
-        (the digest equals content_digest of the same tensors)."""
-        ranges = self.ckpt.expert_ranges(*key)  # sorted by part: the order of a slot and a cache file
-        h = hashlib.sha256()
-        tmp = None
-        out = None
-        if self.cold is not None:
-            tmp = self.cold.dir / f".register-{key[0]}.{key[1]}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            chunks = 4 << 20
-            if tmp is not None:
-                out = open(tmp, "wb")
-                layout, offset = {}, 0
-                for part, t in ranges:
-                    layout[part] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-                    offset += t.nbytes
-                head = json.dumps(layout, separators=(",", ":")).encode()
-                head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as safetensors writes it
-                out.write(len(head).to_bytes(8, "little") + head)
-            for part, t in ranges:
-                h.update(f"{part}|{_DTYPE_NAMES[t.dtype]}|{tuple(t.shape)}|".encode())
-                with open(t.file, "rb", buffering=0) as f:
-                    f.seek(t.offset)
-                    left = t.nbytes
-                    while left:
-                        chunk = f.read(min(chunks, left))
-                        if not chunk:
-                            raise TierConfigError(f"{t.file}: truncated while reading expert {key[0]}.{key[1]} ({part})")
-                        h.update(chunk)
-                        if out is not None:
-                            out.write(chunk)
-                        left -= len(chunk)
-            digest = "sha256:" + h.hexdigest()
-            if out is not None:
-                out.close()
-                out = None
-                with self._cv:
-                    self.cold.adopt(key, digest, tmp, sum(t.nbytes for _, t in ranges), self._cold_evictor(key))
-            return digest
-        finally:
-            if out is not None:
-                out.close()
-            if tmp is not None and tmp.exists():
-                tmp.unlink()
-
     def _release(self, key: Key) -> None:
         """Stop hosting `key` (lock held). An entry a batch has pinned, or one being moved, keeps
         its memory until its last unpin or the end of the move (`_retire_if_done`)."""
@@ -454,42 +352,6 @@ class TieredExpertStore:
             e = self.entries[key]
             if e.tier in (HOT, WARM) and not e.busy and e.pins == 0:
                 self._demote(e)
-
-    def prefetch(self, keys: Iterable[Key]) -> None:
-        """Hint: these experts are needed soon. Promoted in the background, never by evicting
-        experts in use, and by evicting others only while hints mostly come true
-        (PREFETCH_EVICT_ACCURACY); unknown keys (hosted elsewhere) are ignored."""
-        if not self.config.prefetch:
-            return
-        keys = [k for k in keys if k in self.entries]
-        with self._cv:
-            self.hints.hinted(keys)
-        if self._prefetch_thread is None:
-            self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch", daemon=True)
-            self._prefetch_thread.start()
-        for k in keys:
-            e = self.entries.get(k)
-            if e is not None and e.tier != HOT:
-                self._prefetch_q.put(k)
-
-    def _prefetch_loop(self) -> None:
-        while (item := self._prefetch_q.get()) is not None:
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            try:
-                if item in self.entries and self.entries[item].tier != HOT:
-                    self._promote(item, HOT, mode="prefetch")
-            except Exception:  # a prefetch is a hint: failures only cost a later demand load
-                pass
-
-    def drain_prefetch(self, timeout_s: float = 30.0) -> None:
-        """Wait until queued prefetches are done (tests and benchmarks)."""
-        if self._prefetch_thread is None:
-            return
-        done = threading.Event()
-        self._prefetch_q.put(done)  # type: ignore[arg-type]
-        done.wait(timeout_s)
 
     # -- moves --------------------------------------------------------------------------------
 
@@ -694,106 +556,6 @@ class TieredExpertStore:
         if self.on_move is not None:
             self.on_move(src, dst, time.perf_counter() - t0, e.nbytes if dst == WARM else 0)
 
-    def _read_cold(self, key: Key, version: Version, target: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Read from the cold file, else from the version's source (filling the cold cache)."""
-        with self._cv:
-            path = self.cold.get(key, version.digest) if self.cold is not None else None
-        if path is not None:
-            try:
-                if self.pools[target].device.type == "cpu":
-                    return self._read_file_into(target, path)
-                with safe_open(path, framework="pt") as f:  # to the device: through the mapping
-                    raw = {k: f.get_tensor(k) for k in f.keys()}
-                return self._fill(target, raw)
-            except FileNotFoundError:  # replaced by a swap meanwhile: read the source instead
-                pass
-        raw = self._read_source(key, version)
-        try:
-            self._write_cold(key, version, raw)
-            return self._fill(target, raw)
-        finally:
-            del raw
-            self.ckpt.close()  # unmap: pages read through the mapping would otherwise stay in RSS
-
-    def _read_file_into(self, tier: str, path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
-        """Read a cold file straight into a host slot. When the file's data region is w1, w2, w3
-        back to back, as the slot lays them out (cache files are written so), it is read in one
-        piece, otherwise tensor by tensor (fileread: from the page cache with parallel preadv2,
-        from the disk through a populated mapping; no pages stay mapped beyond the slot). Falls
-        back to safetensors' mapping (with dtype conversion) when the file's dtype is not the
-        compute one."""
-        header_len, header = _safetensors_header(path)
-        with open(path, "rb", buffering=0) as f:
-            fd = f.fileno()
-            want = {name for name, _ in self.model.expert_parts()}
-            if set(header) - {"__metadata__"} != want or any(
-                    header[w]["dtype"] != _SAFETENSORS_DTYPES.get(self.dtype) for w in want):
-                with safe_open(path, framework="pt") as g:
-                    return self._fill(tier, {k: g.get_tensor(k) for k in g.keys()})
-            with self._cv:
-                buf, slot_after = self.pools[tier].take()
-            try:
-                self.ops.host_wait(slot_after)  # (outside the lock) a DMA may still read this pinned slot
-                views = self._layout(buf)
-                ranges, offset = [], 0  # (file offset, slot offset, bytes) per tensor
-                for w, dst in views.items():
-                    begin, end = header[w]["data_offsets"]
-                    nbytes = dst.numel() * dst.element_size()
-                    if list(header[w]["shape"]) != list(dst.shape) or end - begin != nbytes:
-                        raise SwapError(f"{path}: cache file does not match the model ({w})")
-                    ranges.append((8 + header_len + begin, offset, nbytes))
-                    offset += nbytes
-                if all(r[0] - ranges[0][0] == r[1] for r in ranges):  # one contiguous region: one copy
-                    ranges = [(ranges[0][0], 0, offset)]
-                try:
-                    where = read_ranges(fd, ranges, buf)  # checks the file holds every range first
-                except TruncatedFile as err:
-                    raise SwapError(f"{path}: {err}") from None
-                with self._cv:
-                    self.stats.cold_reads[where] += 1
-            except BaseException:
-                with self._cv:
-                    self.pools[tier].give(buf, slot_after)
-                raise
-        return views, buf, None  # written by the CPU: ready now
-
-    def _read_source(self, key: Key, version: Version) -> dict[str, torch.Tensor]:
-        if version.source == CHECKPOINT:
-            return self.ckpt.expert(*key)
-        with safe_open(version.source, framework="pt") as f:  # validated when the swap was accepted
-            return {part: f.get_tensor(name) for part, name in match_parts(self.model, *key, list(f.keys())).items()}
-
-    def _write_cold_if_current(self, key: Key, version: Version, raw: dict[str, torch.Tensor]) -> None:
-        with self._cv:
-            e = self.entries.get(key)
-            if e is None or e.version != version:
-                return  # superseded by a later swap meanwhile
-        try:
-            self._write_cold(key, version, raw)
-        except OSError:
-            pass  # the cache is an optimisation: the version's source still serves reads
-
-    def _write_cold(self, key: Key, version: Version, raw: dict[str, torch.Tensor]) -> None:
-        if self.cold is None or self.cold.get(key, version.digest) is not None:
-            return
-
-        with self._cv:  # the cache index is shared with the prefetch thread
-            self.cold.put(key, version.digest, raw, self._cold_evictor(key))
-
-    def _cold_evictor(self, key: Key) -> Callable[[int], bool]:
-        def evict(nbytes: int) -> bool:
-            budget = self.cold.budget or 0
-            with self._cv:
-                while self.cold.used() + nbytes > budget:
-                    cands = [k for k in self.cold.files if k != key and not (k in self.entries and self.entries[k].busy)]
-                    victim = self.policy.victim(cands)
-                    if victim is None:
-                        return False
-                    self.cold.drop(victim)
-            return True
-
-        return evict
-
     # -- idle demotion ------------------------------------------------------------------------
 
     def demote_idle(self, now: float | None = None) -> int:
@@ -810,86 +572,6 @@ class TieredExpertStore:
                     e.last_used = now  # the next step down waits another idle period
                     moved += 1
         return moved
-
-    # -- hot-swap -----------------------------------------------------------------------------
-
-    def swap(self, key: Key, load: Callable[[], dict[str, torch.Tensor]], source: str) -> Version:
-        """Replace `key`'s weights: stage beside the serving version (room reserved in its tier,
-        else warm), validate (`load` raises SwapError), commit between batches, release the old.
-        On any failure the old version keeps serving and the error propagates."""
-        if key not in self.entries:
-            raise SwapError(f"expert {key[0]}.{key[1]} is not hosted on this replica")
-        lock = self._swap_locks.setdefault(key, threading.Lock())
-        with lock:  # swaps of one expert are serialised; the last one to commit wins
-            with self._cv:
-                e = self.entries[key]
-                stage = self._stage_room(key, e, time.monotonic() + self.wait_timeout_s)
-                self.reserved[stage] += e.nbytes
-                self.staging[stage] += e.nbytes
-            slot = None
-            try:
-                raw = load()
-                version = Version(content_digest(raw), source)
-                staged, slot, staged_ready = self._fill(stage, raw)
-            except BaseException:
-                with self._cv:
-                    if slot is not None:
-                        self.pools[stage].give(slot)
-                    self.reserved[stage] -= e.nbytes
-                    self.staging[stage] -= e.nbytes
-                    self._cv.notify_all()
-                raise
-            with self._cv:
-                e.swap_pending = True
-                deadline = time.monotonic() + self.wait_timeout_s
-                while e.pins or e.busy:  # the batch boundary
-                    if not self._cv.wait(max(0.0, deadline - time.monotonic())):
-                        e.swap_pending = False
-                        self.pools[stage].give(slot)
-                        self.reserved[stage] -= e.nbytes
-                        self.staging[stage] -= e.nbytes
-                        self._cv.notify_all()
-                        raise SwapError(f"expert {key[0]}.{key[1]} stayed in use for {self.wait_timeout_s:.0f} s; "
-                                        "swap not committed")
-                if e.removed:  # configure() dropped the expert while the swap waited for its batches
-                    e.swap_pending = False
-                    self.pools[stage].give(slot)
-                    self.reserved[stage] -= e.nbytes
-                    self.staging[stage] -= e.nbytes
-                    self._cv.notify_all()
-                    raise SwapError(f"expert {key[0]}.{key[1]} was removed from this replica; swap not committed")
-                old_tier = e.tier
-                if old_tier in (HOT, WARM):
-                    self.used[old_tier] -= e.nbytes
-                self._free_slot(e)  # the old version's memory: released after its last batch
-                self.reserved[stage] -= e.nbytes
-                self.staging[stage] -= e.nbytes
-                self.used[stage] += e.nbytes
-                e.tensors, e.slot, e.tier, e.version, e.ready = staged, slot, stage, version, staged_ready
-                e.swap_pending = False
-                e.prefetched = False
-                self._settle()
-                self._cv.notify_all()
-            # the cold file after the commit, off the swap's path (until it exists, a demoted
-            # expert is read back from the version's own source file)
-            threading.Thread(target=self._write_cold_if_current, args=(key, version, raw), name="cold-write",
-                             daemon=True).start()
-            return version
-
-    def _stage_room(self, key: Key, e: Entry, deadline: float) -> str:
-        """The tier to stage a new version of `key` in, with room made there (lock held): its
-        own tier first, then warm, then hot. When every expert there is in use (pinned by a
-        batch, or moving), wait for one to be let go, up to `deadline`: under load the tiers are
-        full of experts in use at any one moment, but not for long."""
-        while True:
-            if e.removed:
-                raise SwapError(f"expert {key[0]}.{key[1]} was removed from this replica; swap not committed")
-            for tier in ([e.tier] if e.tier in (HOT, WARM) else []) + [WARM, HOT]:
-                if self._make_room(tier, e.nbytes, exclude={key}, wait=False):
-                    return tier
-            if not self._cv.wait(max(0.0, deadline - time.monotonic())):
-                raise SwapError(f"no room to stage expert {key[0]}.{key[1]} beside the serving version: the hot and "
-                                f"warm budgets stayed full of experts in use for {self.wait_timeout_s:.0f} s")
 
     # -- status -------------------------------------------------------------------------------
 

@@ -1,0 +1,177 @@
+"""The tiered store's disk side: an expert's bytes streamed from the checkpoint into a cold
+file (and its digest) at registration, cold files and version sources read into a tier's slot,
+cold files written after a swap, the cold cache's evictions by policy. A part of
+`TieredExpertStore` (its state and lock), kept apart for reading."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moe_workers.model.index import safetensors_header as _safetensors_header
+
+from .config import TierConfigError
+from .entry import Key
+from .fileread import TruncatedFile, read_ranges
+from .versions import CHECKPOINT, SwapError, Version, match_parts
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+class ColdIO:
+    """TieredExpertStore's reads and writes of expert files (mixed into the store)."""
+
+    def _stream_from_checkpoint(self, key: Key) -> str:
+        """The checkpoint version's digest, and its cold file, in one sequential pass over the
+        bytes with a small buffer: registering hundreds of experts never maps them into memory
+        (the digest equals content_digest of the same tensors)."""
+        ranges = self.ckpt.expert_ranges(*key)  # sorted by part: the order of a slot and a cache file
+        h = hashlib.sha256()
+        tmp = None
+        out = None
+        if self.cold is not None:
+            tmp = self.cold.dir / f".register-{key[0]}.{key[1]}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            chunks = 4 << 20
+            if tmp is not None:
+                out = open(tmp, "wb")
+                layout, offset = {}, 0
+                for part, t in ranges:
+                    layout[part] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+                    offset += t.nbytes
+                head = json.dumps(layout, separators=(",", ":")).encode()
+                head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as safetensors writes it
+                out.write(len(head).to_bytes(8, "little") + head)
+            for part, t in ranges:
+                h.update(f"{part}|{_DTYPE_NAMES[t.dtype]}|{tuple(t.shape)}|".encode())
+                with open(t.file, "rb", buffering=0) as f:
+                    f.seek(t.offset)
+                    left = t.nbytes
+                    while left:
+                        chunk = f.read(min(chunks, left))
+                        if not chunk:
+                            raise TierConfigError(f"{t.file}: truncated while reading expert {key[0]}.{key[1]} ({part})")
+                        h.update(chunk)
+                        if out is not None:
+                            out.write(chunk)
+                        left -= len(chunk)
+            digest = "sha256:" + h.hexdigest()
+            if out is not None:
+                out.close()
+                out = None
+                with self._cv:
+                    self.cold.adopt(key, digest, tmp, sum(t.nbytes for _, t in ranges), self._cold_evictor(key))
+            return digest
+        finally:
+            if out is not None:
+                out.close()
+            if tmp is not None and tmp.exists():
+                tmp.unlink()
+
+    def _read_cold(self, key: Key, version: Version, target: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Read from the cold file, else from the version's source (filling the cold cache)."""
+        with self._cv:
+            path = self.cold.get(key, version.digest) if self.cold is not None else None
+        if path is not None:
+            try:
+                if self.pools[target].device.type == "cpu":
+                    return self._read_file_into(target, path)
+                with safe_open(path, framework="pt") as f:  # to the device: through the mapping
+                    raw = {k: f.get_tensor(k) for k in f.keys()}
+                return self._fill(target, raw)
+            except FileNotFoundError:  # replaced by a swap meanwhile: read the source instead
+                pass
+        raw = self._read_source(key, version)
+        try:
+            self._write_cold(key, version, raw)
+            return self._fill(target, raw)
+        finally:
+            del raw
+            self.ckpt.close()  # unmap: pages read through the mapping would otherwise stay in RSS
+
+    def _read_file_into(self, tier: str, path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
+        """Read a cold file straight into a host slot. When the file's data region is w1, w2, w3
+        back to back, as the slot lays them out (cache files are written so), it is read in one
+        piece, otherwise tensor by tensor (fileread: from the page cache with parallel preadv2,
+        from the disk through a populated mapping; no pages stay mapped beyond the slot). Falls
+        back to safetensors' mapping (with dtype conversion) when the file's dtype is not the
+        compute one."""
+        header_len, header = _safetensors_header(path)
+        with open(path, "rb", buffering=0) as f:
+            fd = f.fileno()
+            want = {name for name, _ in self.model.expert_parts()}
+            if set(header) - {"__metadata__"} != want or any(
+                    header[w]["dtype"] != _SAFETENSORS_DTYPES.get(self.dtype) for w in want):
+                with safe_open(path, framework="pt") as g:
+                    return self._fill(tier, {k: g.get_tensor(k) for k in g.keys()})
+            with self._cv:
+                buf, slot_after = self.pools[tier].take()
+            try:
+                self.ops.host_wait(slot_after)  # (outside the lock) a DMA may still read this pinned slot
+                views = self._layout(buf)
+                ranges, offset = [], 0  # (file offset, slot offset, bytes) per tensor
+                for w, dst in views.items():
+                    begin, end = header[w]["data_offsets"]
+                    nbytes = dst.numel() * dst.element_size()
+                    if list(header[w]["shape"]) != list(dst.shape) or end - begin != nbytes:
+                        raise SwapError(f"{path}: cache file does not match the model ({w})")
+                    ranges.append((8 + header_len + begin, offset, nbytes))
+                    offset += nbytes
+                if all(r[0] - ranges[0][0] == r[1] for r in ranges):  # one contiguous region: one copy
+                    ranges = [(ranges[0][0], 0, offset)]
+                try:
+                    where = read_ranges(fd, ranges, buf)  # checks the file holds every range first
+                except TruncatedFile as err:
+                    raise SwapError(f"{path}: {err}") from None
+                with self._cv:
+                    self.stats.cold_reads[where] += 1
+            except BaseException:
+                with self._cv:
+                    self.pools[tier].give(buf, slot_after)
+                raise
+        return views, buf, None  # written by the CPU: ready now
+
+    def _read_source(self, key: Key, version: Version) -> dict[str, torch.Tensor]:
+        if version.source == CHECKPOINT:
+            return self.ckpt.expert(*key)
+        with safe_open(version.source, framework="pt") as f:  # validated when the swap was accepted
+            return {part: f.get_tensor(name) for part, name in match_parts(self.model, *key, list(f.keys())).items()}
+
+    def _write_cold_if_current(self, key: Key, version: Version, raw: dict[str, torch.Tensor]) -> None:
+        with self._cv:
+            e = self.entries.get(key)
+            if e is None or e.version != version:
+                return  # superseded by a later swap meanwhile
+        try:
+            self._write_cold(key, version, raw)
+        except OSError:
+            pass  # the cache is an optimisation: the version's source still serves reads
+
+    def _write_cold(self, key: Key, version: Version, raw: dict[str, torch.Tensor]) -> None:
+        if self.cold is None or self.cold.get(key, version.digest) is not None:
+            return
+
+        with self._cv:  # the cache index is shared with the prefetch thread
+            self.cold.put(key, version.digest, raw, self._cold_evictor(key))
+
+    def _cold_evictor(self, key: Key) -> Callable[[int], bool]:
+        def evict(nbytes: int) -> bool:
+            budget = self.cold.budget or 0
+            with self._cv:
+                while self.cold.used() + nbytes > budget:
+                    cands = [k for k in self.cold.files if k != key and not (k in self.entries and self.entries[k].busy)]
+                    victim = self.policy.victim(cands)
+                    if victim is None:
+                        return False
+                    self.cold.drop(victim)
+            return True
+
+        return evict

@@ -1,0 +1,50 @@
+"""The tiered store's prefetch: router hints queued and promoted by one background thread,
+never by evicting experts in use. A part of `TieredExpertStore` (its state and lock), kept apart
+for reading."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from .entry import HOT, Key
+
+
+class Prefetch:
+    """TieredExpertStore's prefetch thread (mixed into the store)."""
+
+    def prefetch(self, keys: Iterable[Key]) -> None:
+        """Hint: these experts are needed soon. Promoted in the background, never by evicting
+        experts in use, and by evicting others only while hints mostly come true
+        (PREFETCH_EVICT_ACCURACY); unknown keys (hosted elsewhere) are ignored."""
+        if not self.config.prefetch:
+            return
+        keys = [k for k in keys if k in self.entries]
+        with self._cv:
+            self.hints.hinted(keys)
+        if self._prefetch_thread is None:
+            self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch", daemon=True)
+            self._prefetch_thread.start()
+        for k in keys:
+            e = self.entries.get(k)
+            if e is not None and e.tier != HOT:
+                self._prefetch_q.put(k)
+
+    def _prefetch_loop(self) -> None:
+        while (item := self._prefetch_q.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                if item in self.entries and self.entries[item].tier != HOT:
+                    self._promote(item, HOT, mode="prefetch")
+            except Exception:  # a prefetch is a hint: failures only cost a later demand load
+                pass
+
+    def drain_prefetch(self, timeout_s: float = 30.0) -> None:
+        """Wait until queued prefetches are done (tests and benchmarks)."""
+        if self._prefetch_thread is None:
+            return
+        done = threading.Event()
+        self._prefetch_q.put(done)  # type: ignore[arg-type]
+        done.wait(timeout_s)

@@ -1,0 +1,96 @@
+"""The tiered store's hot-swap: a new version staged beside the serving one, validated, committed
+between batches, the old one released after its last batch. A part of `TieredExpertStore` (its
+state and lock), kept apart for reading."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from .entry import HOT, WARM, Entry, Key
+from .versions import SwapError, Version, content_digest
+
+
+class HotSwap:
+    """TieredExpertStore's hot-swap (mixed into the store)."""
+
+    def swap(self, key: Key, load: Callable[[], dict[str, torch.Tensor]], source: str) -> Version:
+        """Replace `key`'s weights: stage beside the serving version (room reserved in its tier,
+        else warm), validate (`load` raises SwapError), commit between batches, release the old.
+        On any failure the old version keeps serving and the error propagates."""
+        if key not in self.entries:
+            raise SwapError(f"expert {key[0]}.{key[1]} is not hosted on this replica")
+        lock = self._swap_locks.setdefault(key, threading.Lock())
+        with lock:  # swaps of one expert are serialised; the last one to commit wins
+            with self._cv:
+                e = self.entries[key]
+                stage = self._stage_room(key, e, time.monotonic() + self.wait_timeout_s)
+                self.reserved[stage] += e.nbytes
+                self.staging[stage] += e.nbytes
+            slot = None
+            try:
+                raw = load()
+                version = Version(content_digest(raw), source)
+                staged, slot, staged_ready = self._fill(stage, raw)
+            except BaseException:
+                with self._cv:
+                    if slot is not None:
+                        self.pools[stage].give(slot)
+                    self.reserved[stage] -= e.nbytes
+                    self.staging[stage] -= e.nbytes
+                    self._cv.notify_all()
+                raise
+            with self._cv:
+                e.swap_pending = True
+                deadline = time.monotonic() + self.wait_timeout_s
+                while e.pins or e.busy:  # the batch boundary
+                    if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                        e.swap_pending = False
+                        self.pools[stage].give(slot)
+                        self.reserved[stage] -= e.nbytes
+                        self.staging[stage] -= e.nbytes
+                        self._cv.notify_all()
+                        raise SwapError(f"expert {key[0]}.{key[1]} stayed in use for {self.wait_timeout_s:.0f} s; "
+                                        "swap not committed")
+                if e.removed:  # configure() dropped the expert while the swap waited for its batches
+                    e.swap_pending = False
+                    self.pools[stage].give(slot)
+                    self.reserved[stage] -= e.nbytes
+                    self.staging[stage] -= e.nbytes
+                    self._cv.notify_all()
+                    raise SwapError(f"expert {key[0]}.{key[1]} was removed from this replica; swap not committed")
+                old_tier = e.tier
+                if old_tier in (HOT, WARM):
+                    self.used[old_tier] -= e.nbytes
+                self._free_slot(e)  # the old version's memory: released after its last batch
+                self.reserved[stage] -= e.nbytes
+                self.staging[stage] -= e.nbytes
+                self.used[stage] += e.nbytes
+                e.tensors, e.slot, e.tier, e.version, e.ready = staged, slot, stage, version, staged_ready
+                e.swap_pending = False
+                e.prefetched = False
+                self._settle()
+                self._cv.notify_all()
+            # the cold file after the commit, off the swap's path (until it exists, a demoted
+            # expert is read back from the version's own source file)
+            threading.Thread(target=self._write_cold_if_current, args=(key, version, raw), name="cold-write",
+                             daemon=True).start()
+            return version
+
+    def _stage_room(self, key: Key, e: Entry, deadline: float) -> str:
+        """The tier to stage a new version of `key` in, with room made there (lock held): its
+        own tier first, then warm, then hot. When every expert there is in use (pinned by a
+        batch, or moving), wait for one to be let go, up to `deadline`: under load the tiers are
+        full of experts in use at any one moment, but not for long."""
+        while True:
+            if e.removed:
+                raise SwapError(f"expert {key[0]}.{key[1]} was removed from this replica; swap not committed")
+            for tier in ([e.tier] if e.tier in (HOT, WARM) else []) + [WARM, HOT]:
+                if self._make_room(tier, e.nbytes, exclude={key}, wait=False):
+                    return tier
+            if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                raise SwapError(f"no room to stage expert {key[0]}.{key[1]} beside the serving version: the hot and "
+                                f"warm budgets stayed full of experts in use for {self.wait_timeout_s:.0f} s")
