@@ -4,12 +4,15 @@ in-cluster config, like kubectl), standalone mode's state files (`moectl up`), a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
 from .console import fail
+
 
 def kube_objects(kubeconfig: Optional[Path]):
     """CustomObjectsApi for the kubeconfig (or in-cluster config), like kubectl picks it."""
@@ -28,28 +31,53 @@ def kube_objects(kubeconfig: Optional[Path]):
     return kubernetes.client.CustomObjectsApi()
 
 
-def fetch_from_kubernetes(name: Optional[str], namespace: str, all_namespaces: bool,
-                           kubeconfig: Optional[Path]) -> list[dict]:
+@contextlib.contextmanager
+def kube_call(namespace: str, name: Optional[str]) -> Iterator[None]:
+    """Ends the command with one line when a Kubernetes API call inside fails: the object (or,
+    for a list, the CRD) not found, another API error with the apiserver's message, or the API
+    out of reach."""
     import kubernetes
     import urllib3
 
-    from moe_operator.api import models
-
-    api = kube_objects(kubeconfig)
-    args = (models.GROUP, models.VERSION)
     try:
-        if name:
-            return [api.get_namespaced_custom_object(*args, namespace, models.PLURAL, name, _request_timeout=30)]
-        if all_namespaces:
-            return api.list_cluster_custom_object(*args, models.PLURAL, _request_timeout=30)["items"]
-        return api.list_namespaced_custom_object(*args, namespace, models.PLURAL, _request_timeout=30)["items"]
+        yield
     except kubernetes.client.ApiException as e:
         if e.status == 404:
             fail(f"moedeployment {namespace}/{name} not found" if name else "the MoEDeployment CRD is not installed")
-        fail(f"kubernetes API: {e.status} {e.reason}")
+        try:
+            message = json.loads(e.body).get("message") if (e.body or "").startswith("{") else None
+        except ValueError:
+            message = None
+        fail(f"kubernetes API: {e.status} {message or e.reason}")
     except (urllib3.exceptions.HTTPError, OSError) as e:
         fail(f"cannot reach the Kubernetes API: {e.__class__.__name__}")
-    return []
+
+
+def object_args(namespace: str, name: str) -> tuple:
+    """The CustomObjectsApi arguments that name one MoEDeployment."""
+    from moe_operator.api import models
+
+    return models.GROUP, models.VERSION, namespace, models.PLURAL, name
+
+
+def read_object(api, namespace: str, name: str) -> dict:
+    """One MoEDeployment as the apiserver has it (failing as `kube_call` does)."""
+    with kube_call(namespace, name):
+        return api.get_namespaced_custom_object(*object_args(namespace, name), _request_timeout=30)
+
+
+def fetch_from_kubernetes(name: Optional[str], namespace: str, all_namespaces: bool,
+                          kubeconfig: Optional[Path]) -> list[dict]:
+    from moe_operator.api import models
+
+    api = kube_objects(kubeconfig)
+    if name:
+        return [read_object(api, namespace, name)]
+    with kube_call(namespace, None):
+        if all_namespaces:
+            return api.list_cluster_custom_object(models.GROUP, models.VERSION, models.PLURAL, _request_timeout=30)["items"]
+        return api.list_namespaced_custom_object(models.GROUP, models.VERSION, namespace, models.PLURAL,
+                                                 _request_timeout=30)["items"]
 
 
 def fetch_local(name: Optional[str], namespace: str, all_namespaces: bool) -> list[dict]:

@@ -3,7 +3,6 @@ replica by replica."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -11,7 +10,9 @@ from typing import Optional
 import typer
 import yaml
 
-from .access import fetch_local, kube_objects
+from moe_workers.expert_ids import expert_key
+
+from .access import fetch_local, kube_call, kube_objects, object_args, read_object
 from .console import app, err, fail, out
 from .views import replica_progress
 
@@ -23,7 +24,7 @@ def _with_override(spec: dict, expert: str, weights: Optional[str], sha256: Opti
         if sha256:
             entry["weights"]["sha256"] = sha256
         overrides.append(entry)
-    return sorted(overrides, key=lambda o: tuple(int(p) for p in o["expert"].split(".")))
+    return sorted(overrides, key=lambda o: expert_key(o["expert"]))
 
 
 def _check_swap_args(expert: str, weights: Optional[str], sha256: Optional[str], rollback: bool) -> None:
@@ -92,23 +93,17 @@ def hot_swap(
             d = fetch_local(name, namespace, False)[0]
             return (_swap_record(d, expert) if d["metadata"].get("generation", 0) > generation else None), d
     else:
-        import kubernetes
-
-        from moe_operator.api import models
-
-        api = kube_objects(kubeconfig)
-        args = (models.GROUP, models.VERSION, namespace, models.PLURAL, name)
         import random
 
+        import kubernetes
+
+        api = kube_objects(kubeconfig)
+        args = object_args(namespace, name)
         attempts = 20  # each conflict means another writer landed: n concurrent writers need up to n tries
         for attempt in range(attempts):
             if attempt:
                 time.sleep(random.uniform(0.02, 0.1) * min(attempt, 5))  # jitter, so retries do not collide again
-            try:
-                doc = api.get_namespaced_custom_object(*args, _request_timeout=30)
-            except kubernetes.client.ApiException as e:
-                fail(f"moedeployment {namespace}/{name} not found" if e.status == 404
-                     else f"kubernetes API: {e.status} {e.reason}")
+            doc = read_object(api, namespace, name)
             new = _with_override(doc.get("spec") or {}, expert, weights, sha256)
             # resourceVersion makes the write conditional: a concurrent writer's change is never overwritten
             patch = {"metadata": {"resourceVersion": doc["metadata"]["resourceVersion"]},
@@ -116,20 +111,20 @@ def hot_swap(
             if dry_run:
                 sys.stdout.write(yaml.safe_dump({"spec": patch["spec"]}, sort_keys=False))
                 return
-            try:
-                doc = api.patch_namespaced_custom_object(*args, patch, _request_timeout=30)
-                break
-            except kubernetes.client.ApiException as e:
-                if e.status == 409:
-                    continue  # someone else wrote in between: re-read and apply our change to theirs
-                body = json.loads(e.body or "{}") if (e.body or "").startswith("{") else {}
-                fail(f"kubernetes API: {e.status} {body.get('message') or e.reason}")
+            with kube_call(namespace, name):
+                try:
+                    doc = api.patch_namespaced_custom_object(*args, patch, _request_timeout=30)
+                    break
+                except kubernetes.client.ApiException as e:
+                    if e.status != 409:
+                        raise
+                    # 409: someone else wrote in between: re-read and apply our change to theirs
         else:
             fail(f"moedeployment {namespace}/{name} kept changing; gave up after {attempts} attempts")
         generation = doc["metadata"]["generation"]
 
         def read() -> tuple[Optional[dict], dict]:
-            d = api.get_namespaced_custom_object(*args, _request_timeout=30)
+            d = read_object(api, namespace, name)
             return (_swap_record(d, expert) if d["metadata"]["generation"] >= generation else None), d
 
     action = "rollback of" if rollback else "hot-swap of"

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 import yaml
 
-from .access import fetch_local, kube_objects
+from .access import fetch_local, kube_call, kube_objects, object_args, read_object
 from .console import app, err, fail, out
 
 @app.command()
@@ -36,23 +36,10 @@ def rebalance(
     patch = {"metadata": {"annotations": {REBALANCE_ANNOTATION: request}}}
     if local:
         read = lambda: fetch_local(name, namespace, False)[0]  # noqa: E731
-        doc = read()
     else:
-        import kubernetes
-
-        from moe_operator.api import models
-
         api = kube_objects(kubeconfig)
-        args = (models.GROUP, models.VERSION, namespace, models.PLURAL, name)
-
-        def read() -> dict:
-            try:
-                return api.get_namespaced_custom_object(*args, _request_timeout=30)
-            except kubernetes.client.ApiException as e:
-                fail(f"moedeployment {namespace}/{name} not found" if e.status == 404
-                     else f"kubernetes API: {e.status} {e.reason}")
-
-        doc = read()
+        read = lambda: read_object(api, namespace, name)  # noqa: E731
+    doc = read()
     auto = (doc.get("status") or {}).get("autoscaling") or {}
     if dry_run:
         sys.stdout.write(yaml.safe_dump(patch, sort_keys=False))
@@ -63,10 +50,8 @@ def rebalance(
         path = rebalance_request_path(default_state_dir(), namespace, name)
         path.write_text(request + "\n")
     else:
-        try:
-            api.patch_namespaced_custom_object(*args, patch, _request_timeout=30)
-        except kubernetes.client.ApiException as e:
-            fail(f"kubernetes API: {e.status} {e.reason}")
+        with kube_call(namespace, name):
+            api.patch_namespaced_custom_object(*object_args(namespace, name), patch, _request_timeout=30)
     if not wait:
         out.print(f"rebalance of {namespace}/{name} requested ({request})", soft_wrap=True)
         return

@@ -7,6 +7,8 @@ from typing import Optional
 
 from rich.table import Table
 
+from moe_workers.expert_ids import expert_key
+
 def replica_progress(report: dict, expert: str, path: Optional[str]) -> list[tuple[str, str]]:
     """Per replica hosting `expert`: where its swap to `path` (None: rollback) stands (pure)."""
     rows = []
@@ -43,7 +45,7 @@ def expert_rows(report: dict) -> list[dict]:
             row["sources"].add(v.get("source", ""))
             row["tokens"] += int(v.get("tokens", 0))
     out = []
-    for eid in sorted(rows, key=lambda e: tuple(int(p) for p in e.split("."))):
+    for eid in sorted(rows, key=expert_key):
         row = rows[eid]
         digest = row["digests"].pop() if len(row["digests"]) == 1 else "mixed"
         out.append({"expert": eid, "groups": sorted(row["groups"]), "replicas": row["replicas"],
@@ -57,7 +59,7 @@ def load_grid(report: dict) -> tuple[list[list[int]], int, int]:
     cells: dict[tuple[int, int], int] = {}
     for r in report.get("replicas") or []:
         for eid, v in (r.get("versions") or {}).items():
-            layer, expert = (int(p) for p in eid.split("."))
+            layer, expert = expert_key(eid)
             cells[(layer, expert)] = cells.get((layer, expert), 0) + int(v.get("tokens", 0))
     layers = max((l for l, _ in cells), default=-1) + 1
     experts_ = max((e for _, e in cells), default=-1) + 1
