@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from moe_workers.expert_ids import expert_key
+
 
 class ExpertRouter:
     def __init__(self, placement: dict[str, list[str]]):
@@ -21,8 +23,7 @@ class ExpertRouter:
         self.hosts: dict[tuple[int, int], list[str]] = defaultdict(list)
         for group, experts in sorted(placement.items()):
             for eid in experts:
-                layer, expert = (int(p) for p in eid.split("."))
-                self.hosts[(layer, expert)].append(group)
+                self.hosts[expert_key(eid)].append(group)
         self.outstanding: dict[str, int] = {g: 0 for g in placement}
         self.sent: dict[str, int] = {g: 0 for g in placement}  # all layers (metrics)
         self.layer_sent: dict[tuple[int, str], int] = defaultdict(int)  # per layer (the choice of copy)

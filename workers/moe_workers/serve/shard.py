@@ -20,6 +20,7 @@ from moe_workers.device import replica_device
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.experts import compute_rows
 from moe_workers.serve.cpus import CpuClaim
+from moe_workers.expert_ids import expert_key
 from moe_workers.serve.memory import current_rss_bytes, peak_rss_bytes
 from moe_workers.serve.metrics import ShardMetrics
 from moe_workers.serve.node import node_address, ray_placement
@@ -28,11 +29,6 @@ from moe_workers.store.versions import CHECKPOINT, SwapError, load_expert_file
 from moe_workers.transport import ExchangeServer
 
 DRAIN_GRACE_S = 2.0  # a stopping replica finishes the requests it is computing for at most this long
-
-
-def _expert_key(eid: str) -> tuple[int, int]:
-    layer, expert = (int(p) for p in eid.split("."))
-    return layer, expert
 
 
 def _now_rfc3339() -> str:
@@ -89,7 +85,7 @@ class ExpertShard:
         """Expert set and budgets first (new experts loaded before routing reaches them), then
         swaps and rollbacks. A refused swap is recorded, never raised: the old version serves."""
         with self._config_lock:
-            keys = [_expert_key(eid) for eid in config.get("experts", [])]
+            keys = [expert_key(eid) for eid in config.get("experts", [])]
             self.store.configure(keys, TierConfig.from_dict(config.get("tiers")))
             hosted = {f"{l}.{e}" for l, e in keys}
             wanted = {eid: o for eid, o in (config.get("overrides") or {}).items() if eid in hosted}
@@ -130,7 +126,7 @@ class ExpertShard:
             pass
 
     def _swap(self, eid: str, override: dict | None) -> None:
-        key = _expert_key(eid)
+        key = expert_key(eid)
         record = {"expert": eid, "started_at": _now_rfc3339(), "path": (override or {}).get("path", "checkpoint")}
         t0 = time.perf_counter()
         try:
@@ -211,7 +207,7 @@ class ExpertShard:
         with self._load_lock:
             load = dict(self.load)
         for eid, v in versions.items():
-            v["tokens"] = load.get(_expert_key(eid), 0)
+            v["tokens"] = load.get(expert_key(eid), 0)
         residency = self.store.residency()
         return {
             "group": self.group,
@@ -222,7 +218,7 @@ class ExpertShard:
             "runtime_env": self.runtime_env,
             "endpoint": self.channel.endpoint,
             "local_endpoint": self.channel.local_endpoint,
-            "experts": sorted(versions, key=lambda eid: _expert_key(eid)),
+            "experts": sorted(versions, key=expert_key),
             "versions": versions,
             "load": {f"{l}.{e}": n for (l, e), n in sorted(load.items())},
             "bytes": residency["hot"]["bytes"] + residency["warm"]["bytes"],

@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_workers.expert_ids import expert_key
+
 from . import wire
 from .link import LinkError, LinkOffer, PairLink
 from .server import _recv_at_least, readable_poller, recv_bytes, recv_exact, send_all, tune
@@ -74,7 +76,7 @@ class Member:
 
     @staticmethod
     def from_report(report: dict) -> "Member":
-        experts = frozenset(tuple(int(p) for p in eid.split(".")) for eid in report.get("experts", []))
+        experts = frozenset(expert_key(eid) for eid in report.get("experts", []))
         return Member(report["group"], report["replica"], report["endpoint"], experts,  # type: ignore[arg-type]
                       report.get("local_endpoint") or "", report.get("node_id") or "")
 
