@@ -6,7 +6,7 @@ from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.autoscaling.driver import Autoscaler, metrics_source
 from moe_operator.autoscaling.loop import autoscale
 from moe_operator.autoscaling.signals import AppReportSource, PrometheusSource, ScrapeSource, totals_from_app_report
-from moe_operator.handlers.operator import merge_patch
+from moe_operator.merge_patch import merge_patch
 from moe_operator.planner.initial import initial_placement
 
 PLACEMENT = initial_placement(1, 8, 4)  # 2 experts per group

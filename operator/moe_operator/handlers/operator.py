@@ -33,6 +33,7 @@ from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.api.semantics import validate_semantics
 from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
 from moe_operator.autoscaling.loop import REBALANCE_ANNOTATION
+from moe_operator.merge_patch import merge_patch
 from moe_operator.reconcile import (
     deployed_placement, keys_fingerprint, never_deployed, observe_live, placement_from_rayservice, reconcile,
     reconcile_kuberay, remove_application, unconfigured)
@@ -142,24 +143,6 @@ def _client(spec: dict, namespace: str) -> RayServeClient | RenderOnlyClient:
         raise Unconfigured(cond.RAY_NOT_CONFIGURED, "no Ray address: set spec.ray.address, or the operator's "
                            "MOE_RAY_ADDRESS (Helm value ray.address)", retry_s=None)
     return RayServeClient(address, _token(spec, namespace))
-
-
-def merge_patch(before: dict, after: dict) -> dict:
-    """A JSON merge patch from `before` to `after`: changed keys, and None for keys removed (a
-    plain update would leave them, e.g. a finished rebalance's target)."""
-    out = {}
-    for k, v in after.items():
-        old = before.get(k)
-        if isinstance(v, dict) and isinstance(old, dict):
-            sub = merge_patch(old, v)
-            if sub:
-                out[k] = sub
-        elif v != old:
-            out[k] = v
-    for k in before:
-        if k not in after:
-            out[k] = None
-    return out
 
 
 def _roots() -> list[str]:
