@@ -213,7 +213,7 @@ class _Outcome:
         retried when the step says."""
         res = self(True, cond.SERVING, message, placement=step.ingress)
         if not step.done:
-            self.set(cond.PROGRESSING, True, "Rebalancing", f"{step.phase}: {step.message}")
+            self.set(cond.PROGRESSING, True, cond.REBALANCING, f"{step.phase}: {step.message}")
             res.retry_after_s = step.retry_after_s
         res.events = events
         return res
@@ -300,7 +300,7 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
     status["replicas"] = min((g["readyReplicas"] for g in status["groups"]), default=0)
     status.pop("selector", None)  # the replicas are Ray actors in Pods we do not own: no Pod label to select
     short = [g for g in status["groups"] if g["readyReplicas"] < g["replicas"]]
-    result.set(cond.DEGRADED, bool(short), "ReplicasNotReady" if short else "AllReplicasReady",
+    result.set(cond.DEGRADED, bool(short), cond.REPLICAS_NOT_READY if short else cond.ALL_REPLICAS_READY,
                ", ".join(f"{g['name']}: {g['readyReplicas']}/{g['replicas']} ready" for g in short)
                or f"every replica of {len(status['groups'])} groups is running")
     return result.serving(f"serving at {status['endpoint']}", step, swap_events + events)
@@ -393,7 +393,7 @@ def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None
                          "experts": len(experts)} for g, experts in sorted(step.shards.items())]
     status["replicas"] = min((g["readyReplicas"] for g in status["groups"]), default=0)
     status["selector"] = f"{GROUP}/moedeployment={name},ray.io/node-type=worker"  # KubeRay's worker Pods
-    result.set(cond.DEGRADED, bool(state.degraded), cond.DEPLOYMENT_UNHEALTHY if state.degraded else "AllReplicasReady",
+    result.set(cond.DEGRADED, bool(state.degraded), cond.DEPLOYMENT_UNHEALTHY if state.degraded else cond.ALL_REPLICAS_READY,
                state.degraded or "no deployment reported unhealthy")
     if not state.ready:
         warn = state.reason in (cond.DEPLOY_FAILED, cond.UNHEALTHY)

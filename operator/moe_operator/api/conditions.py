@@ -11,6 +11,9 @@ INVALID_SPEC = "InvalidSpec"
 UNSUPPORTED_MODEL = "UnsupportedModel"  # config.json's model_type (or a quantization) we cannot compute yet
 DEPLOYING = "Deploying"
 SERVING = "Serving"
+REBALANCING = "Rebalancing"  # Progressing: a make-before-break placement change is under way (its phase in the message)
+REPLICAS_NOT_READY = "ReplicasNotReady"  # Degraded: a group has fewer ready replicas than it asks for
+ALL_REPLICAS_READY = "AllReplicasReady"  # Degraded=False: every replica serves
 DEPLOY_FAILED = "DeployFailed"
 RAY_UNREACHABLE = "RayUnreachable"
 RECONCILED = "Reconciled"

@@ -88,7 +88,7 @@ OK = ("", "", False)
 
 def check_model_root(spec, roots, facts):
     if not under_roots(spec.model.path, roots):
-        return ("InvalidSpec", f"spec.model.path {spec.model.path} is outside the allowed model roots "
+        return (cond.INVALID_SPEC, f"spec.model.path {spec.model.path} is outside the allowed model roots "
                 f"({', '.join(roots) or 'none configured'})", True)
     return OK
 
@@ -97,11 +97,11 @@ def check_model_dir(spec, roots, facts):
     if isinstance(facts, UnsupportedModel):
         return (cond.UNSUPPORTED_MODEL, f"spec.model.path {spec.model.path}: {facts}", True)
     if isinstance(facts, CheckpointError):
-        return ("InvalidSpec", f"spec.model.path {spec.model.path}: {facts}", True)
+        return (cond.INVALID_SPEC, f"spec.model.path {spec.model.path}: {facts}", True)
     if facts is None:
         hint = (" here; with ray.mode KubeRay the model lives on the Ray Pods: set spec.model.shape"
                 if spec.ray.mode == "KubeRay" else " (expected a Hugging Face layout directory)")
-        return ("InvalidSpec", f"spec.model.path {spec.model.path} has no readable config.json{hint}", True)
+        return (cond.INVALID_SPEC, f"spec.model.path {spec.model.path} has no readable config.json{hint}", True)
     return OK
 
 
@@ -115,7 +115,7 @@ def check_shape_agrees(spec, roots, facts):
         diff.append(f"sparse_layers {given.sparse_layers} (config.json: {list(facts.layers)})")
     if not diff:
         return OK
-    return ("InvalidSpec", f"spec.model.shape disagrees with {spec.model.path}/config.json: {', '.join(diff)}", True)
+    return (cond.INVALID_SPEC, f"spec.model.shape disagrees with {spec.model.path}/config.json: {', '.join(diff)}", True)
 
 
 def facts_from_shape(shape) -> ModelFacts:
@@ -126,7 +126,7 @@ def facts_from_shape(shape) -> ModelFacts:
 
 def check_topk(spec, roots, facts):
     if facts and not 1 <= facts.top_k <= facts.num_experts:
-        return ("InvalidSpec", f"the checkpoint's num_experts_per_tok ({facts.top_k}) is larger than its "
+        return (cond.INVALID_SPEC, f"the checkpoint's num_experts_per_tok ({facts.top_k}) is larger than its "
                 f"num_local_experts ({facts.num_experts})", True)
     return OK
 
@@ -136,9 +136,9 @@ def check_overrides(spec, roots, facts):
         eid = ExpertId.parse(o.expert)
         problem = facts.expert_problem(eid.layer, eid.expert) if facts else None
         if problem:
-            return ("InvalidSpec", f"spec.experts.overrides[{i}].expert {o.expert} does not exist: {problem}", True)
+            return (cond.INVALID_SPEC, f"spec.experts.overrides[{i}].expert {o.expert} does not exist: {problem}", True)
         if not under_roots(o.weights.path, roots):
-            return ("InvalidSpec", f"spec.experts.overrides[{i}].weights.path {o.weights.path} is outside the "
+            return (cond.INVALID_SPEC, f"spec.experts.overrides[{i}].weights.path {o.weights.path} is outside the "
                     "allowed weight roots", True)
     return OK
 
@@ -150,7 +150,7 @@ def check_hot_budget(spec, roots, facts):
     need = per_layer * facts.expert_bytes(spec.model.dtype)
     have = quantity_bytes(spec.experts.tiers.hot.budget)
     if have < need:
-        return ("InvalidSpec", f"spec.experts.tiers.hot.budget ({have} bytes) is smaller than one batch's working "
+        return (cond.INVALID_SPEC, f"spec.experts.tiers.hot.budget ({have} bytes) is smaller than one batch's working "
                 f"set in a shard group: {per_layer} experts of a layer x {facts.expert_bytes(spec.model.dtype)} "
                 f"bytes = {need} bytes; raise the budget or add groups", True)
     return OK
