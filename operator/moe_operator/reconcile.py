@@ -27,6 +27,7 @@ from moe_operator.planner.initial import current_placement, placement_problem
 from moe_operator.render.serve_app import app_name, merge_applications, render_application
 from moe_operator.api.models import GROUP
 from moe_workers.serve.config import INGRESS
+from moe_workers.rfc3339 import parse_rfc3339
 
 if TYPE_CHECKING:
     from moe_operator.backends.kuberay import KubeRayClient
@@ -70,13 +71,6 @@ def deployed_shards(cluster: dict, name: str) -> dict[str, list[str]] | None:
     return shard_experts(app.get("deployed_app_config") or {})
 
 
-def _epoch(rfc3339: str | None) -> float | None:
-    if not rfc3339:
-        return None
-    from datetime import datetime
-    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
-
-
 def placement_step(facts, spec: MoEDeploymentSpec, status: dict, ingress_now: dict | None, shards_now: dict | None,
                    reports, now: float) -> transition.Step:
     """Where routing and hosting go this pass: the deployed placement kept (or re-planned when the
@@ -91,7 +85,7 @@ def placement_step(facts, spec: MoEDeploymentSpec, status: dict, ingress_now: di
     shards = shards_now if kept else None
     waiting = target is not None and not transition.same_placement(target, base)
     return transition.next_step(base, shards, target, reports() if waiting else None,
-                                spec.experts.replicas_per_group, _epoch(auto.get("switchedAt")), now)
+                                spec.experts.replicas_per_group, parse_rfc3339(auto.get("switchedAt")), now)
 
 
 def record_step(status: dict, step: transition.Step, ingress_before: dict | None) -> list[tuple[str, str, str]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from moe_workers.rfc3339 import format_rfc3339
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 
@@ -30,7 +30,7 @@ DEPLOYMENT_UNHEALTHY = "DeploymentUnhealthy"  # Degraded: names the deployments
 
 
 def now_rfc3339() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return format_rfc3339()
 
 
 def set_condition(conditions: list[dict], type_: str, status: bool | str, reason: str, message: str = "",

@@ -9,13 +9,13 @@ status (the reconcile pass then applies it make-before-break) or a new replica c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.autoscaling import policy
 from moe_operator.autoscaling.signals import (coefficient_of_variation, expert_load, group_load, layer_imbalance,
                                               mean_imbalance)
 from moe_operator.planner.rebalance import plan
+from moe_workers.rfc3339 import format_rfc3339, parse_rfc3339
 
 REBALANCE_ANNOTATION = "serving.moe.io/rebalance-requested"
 
@@ -30,11 +30,7 @@ class Pass:
 
 
 def _rfc(t: float | None) -> str | None:
-    return None if t is None else datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _epoch(s: str | None) -> float | None:
-    return None if not s else datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+    return None if t is None else format_rfc3339(t)
 
 
 def autoscale(spec: MoEDeploymentSpec, status: dict, placement: dict[str, list[str]],
@@ -73,7 +69,7 @@ def autoscale(spec: MoEDeploymentSpec, status: dict, placement: dict[str, list[s
     expected = proposal.imbalance
     signals = policy.Signals(imb, max(loads.values(), default=0.0), replicas_running,
                              spec.experts.replicas_per_group, expected)
-    state = policy.PolicyState(_epoch(auto.get("aboveSince")), _epoch(auto.get("lastApplied")),
+    state = policy.PolicyState(parse_rfc3339(auto.get("aboveSince")), parse_rfc3339(auto.get("lastApplied")),
                                auto.get("lastSetReplicas"))
     if requested:
         auto["lastRequest"] = request

@@ -9,6 +9,8 @@ from typing import Optional
 import typer
 import yaml
 
+from moe_workers.rfc3339 import format_rfc3339
+
 from .access import fetch_local, kube_call, kube_objects, object_args, read_object
 from .console import app, err, fail, out
 
@@ -32,7 +34,7 @@ def rebalance(
     from moe_operator.autoscaling.loop import REBALANCE_ANNOTATION
     from moe_operator.standalone.runner import default_state_dir, rebalance_request_path
 
-    request = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+    request = f"{format_rfc3339()}-{uuid.uuid4().hex[:6]}"
     patch = {"metadata": {"annotations": {REBALANCE_ANNOTATION: request}}}
     if local:
         read = lambda: fetch_local(name, namespace, False)[0]  # noqa: E731

@@ -21,6 +21,7 @@ from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.experts import compute_rows
 from moe_workers.serve.cpus import CpuClaim
 from moe_workers.expert_ids import expert_key
+from moe_workers.rfc3339 import format_rfc3339
 from moe_workers.serve.memory import current_rss_bytes, peak_rss_bytes
 from moe_workers.serve.metrics import ShardMetrics
 from moe_workers.serve.node import node_address, ray_placement
@@ -29,10 +30,6 @@ from moe_workers.store.versions import CHECKPOINT, SwapError, load_expert_file
 from moe_workers.transport import ExchangeServer
 
 DRAIN_GRACE_S = 2.0  # a stopping replica finishes the requests it is computing for at most this long
-
-
-def _now_rfc3339() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 @serve.deployment
@@ -127,7 +124,7 @@ class ExpertShard:
 
     def _swap(self, eid: str, override: dict | None) -> None:
         key = expert_key(eid)
-        record = {"expert": eid, "started_at": _now_rfc3339(), "path": (override or {}).get("path", "checkpoint")}
+        record = {"expert": eid, "started_at": format_rfc3339(), "path": (override or {}).get("path", "checkpoint")}
         t0 = time.perf_counter()
         try:
             if override is None:
