@@ -13,6 +13,7 @@ from rich.table import Table
 from .access import base_url
 from .console import app, err, fail, out
 
+
 @app.command()
 def bench(
     name: Optional[str] = typer.Argument(None, help="MoEDeployment name (its status.endpoint), or use --endpoint."),

@@ -16,6 +16,7 @@ from .access import app_report, base_url
 from .console import app, fail, out
 from .views import expert_rows, heatmap, load_grid
 
+
 @app.command()
 def experts(
     name: str = typer.Argument(..., help="MoEDeployment name."),

@@ -14,6 +14,7 @@ from rich.table import Table
 from .access import fetch_from_kubernetes, fetch_local
 from .console import app, err, fail, out
 
+
 @app.command()
 def get(
     name: Optional[str] = typer.Argument(None, help="MoEDeployment name; all when omitted."),

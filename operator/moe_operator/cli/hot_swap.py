@@ -16,6 +16,7 @@ from .access import fetch_local, kube_call, kube_objects, object_args, read_obje
 from .console import app, err, fail, out
 from .views import replica_progress
 
+
 def _with_override(spec: dict, expert: str, weights: Optional[str], sha256: Optional[str]) -> dict:
     """The spec's experts.overrides with `expert` set to these weights (or removed when None)."""
     overrides = [o for o in (spec.get("experts") or {}).get("overrides") or [] if o.get("expert") != expert]

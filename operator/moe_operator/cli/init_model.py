@@ -9,6 +9,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .console import app, err, fail, out
 
+
 @app.command("init-model")
 def init_model(
     directory: Path = typer.Argument(..., help="Where to write the checkpoint (Hugging Face layout)."),

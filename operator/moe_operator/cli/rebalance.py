@@ -14,6 +14,7 @@ from moe_workers.rfc3339 import format_rfc3339
 from .access import fetch_local, kube_call, kube_objects, object_args, read_object
 from .console import app, err, fail, out
 
+
 @app.command()
 def rebalance(
     name: str = typer.Argument(..., help="MoEDeployment name."),

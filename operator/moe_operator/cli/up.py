@@ -13,6 +13,7 @@ import typer
 
 from .console import app, err, fail, out
 
+
 @app.command()
 def up(
     file: Path = typer.Option(..., "-f", "--filename", exists=True, dir_okay=False, help="MoEDeployment manifest."),

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from moe_workers.expert_ids import expert_key
 
+
 def replica_progress(report: dict, expert: str, path: Optional[str]) -> list[tuple[str, str]]:
     """Per replica hosting `expert`: where its swap to `path` (None: rollback) stands (pure)."""
     rows = []
