@@ -116,21 +116,22 @@ def steady_rest_passes(head, cp: dict, model: Path, name: str) -> tuple[float, f
     object, read back): Serve config PUTs per steady pass, seconds per steady pass, and seconds of
     one pass with a change (a PUT and the wait for RUNNING), side by side."""
     from moe_operator.backends.ray_rest import RayServeClient
-    from moe_operator.reconcile import reconcile
+    from moe_operator.reconcile import ObjectRef, reconcile
+    from moe_operator.settings import Settings
 
     obj = json.loads(kubectl(cp, "get", "moed", name, "-o", "json"))
     spec, status = obj["spec"], obj["status"]
     client = RayServeClient(head.dashboard_url, head.token)
-    args = ("default", name)
-    kw = dict(allowed_roots=[str(model.parent)], http_port=head.serve_http_port)
+    settings = Settings(allowed_roots=(str(model.parent),), serve_http_port=head.serve_http_port)
+    generation = obj["metadata"]["generation"]
     t0 = time.perf_counter()
     for _ in range(STEADY_PASSES):
-        assert reconcile(*args, spec, obj["metadata"]["generation"], status, client, **kw).ready
+        assert reconcile(ObjectRef("default", name, generation), spec, status, client, settings).ready
     steady_s = (time.perf_counter() - t0) / STEADY_PASSES
     steady_puts = client.puts / STEADY_PASSES
     changed = {**spec, "ingress": {**spec.get("ingress", {}), "maxBatchSize": 4}}
     t0 = time.perf_counter()
-    assert reconcile(*args, changed, obj["metadata"]["generation"] + 1, status, client, **kw).ready
+    assert reconcile(ObjectRef("default", name, generation + 1), changed, status, client, settings).ready
     return steady_puts, steady_s, time.perf_counter() - t0
 
 
@@ -143,7 +144,8 @@ def steady_kuberay_passes(cp: dict, model: Path) -> tuple[float, float, float]:
     sys.path.insert(0, str(REPO / "tests"))
     from kuberay_crd import RAYSERVICE_CRD
     from moe_operator.backends.kuberay import KubeRayClient
-    from moe_operator.reconcile import reconcile_kuberay
+    from moe_operator.reconcile import ObjectRef, reconcile_kuberay
+    from moe_operator.settings import Settings
 
     kubectl(cp, "apply", "-f", "-", input=json.dumps(RAYSERVICE_CRD))
     kubectl(cp, "wait", "--for=condition=Established", "crd/rayservices.ray.io")
@@ -153,15 +155,15 @@ def steady_kuberay_passes(cp: dict, model: Path) -> tuple[float, float, float]:
                                                      "intermediateSize": 64, "dtype": "float32"}},
             "ray": {"mode": "KubeRay", "kubeRay": {"image": "registry.example/moe-worker:0.1", "workerReplicas": 2}},
             "experts": {"groups": 2, "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}}}
-    kw = dict(allowed_roots=[str(model.parent)])
+    settings, obj = Settings(allowed_roots=(str(model.parent),)), ObjectRef("default", "kr", 1, "uid-bench")
     t0 = time.perf_counter()
-    res = reconcile_kuberay("default", "kr", "uid-bench", spec, 1, {}, client, **kw)
+    res = reconcile_kuberay(obj, spec, {}, client, settings)
     first_s = time.perf_counter() - t0
     assert client.writes == 1 and res.event[1] == "WaitingForKubeRay", res.event  # created; no KubeRay here
     writes0 = client.writes
     t0 = time.perf_counter()
     for _ in range(STEADY_PASSES):
-        res = reconcile_kuberay("default", "kr", "uid-bench", spec, 1, res.status, client, **kw)
+        res = reconcile_kuberay(obj, spec, res.status, client, settings)
     return (client.writes - writes0) / STEADY_PASSES, (time.perf_counter() - t0) / STEADY_PASSES, first_s
 
 

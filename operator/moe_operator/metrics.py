@@ -11,12 +11,7 @@ RAY_APPLY_SECONDS = Histogram("moe_operator_ray_apply_seconds", "From the Serve 
                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 APPLIED_GENERATION = Gauge("moe_operator_applied_generation", "Last spec generation serving.", ["namespace", "name"])
 
-_started = False
-
-
 def start_metrics_server(port: int, addr: str = "127.0.0.1") -> None:
-    """Serve /metrics on addr:port once (loopback unless configured otherwise)."""
-    global _started
-    if not _started:
-        start_http_server(port, addr=addr)
-        _started = True
+    """Serve /metrics on addr:port (loopback unless configured otherwise); the operator's startup
+    handler calls it once."""
+    start_http_server(port, addr=addr)

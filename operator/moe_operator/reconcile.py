@@ -25,6 +25,7 @@ from moe_operator.observe import fetch_app_status, summarise, swap_transitions
 from moe_operator.autoscaling import transition
 from moe_operator.planner.initial import current_placement, placement_problem
 from moe_operator.render.serve_app import app_name, merge_applications, render_application
+from moe_operator.settings import Settings
 from moe_operator.api.models import GROUP
 from moe_workers.serve.config import INGRESS
 from moe_workers.rfc3339 import parse_rfc3339
@@ -250,11 +251,25 @@ def never_deployed(status: dict | None) -> bool:
                                                                    cond.RAY_NOT_CONFIGURED, cond.SECRET_UNAVAILABLE)
 
 
-def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int, status: dict,
-              client: RayServeClient, allowed_roots: list[str], http_port: int, endpoint_host: str = "127.0.0.1",
-              wait_s: float = 600.0, spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status,
-              http_host: str = "127.0.0.1", api_key_digests: list[str] | None = None) -> Result:
-    result = _Outcome(status, generation)
+@dataclass(frozen=True)
+class ObjectRef:
+    """The MoEDeployment a pass is for."""
+
+    namespace: str
+    name: str
+    generation: int = 0
+    uid: str = ""  # the RayService's owner reference needs it (ray.mode KubeRay)
+
+
+def reconcile(obj: ObjectRef, raw_spec: dict | None, status: dict, client: RayServeClient, settings: Settings, *,
+              spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status, wait_s: float = 600.0,
+              api_key_digests: list[str] | None = None) -> Result:
+    """ray.mode Existing (and standalone): the application on a Ray cluster through its REST API.
+    `spec`: the parsed spec when the caller has it; `fetch`: how the app's status is read;
+    `wait_s`: how long a written config may take to run; `api_key_digests`: the keys in force."""
+    namespace, name, allowed_roots = obj.namespace, obj.name, list(settings.allowed_roots)
+    http_port = settings.serve_http_port
+    result = _Outcome(status, obj.generation)
     status = result.status
     spec, facts, failed = _validated(raw_spec, spec, allowed_roots, result)
     if failed:
@@ -265,7 +280,7 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
     except (RayServeError, OSError) as err:
         return result(False, cond.RAY_UNREACHABLE, f"Ray dashboard {client.dashboard_url}: {err}", "Warning", retry=10)
     ingress_now, shards_now = deployed_placement(cluster, app), deployed_shards(cluster, app)
-    base_url = f"http://{endpoint_host}:{http_port}{spec.ingress.route_prefix.rstrip('/')}"
+    base_url = f"http://{settings.endpoint_host}:{http_port}{spec.ingress.route_prefix.rstrip('/')}"
     try:
         step = placement_step(facts, spec, status, ingress_now, shards_now,
                               lambda: (fetch(base_url) or {}).get("replicas"), time.time())
@@ -275,7 +290,7 @@ def reconcile(namespace: str, name: str, raw_spec: dict | None, generation: int,
         return result(False, cond.INVALID_SPEC, f"cannot plan or render this spec: {err}", "Warning")
     try:
         with RAY_APPLY_SECONDS.time():
-            cluster = apply_application(client, ours, http_port, wait_s, host=http_host)
+            cluster = apply_application(client, ours, http_port, wait_s, host=settings.serve_http_host)
     except ValueError as err:  # route prefix clash and the like: the user must change the spec
         return result(False, cond.INVALID_SPEC, str(err), "Warning")
     except Unschedulable as err:  # the cluster may grow (autoscaler) or the spec change: look again soon
@@ -347,16 +362,17 @@ def placement_from_rayservice(rayservice: dict | None) -> dict[str, list[str]] |
     return ingress_placement(app_from_rayservice(rayservice))
 
 
-def reconcile_kuberay(namespace: str, name: str, uid: str, raw_spec: dict | None, generation: int, status: dict,
-                      kuberay: "KubeRayClient", allowed_roots: list[str], http_port: int = 8000,
-                      spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status) -> Result:
+def reconcile_kuberay(obj: ObjectRef, raw_spec: dict | None, status: dict, kuberay: "KubeRayClient",
+                      settings: Settings, *, spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status) -> Result:
     """ray.mode KubeRay: own a RayService whose serveConfigV2 is the rendered app. Ready follows
     the application's own state in the RayService's status, for the generation we wrote
     (moe_operator.backends.kuberay_status); the RayService is written only when it changes."""
     from moe_operator.backends.kuberay import KubeRayError
     from moe_operator.backends.kuberay_status import healthy_deployments, service_state
-    from moe_operator.render.rayservice import name_problem, render_rayservice
+    from moe_operator.render.rayservice import SERVE_PORT, name_problem, render_rayservice
 
+    namespace, name, uid, allowed_roots = obj.namespace, obj.name, obj.uid, list(settings.allowed_roots)
+    http_port, generation = SERVE_PORT, obj.generation
     result = _Outcome(status, generation)
     status = result.status
     spec, facts, failed = _validated(raw_spec, spec, allowed_roots, result)

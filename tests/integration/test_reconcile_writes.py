@@ -7,8 +7,9 @@ import pytest
 
 from manifests import small_deployment
 from moe_operator.backends.ray_rest import RayServeClient
-from moe_operator.reconcile import reconcile, remove_application
+from moe_operator.reconcile import ObjectRef, reconcile, remove_application
 from moe_operator.render.serve_app import app_name
+from moe_operator.settings import Settings
 from moe_workers.model.random_init import write_random_mixtral
 
 pytestmark = pytest.mark.ray
@@ -20,21 +21,22 @@ def test_steady_passes_make_no_put(ray_head, tmp_path):
     spec = small_deployment("steady", str(model), groups=2, num_cpus=0.1, autoscaling={"mode": "Off"},
                             route_prefix="/steady")["spec"]
     client = RayServeClient(ray_head.dashboard_url, ray_head.token)
-    port, roots = ray_head.serve_http_port, [str(tmp_path)]
+    port = ray_head.serve_http_port
+    settings = Settings(allowed_roots=(str(tmp_path),), serve_http_port=port)
     try:
-        first = reconcile("default", "steady", spec, 1, {}, client, roots, port, wait_s=300)
+        first = reconcile(ObjectRef("default", "steady", 1), spec, {}, client, settings, wait_s=300)
         assert first.ready, first.event
         assert client.puts == 1
         cluster_before = client.get()["applications"][app_name("default", "steady")]
         for _ in range(3):
-            again = reconcile("default", "steady", spec, 1, first.status, client, roots, port, wait_s=300)
+            again = reconcile(ObjectRef("default", "steady", 1), spec, first.status, client, settings, wait_s=300)
             assert again.ready, again.event
         assert client.puts == 1  # the cluster already ran exactly this config
         cluster_after = client.get()["applications"][app_name("default", "steady")]
         assert cluster_after["last_deployed_time_s"] == cluster_before["last_deployed_time_s"]
 
         changed = {**spec, "ingress": {**spec["ingress"], "maxBatchSize": 4}}
-        res = reconcile("default", "steady", changed, 2, first.status, client, roots, port, wait_s=300)
+        res = reconcile(ObjectRef("default", "steady", 2), changed, first.status, client, settings, wait_s=300)
         assert res.ready, res.event
         assert client.puts == 2
         deployed = client.get()["applications"][app_name("default", "steady")]["deployed_app_config"]

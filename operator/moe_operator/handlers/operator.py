@@ -2,17 +2,9 @@
 
     kopf run -m moe_operator.handlers.operator --namespace NS [--standalone]
 
-Settings come from the environment (the Helm chart sets them):
-  MOE_RAY_ADDRESS       default Ray dashboard URL when a spec names none
-  MOE_RAY_TOKEN_FILE    file with the Ray dashboard token (or MOE_RAY_TOKEN)
-  MOE_ALLOWED_ROOTS     colon-separated directories models and weights may be read from
-  MOE_SERVE_HTTP_PORT   Serve proxy port on the Ray cluster (default 8000)
-  MOE_SERVE_HTTP_HOST   address the Serve proxy binds when the operator starts Serve (default
-                        127.0.0.1; the Helm chart sets 0.0.0.0, for Ray clusters in Pods)
-  MOE_ENDPOINT_HOST     host written into status.endpoint (default 127.0.0.1)
-  MOE_METRICS_PORT      serve the operator's Prometheus metrics on MOE_METRICS_HOST:PORT when set
-  MOE_METRICS_HOST      address for the metrics (default 127.0.0.1; the Helm chart sets 0.0.0.0 in the Pod)
-  MOE_RAY_BACKEND       render-only: keep the Serve config in MOE_RENDER_ONLY_DIR instead of deploying
+What the handlers share lives in kopf's operator memo, built once at startup: the settings
+(moe_operator.settings, from the environment the Helm chart sets) and the autoscaler, which
+remembers each object's load window between timer passes.
 """
 
 from __future__ import annotations
@@ -20,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import kopf
 
@@ -34,9 +27,10 @@ from moe_operator.api.semantics import validate_semantics
 from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
 from moe_operator.autoscaling.loop import REBALANCE_ANNOTATION
 from moe_operator.merge_patch import merge_patch
+from moe_operator.settings import RENDER_ONLY, Settings
 from moe_operator.reconcile import (
-    deployed_placement, keys_fingerprint, never_deployed, observe_live, placement_from_rayservice, reconcile,
-    reconcile_kuberay, remove_application, unconfigured)
+    ObjectRef, deployed_placement, keys_fingerprint, never_deployed, observe_live, placement_from_rayservice,
+    reconcile, reconcile_kuberay, remove_application, unconfigured)
 from moe_operator.render.serve_app import app_name
 from moe_workers.serve.auth import digests
 
@@ -44,12 +38,12 @@ RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
 PREFIX = models.GROUP
 
 
-def _setting(name: str, default: str = "") -> str:
-    return os.environ.get(name, default)
-
-
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """kopf's settings, and the operator memo: our settings (a bad value stops the operator with
+    the variable's name) and the autoscaler."""
+    memo.settings = Settings.from_env(os.environ)
+    memo.autoscaler = Autoscaler()
     settings.persistence.finalizer = f"{PREFIX}/cleanup"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -59,9 +53,8 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     # serve the namespaces given on the command line and the CRDs present at start: watching all
     # CRDs and namespaces would need cluster-wide RBAC the operator should not have
     settings.scanning.disabled = True
-    port = _setting("MOE_METRICS_PORT")
-    if port:
-        start_metrics_server(int(port), _setting("MOE_METRICS_HOST", "127.0.0.1"))
+    if memo.settings.metrics_port is not None:
+        start_metrics_server(memo.settings.metrics_port, memo.settings.metrics_host)
 
 
 def _load_kube_config() -> None:
@@ -122,54 +115,46 @@ def _api_key_digests(spec: dict, namespace: str) -> list[str] | None:
     return keys
 
 
-def _token(spec: dict, namespace: str) -> str | None:
+def _token(spec: dict, namespace: str, settings: Settings) -> str | None:
     ref = ((spec.get("ray") or {}).get("authTokenSecretRef")) or None
     if ref:
         return _secret_value(ref, namespace, "spec.ray.authTokenSecretRef").strip()
-    path = _setting("MOE_RAY_TOKEN_FILE")
-    if path:
+    if settings.ray_token_file:  # read each pass: a mounted Secret changes in place
         try:
-            return open(path).read().strip()
+            return open(settings.ray_token_file).read().strip()
         except OSError as err:
-            raise Unconfigured(cond.SECRET_UNAVAILABLE, f"MOE_RAY_TOKEN_FILE {path}: {err}")
-    return _setting("MOE_RAY_TOKEN") or None
+            raise Unconfigured(cond.SECRET_UNAVAILABLE, f"MOE_RAY_TOKEN_FILE {settings.ray_token_file}: {err}")
+    return settings.ray_token or None
 
 
-def _client(spec: dict, namespace: str) -> RayServeClient | RenderOnlyClient:
-    if _setting("MOE_RAY_BACKEND") == "render-only":
-        return RenderOnlyClient(_setting("MOE_RENDER_ONLY_DIR", "/tmp/moe-render-only"))
-    address = (spec.get("ray") or {}).get("address") or _setting("MOE_RAY_ADDRESS")
+def _client(spec: dict, namespace: str, settings: Settings) -> RayServeClient | RenderOnlyClient:
+    if settings.ray_backend == RENDER_ONLY:
+        return RenderOnlyClient(settings.render_only_dir)
+    address = (spec.get("ray") or {}).get("address") or settings.ray_address
     if not address:
         raise Unconfigured(cond.RAY_NOT_CONFIGURED, "no Ray address: set spec.ray.address, or the operator's "
                            "MOE_RAY_ADDRESS (Helm value ray.address)", retry_s=None)
-    return RayServeClient(address, _token(spec, namespace))
+    return RayServeClient(address, _token(spec, namespace, settings))
 
 
-def _roots() -> list[str]:
-    return [r for r in _setting("MOE_ALLOWED_ROOTS").split(":") if r]
-
-
-def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict):
+def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict, settings: Settings):
+    obj = ObjectRef(namespace, name, meta.get("generation", 0), meta.get("uid", ""))
     try:
         if _kuberay_mode(spec_dict):
-            return reconcile_kuberay(namespace, name, meta["uid"], spec_dict, meta.get("generation", 0),
-                                     status, _kuberay(), _roots())
-        client, keys = _client(spec_dict, namespace), _api_key_digests(spec_dict, namespace)
+            return reconcile_kuberay(obj, spec_dict, status, _kuberay(), settings)
+        client, keys = _client(spec_dict, namespace, settings), _api_key_digests(spec_dict, namespace)
     except Unconfigured as err:
-        return unconfigured(status, meta.get("generation", 0), err.reason, str(err), err.retry_s)
-    return reconcile(namespace, name, spec_dict, meta.get("generation", 0), status,
-                     client, _roots(), int(_setting("MOE_SERVE_HTTP_PORT", "8000")),
-                     endpoint_host=_setting("MOE_ENDPOINT_HOST", "127.0.0.1"),
-                     http_host=_setting("MOE_SERVE_HTTP_HOST", "127.0.0.1"), api_key_digests=keys)
+        return unconfigured(status, obj.generation, err.reason, str(err), err.retry_s)
+    return reconcile(obj, spec_dict, status, client, settings, api_key_digests=keys)
 
 
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
-def reconcile_handler(name: str, namespace: str, spec, meta, status, patch, body, logger, **_) -> None:
+def reconcile_handler(name: str, namespace: str, spec, meta, status, patch, body, memo: kopf.Memo, **_: Any) -> None:
     started = time.perf_counter()
     before = dict(status or {})
-    res = _reconcile(name, namespace, dict(spec), meta, dict(before))
+    res = _reconcile(name, namespace, dict(spec), meta, dict(before), memo.settings)
     patch.status.update(merge_patch(before, res.status))
     RECONCILE_SECONDS.observe(time.perf_counter() - started)
     RECONCILES.labels(result=res.event[1] if res.event else "None").inc()
@@ -187,8 +172,9 @@ def _kuberay_mode(spec: dict) -> bool:
 
 
 @kopf.on.delete(*RESOURCE)
-def delete_handler(name: str, namespace: str, spec, meta, status, logger, **_) -> None:
-    AUTOSCALER.forget(f"{namespace}/{name}")
+def delete_handler(name: str, namespace: str, spec, meta, status, logger, memo: kopf.Memo, **_: Any) -> None:
+    memo.autoscaler.forget(f"{namespace}/{name}")
+    settings: Settings = memo.settings
     spec_dict = dict(spec)
     if never_deployed(dict(status or {})):
         logger.info("nothing was deployed for %s/%s (never Ready); nothing to remove from Ray", namespace, name)
@@ -203,9 +189,8 @@ def delete_handler(name: str, namespace: str, spec, meta, status, logger, **_) -
         logger.info("deleted RayService %s/%s" if removed else "no RayService %s/%s of ours to delete", namespace, name)
         return
     try:
-        removed = remove_application(_client(spec_dict, namespace), app_name(namespace, name),
-                                     int(_setting("MOE_SERVE_HTTP_PORT", "8000")),
-                                     host=_setting("MOE_SERVE_HTTP_HOST", "127.0.0.1"))
+        removed = remove_application(_client(spec_dict, namespace, settings), app_name(namespace, name),
+                                     settings.serve_http_port, host=settings.serve_http_host)
     except (RayServeError, OSError) as err:  # keep the finalizer until Ray confirms the app is gone
         raise kopf.TemporaryError(f"removing {app_name(namespace, name)}: {err}", delay=10)
     logger.info("removed Serve application %s" if removed else "Serve application %s was already gone",
@@ -213,7 +198,7 @@ def delete_handler(name: str, namespace: str, spec, meta, status, logger, **_) -
 
 
 @kopf.timer(*RESOURCE, interval=5.0, initial_delay=5.0)
-def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, **_) -> None:
+def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, memo: kopf.Memo, **_: Any) -> None:
     """Between reconciles: read the live app's report and update tiers, overridden experts and
     hot-swap outcomes (written only when they changed; events on each outcome). A changed API-key
     Secret runs the reconcile pass again (the keys apply in place). With ray.mode KubeRay the pass
@@ -226,7 +211,7 @@ def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, 
         # (a rebalance in progress is the autoscale timer's: it runs the same pass)
         # the application's state lives in the RayService's status, which KubeRay changes on its
         # own (an app turning UNHEALTHY, an upgrade): map it again; a steady pass writes nothing
-        res = _reconcile(name, namespace, spec_dict, meta, status)
+        res = _reconcile(name, namespace, spec_dict, meta, status, memo.settings)
         before, after = (cond.get_condition(c.get("conditions") or [], cond.READY) or {} for c in (status, res.status))
         patch.status.update(merge_patch(status, res.status))
         if res.event and (before.get("status"), before.get("reason")) != (after.get("status"), after.get("reason")):
@@ -242,7 +227,7 @@ def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, 
         except Unconfigured:
             current = "unreadable"  # the pass says why
         if current != (status.get("apiKeys") or {}).get("fingerprint"):
-            res = _reconcile(name, namespace, spec_dict, meta, status)
+            res = _reconcile(name, namespace, spec_dict, meta, status, memo.settings)
             patch.status.update(merge_patch(status, res.status))
             if res.event:
                 kopf.event(body, type=res.event[0], reason="ApiKeysChanged", message="API keys changed; " + res.event[2][:900])
@@ -259,11 +244,9 @@ def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, 
         kopf.event(body, type=event_type, reason=reason, message=message[:1000])
 
 
-AUTOSCALER = Autoscaler()
-
-
 @kopf.timer(*RESOURCE, interval=2.0, initial_delay=5.0)
-def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body, logger, **_) -> None:
+def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body, logger, memo: kopf.Memo,
+                      **_: Any) -> None:
     """Drive a placement change in progress one make-before-break step; otherwise, when load is due
     to be read (spec.autoscaling.metrics.scrapeIntervalSeconds) or `moectl rebalance` asked, read
     it, decide, and write the decision (status, Event; spec.experts.replicasPerGroup on scaling)."""
@@ -278,7 +261,7 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
     except SpecError:
         return
     if (status.get("autoscaling") or {}).get("target") is not None:
-        res = _reconcile(name, namespace, spec_dict, meta, dict(status))
+        res = _reconcile(name, namespace, spec_dict, meta, dict(status), memo.settings)
         patch.status.update(merge_patch(status, res.status))
         for event_type, reason, message in res.events:
             kopf.event(body, type=event_type, reason=reason, message=message[:1000])
@@ -287,21 +270,22 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
     if parsed.autoscaling.mode == "Off" and (request is None or
                                              request == (status.get("autoscaling") or {}).get("lastRequest")):
         return
-    facts, problems, _ = validate_semantics(parsed, _roots())
+    facts, problems, _ = validate_semantics(parsed, list(memo.settings.allowed_roots))
     if problems:
         return
     try:
         if _kuberay_mode(spec_dict):
             placement = placement_from_rayservice(_kuberay().get(namespace, name))
         else:
-            placement = deployed_placement(_client(spec_dict, namespace).get(), app_name(namespace, name))
+            placement = deployed_placement(_client(spec_dict, namespace, memo.settings).get(),
+                                           app_name(namespace, name))
     except (RayServeError, KubeRayError, OSError, Unconfigured) as err:
         logger.info("autoscaler: cannot read the deployed placement: %s", err)
         return
     if not placement:
         return
     source = metrics_source(parsed, app_name(namespace, name), status.get("endpoint"))
-    p = AUTOSCALER.step(f"{namespace}/{name}", parsed, status, placement, source,
+    p = memo.autoscaler.step(f"{namespace}/{name}", parsed, status, placement, source,
                         facts.expert_bytes(parsed.model.dtype), request,
                         report=report_reader(status.get("endpoint")))
     if p is None:

@@ -51,8 +51,11 @@ def _resources(cpu, memory, gpus: int) -> dict:
     return {"requests": dict(limits), "limits": limits}
 
 
+SERVE_PORT = 8000  # Serve's proxy in the RayService's cluster (the operator's MOE_SERVE_HTTP_PORT is for Existing)
+
+
 def render_rayservice(namespace: str, name: str, uid: str, spec: MoEDeploymentSpec, application: dict,
-                      http_port: int = 8000) -> dict:
+                      http_port: int = SERVE_PORT) -> dict:
     """The RayService for this MoEDeployment, owned by it (garbage-collected with it)."""
     if spec.ray.mode != "KubeRay" or spec.ray.kube_ray is None:
         raise ValueError("render_rayservice needs spec.ray.mode KubeRay with spec.ray.kubeRay set")

@@ -23,8 +23,9 @@ from moe_operator.api.pruning import prune, spec_schema
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
 from moe_operator.backends.ray_rest import RayServeClient
-from moe_operator.reconcile import observe_live, reconcile, remove_application
+from moe_operator.reconcile import ObjectRef, observe_live, reconcile, remove_application
 from moe_operator.render.serve_app import app_name
+from moe_operator.settings import Settings
 from moe_workers.process_tag import process_tag, tag_running
 from moe_workers.serve.auth import digests
 
@@ -176,8 +177,9 @@ class StandaloneRunner:
         keys = digests(self.api_key_file.read_text()) if self.api_key_file is not None else None
         if self.api_key_file is not None and not keys:
             self.log(f"warning: {self.api_key_file} holds no API key; the API stays open")
-        res = reconcile(m.namespace, m.name, m.raw_spec, self.generation, self.status, self.client,
-                        self.allowed_roots, self.http_port, spec=self._spec(m), api_key_digests=keys)
+        settings = Settings(allowed_roots=tuple(self.allowed_roots), serve_http_port=self.http_port)
+        res = reconcile(ObjectRef(m.namespace, m.name, self.generation), m.raw_spec, self.status, self.client,
+                        settings, spec=self._spec(m), api_key_digests=keys)
         self.status = res.status
         self._write_status(m)
         for _, reason, message in res.events:
