@@ -24,9 +24,9 @@ from moe_operator.metrics import RAY_APPLY_SECONDS
 from moe_operator.observe import fetch_app_status, summarise, swap_transitions
 from moe_operator.autoscaling import transition
 from moe_operator.planner.initial import current_placement, placement_problem
-from moe_operator.render.serve_app import app_name, merge_applications, render_application
+from moe_operator.names import app_name, serve_service, worker_selector
+from moe_operator.render.serve_app import merge_applications, render_application
 from moe_operator.settings import Settings
-from moe_operator.api.models import GROUP
 from moe_workers.serve.config import INGRESS
 from moe_workers.rfc3339 import parse_rfc3339
 
@@ -382,7 +382,7 @@ def reconcile_kuberay(obj: ObjectRef, raw_spec: dict | None, status: dict, kuber
     if problem:
         return result(False, cond.INVALID_SPEC, problem, "Warning")
     prefix = spec.ingress.route_prefix.rstrip("/")
-    base_url = f"http://{name}-serve-svc.{namespace}.svc:{http_port}{prefix}"
+    base_url = f"http://{serve_service(namespace, name)}:{http_port}{prefix}"
     try:
         deployed = app_from_rayservice(kuberay.get(namespace, name))
         ingress_now = ingress_placement(deployed) if deployed else None
@@ -402,7 +402,7 @@ def reconcile_kuberay(obj: ObjectRef, raw_spec: dict | None, status: dict, kuber
     status["groups"] = [{"name": g, "replicas": desired, "readyReplicas": desired if g in healthy else 0,
                          "experts": len(experts)} for g, experts in sorted(step.shards.items())]
     status["replicas"] = min((g["readyReplicas"] for g in status["groups"]), default=0)
-    status["selector"] = f"{GROUP}/moedeployment={name},ray.io/node-type=worker"  # KubeRay's worker Pods
+    status["selector"] = worker_selector(name)  # KubeRay's worker Pods
     result.set(cond.DEGRADED, bool(state.degraded), cond.DEPLOYMENT_UNHEALTHY if state.degraded else cond.ALL_REPLICAS_READY,
                state.degraded or "no deployment reported unhealthy")
     if not state.ready:

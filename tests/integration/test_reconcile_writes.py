@@ -8,7 +8,7 @@ import pytest
 from manifests import small_deployment
 from moe_operator.backends.ray_rest import RayServeClient
 from moe_operator.reconcile import ObjectRef, reconcile, remove_application
-from moe_operator.render.serve_app import app_name
+from moe_operator.names import app_name
 from moe_operator.settings import Settings
 from moe_workers.model.random_init import write_random_mixtral
 

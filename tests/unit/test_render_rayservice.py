@@ -10,7 +10,8 @@ from moe_operator.planner.initial import initial_placement
 from moe_operator.api.validation import SpecError
 from moe_operator.backends.kuberay import contains, needs_write
 from moe_operator.reconcile import same_config
-from moe_operator.render.rayservice import RENDERED_SPEC_ANNOTATION, name_problem, render_rayservice
+from moe_operator.names import RENDERED_SPEC_ANNOTATION
+from moe_operator.render.rayservice import name_problem, render_rayservice
 from moe_operator.render.serve_app import render_application
 
 KUBERAY_EXAMPLE = "examples/moedeployment-kuberay.yaml"

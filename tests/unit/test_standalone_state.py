@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 from moe_operator.api import conditions as cond
-from moe_operator.standalone.runner import OWNER_ANNOTATION, as_seen, owner_running, owner_tag
+from moe_operator.names import OWNER_ANNOTATION
+from moe_operator.standalone.runner import as_seen, owner_running, owner_tag
 
 
 def _doc(tag):

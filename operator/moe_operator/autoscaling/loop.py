@@ -17,7 +17,6 @@ from moe_operator.autoscaling.signals import (coefficient_of_variation, expert_l
 from moe_operator.planner.rebalance import plan
 from moe_workers.rfc3339 import format_rfc3339, parse_rfc3339
 
-REBALANCE_ANNOTATION = "serving.moe.io/rebalance-requested"
 
 
 @dataclass

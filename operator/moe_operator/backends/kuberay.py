@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import kubernetes
 
-from moe_operator.render.rayservice import RENDERED_SPEC_ANNOTATION
+from moe_operator.names import RENDERED_SPEC_ANNOTATION
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayservices"
 

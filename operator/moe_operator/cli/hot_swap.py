@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 import yaml
 
+from moe_operator.names import MANIFEST_ANNOTATION
 from moe_workers.expert_ids import expert_key
 
 from .access import fetch_local, kube_call, kube_objects, object_args, read_object
@@ -76,7 +77,7 @@ def hot_swap(
     _check_swap_args(expert, weights, sha256, rollback)
     if local:
         doc = fetch_local(name, namespace, False)[0]
-        manifest = Path(doc["metadata"].get("annotations", {}).get("serving.moe.io/manifest", ""))
+        manifest = Path(doc["metadata"].get("annotations", {}).get(MANIFEST_ANNOTATION, ""))
         if not manifest.is_file():
             fail(f"the manifest of {namespace}/{name} ({manifest}) is gone; is `moectl up` still running?")
         raw = yaml.safe_load(manifest.read_text())

@@ -32,7 +32,7 @@ def rebalance(
     import time
     import uuid
 
-    from moe_operator.autoscaling.loop import REBALANCE_ANNOTATION
+    from moe_operator.names import REBALANCE_ANNOTATION
     from moe_operator.standalone.runner import default_state_dir, rebalance_request_path
 
     request = f"{format_rfc3339()}-{uuid.uuid4().hex[:6]}"

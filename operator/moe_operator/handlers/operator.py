@@ -25,13 +25,12 @@ from moe_operator.api import conditions as cond
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.api.semantics import validate_semantics
 from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
-from moe_operator.autoscaling.loop import REBALANCE_ANNOTATION
 from moe_operator.merge_patch import merge_patch
 from moe_operator.settings import RENDER_ONLY, Settings
 from moe_operator.reconcile import (
     ObjectRef, deployed_placement, keys_fingerprint, never_deployed, observe_live, placement_from_rayservice,
     reconcile, reconcile_kuberay, remove_application, unconfigured)
-from moe_operator.render.serve_app import app_name
+from moe_operator.names import FINALIZER, REBALANCE_ANNOTATION, app_name
 from moe_workers.serve.auth import digests
 
 RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
@@ -44,7 +43,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     the variable's name) and the autoscaler."""
     memo.settings = Settings.from_env(os.environ)
     memo.autoscaler = Autoscaler()
-    settings.persistence.finalizer = f"{PREFIX}/cleanup"
+    settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=PREFIX, key="last-handled-configuration")

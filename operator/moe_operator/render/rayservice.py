@@ -14,12 +14,9 @@ import yaml
 
 from moe_operator.api import models
 from moe_operator.api.models import MoEDeploymentSpec
+from moe_operator.names import MANAGED_BY, MOEDEPLOYMENT_LABEL, RENDERED_SPEC_ANNOTATION
 
 RAYSERVICE_API_VERSION = "ray.io/v1"
-MANAGED_BY = "moe-operator"
-# the digest of the spec we rendered, kept on the RayService: a pass writes only when it changes
-# (or when the live object lost something we set), never because KubeRay's CRD filled in defaults
-RENDERED_SPEC_ANNOTATION = f"{models.GROUP}/rendered-spec"
 # KubeRay refuses a RayService whose name is not a DNS-1035 label of at most 47 characters: its
 # RayCluster adds 6 characters, and "<cluster>-serve-svc" must still fit in 63
 MAX_RAYSERVICE_NAME = 47
@@ -61,7 +58,7 @@ def render_rayservice(namespace: str, name: str, uid: str, spec: MoEDeploymentSp
         raise ValueError("render_rayservice needs spec.ray.mode KubeRay with spec.ray.kubeRay set")
     kr = spec.ray.kube_ray
     labels = {"app.kubernetes.io/name": "moe-deployment", "app.kubernetes.io/instance": name,
-              "app.kubernetes.io/managed-by": MANAGED_BY, f"{models.GROUP}/moedeployment": name}
+              "app.kubernetes.io/managed-by": MANAGED_BY, MOEDEPLOYMENT_LABEL: name}
     container = {"name": "ray", "image": kr.image, "imagePullPolicy": "IfNotPresent"}
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},  # the head schedules no replicas

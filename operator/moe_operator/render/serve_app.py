@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.api.types import quantity_bytes
+from moe_operator.names import app_name
 from moe_workers.serve.config import AppArgs, serve_application
-
-
-def app_name(namespace: str, name: str) -> str:
-    """Serve application name: unique per MoEDeployment on a shared Ray cluster."""
-    return f"{namespace}.{name}"
 
 
 def tier_config(spec: MoEDeploymentSpec) -> dict:

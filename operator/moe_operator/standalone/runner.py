@@ -17,14 +17,14 @@ from typing import Callable
 import yaml
 
 from moe_operator.api import conditions as cond
-from moe_operator.api.models import MoEDeploymentSpec
+from moe_operator.api.models import API_VERSION, KIND, MoEDeploymentSpec
 from moe_operator.api.semantics import validate_semantics
 from moe_operator.api.pruning import prune, spec_schema
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
 from moe_operator.backends.ray_rest import RayServeClient
+from moe_operator.names import MANIFEST_ANNOTATION, OWNER_ANNOTATION, app_name
 from moe_operator.reconcile import ObjectRef, observe_live, reconcile, remove_application
-from moe_operator.render.serve_app import app_name
 from moe_operator.settings import Settings
 from moe_workers.process_tag import process_tag, tag_running
 from moe_workers.serve.auth import digests
@@ -38,7 +38,6 @@ def status_path(state_dir: Path, namespace: str, name: str) -> Path:
     return state_dir / namespace / f"{name}.json"
 
 
-OWNER_ANNOTATION = "serving.moe.io/moectl-up"  # "<pid>:<process start time>" of the `moectl up` serving it
 
 
 owner_tag = process_tag  # the `moectl up` that owns an app, named so that a reused pid does not pass for it
@@ -135,10 +134,10 @@ class StandaloneRunner:
         self._last_manifest = m
         path = status_path(self.state_dir, m.namespace, m.name or "unnamed")
         path.parent.mkdir(parents=True, exist_ok=True)
-        annotations = {"serving.moe.io/manifest": str(self.manifest_path.resolve())}
+        annotations = {MANIFEST_ANNOTATION: str(self.manifest_path.resolve())}
         if self.owner:
             annotations[OWNER_ANNOTATION] = self.owner
-        doc = {"apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment",
+        doc = {"apiVersion": API_VERSION, "kind": KIND,
                "metadata": {"name": m.name, "namespace": m.namespace, "generation": self.generation,
                             "annotations": annotations},
                "spec": m.spec.model_dump(by_alias=True, exclude_none=True) if m.spec else m.raw.get("spec"),
