@@ -77,6 +77,24 @@ def _table(rows: list[tuple], head: tuple[str, ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
+ON_CHANGE_NOTE = (
+    "**on change**: what editing the field does to a running application. *in place*: Serve applies it to "
+    "the running replicas (`reconfigure()`, `num_replicas`); *restarts replicas*: Serve replaces them with "
+    "new ones, a rolling update; *operator only*: the operator (or its planner) reads it, the application "
+    "is left as it is. Worked out by rendering the application before and after such a change "
+    "(`moe_operator.render.on_change`), against Serve's documented in-place options; any other change "
+    "counts as a restart.\n\n")
+
+
+def _on_change(field: str, kind: str) -> str:
+    """The on-change cell of a spec row (leaves only: an object's fields say it each)."""
+    from moe_operator.render.on_change import on_change
+
+    if kind in ("object", "[]object"):
+        return ""
+    return on_change(field.removesuffix(" (required)").removeprefix("spec."))
+
+
 def crd_reference(crd: dict) -> str:
     version = crd["spec"]["versions"][0]
     root = version["schema"]["openAPIV3Schema"]
@@ -92,7 +110,11 @@ def crd_reference(crd: dict) -> str:
         out.append(f"## {part}\n\n{schema.get('description', '')}\n\n")
         rows: list = []
         _fields(schema, part, rows, set(schema.get("required") or []))
-        out.append(_table(rows, ("field", "type", "default", "description", "constraints")) + "\n")
+        head = ("field", "type", "default", "description", "constraints")
+        if part == "spec":
+            out.append(ON_CHANGE_NOTE)
+            rows, head = [(*r, _on_change(r[0], r[1])) for r in rows], (*head, "on change")
+        out.append(_table(rows, head) + "\n")
     sub = version.get("subresources") or {}
     if "scale" in sub:
         s = sub["scale"]

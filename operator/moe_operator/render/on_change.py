@@ -1,0 +1,169 @@
+"""What changing each spec field does to a running application, found by rendering (pure).
+
+Ray Serve applies a changed config to running replicas only for its lightweight options
+(num_replicas, autoscaling_config, user_config, max_ongoing_requests, the graceful-shutdown and
+health-check settings: "Updating Applications In-Place" in Serve's docs); any other change to a
+deployment, and any change to the application's `args`, `import_path` or `runtime_env`, replaces
+its replicas. So each field's effect is read off the Serve config we render: `classify` compares
+two rendered applications, and `on_change` renders a base spec before and after setting one field
+to another valid value (`PROBES`). The API reference shows the result per field
+(moe_operator.reference), and a test checks that every field of the spec has a probe or a stated
+reason (`NOT_RENDERED`), so a new field cannot go unclassified.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from moe_operator.api.validation import parse_spec
+from moe_operator.planner.initial import initial_placement
+from moe_operator.render.serve_app import render_application
+
+IN_PLACE = "in place"
+RESTART = "restarts replicas"
+OPERATOR = "operator only"  # read by the operator (or the planner); the rendered application is the same
+
+LIGHTWEIGHT = {"num_replicas", "autoscaling_config", "user_config", "max_ongoing_requests",
+               "graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s", "health_check_period_s",
+               "health_check_timeout_s"}
+APP_STATIC = ("import_path", "args", "runtime_env", "route_prefix")  # route_prefix: not on Serve's in-place list
+
+BASE = {
+    "model": {"path": "/models/mixtral", "shape": {"numLayers": 4, "numExperts": 8, "topK": 2, "hiddenSize": 64,
+                                                   "intermediateSize": 128}},
+    "ray": {"address": "http://127.0.0.1:8265"},
+    "experts": {"groups": 2, "tiers": {"hot": {"budget": "512Mi"}, "warm": {"budget": "1Gi"},
+                                       "cold": {"path": "/var/cache/moe-experts"}}},
+    "ingress": {},
+}
+
+# field path (as the API reference spells it) -> another valid value
+PROBES: dict[str, object] = {
+    "model.path": "/models/mixtral-v2",
+    "model.family": "qwen3_moe",
+    "model.dtype": "float32",
+    "model.servedModelName": "mixtral-prod",
+    "model.maxModelLen": 1024,
+    "model.shape.numLayers": 6,
+    "model.shape.numExperts": 16,
+    "model.shape.topK": 4,
+    "model.shape.hiddenSize": 128,
+    "model.shape.intermediateSize": 256,
+    "model.shape.dtype": "float16",
+    "model.shape.sparseLayers": [1, 3],
+    "ingress.replicas": 2,
+    "ingress.numCpus": 2,
+    "ingress.numGpus": 1,
+    "ingress.routePrefix": "/mixtral",
+    "ingress.maxBatchSize": 16,
+    "ingress.kvCacheBudget": "2Gi",
+    "ingress.maxQueuedRequests": 128,
+    "ingress.maxRequestBytes": "8Mi",
+    "ingress.cpuWakeLatencyMicroseconds": 20,
+    "experts.groups": 4,
+    "experts.replicasPerGroup": 2,
+    "experts.numCpus": 2,
+    "experts.numGpus": 1,
+    "experts.pinCpus": False,
+    "experts.warmSpares": 0,
+    "experts.tiers.hot.budget": "1Gi",
+    "experts.tiers.warm.budget": "2Gi",
+    "experts.tiers.warm.pinned": False,
+    "experts.tiers.cold.path": "/mnt/nvme/experts",
+    "experts.tiers.cold.budget": "100Gi",
+    "experts.tiers.policy": "LFU",
+    "experts.tiers.idleDemotionSeconds": 60,
+    "experts.tiers.prefetch.enabled": False,
+    "experts.tiers.prefetch.lookaheadLayers": 2,
+    "experts.overrides[].expert": "1.3",
+    "experts.overrides[].weights.path": "/weights/expert-1.3-v2.safetensors",
+    "experts.overrides[].weights.sha256": "ab" * 32,
+    "autoscaling.mode": "Auto",
+    "autoscaling.imbalanceThreshold": 1.5,
+    "autoscaling.windowSeconds": 120,
+    "autoscaling.stabilizationWindowSeconds": 600,
+    "autoscaling.cooldownSeconds": 900,
+    "autoscaling.maxMovesPerStep": 4,
+    "autoscaling.redundantExpertSlots": 2,
+    "autoscaling.minReplicasPerGroup": 2,
+    "autoscaling.maxReplicasPerGroup": 8,
+    "autoscaling.targetTokensPerSecondPerReplica": 500,
+    "autoscaling.metrics.source": "Prometheus",
+    "autoscaling.metrics.prometheusUrl": "http://prometheus:9090",
+    "autoscaling.metrics.scrapeUrls": ["http://10.0.0.7:8080/metrics"],
+    "autoscaling.metrics.scrapeIntervalSeconds": 30,
+}
+
+# fields a probe needs set beside it, before and after (a value the probe's value requires)
+WITH: dict[str, dict[str, object]] = {
+    "autoscaling.metrics.source": {"autoscaling.metrics.prometheusUrl": "http://prometheus:9090"},
+}
+
+# fields whose change the Serve config of one cluster cannot show, and what it does instead
+NOT_RENDERED: dict[str, str] = {
+    "ray.mode": "the application moves between an existing cluster and a RayService: replicas start anew",
+    "ray.address": "the application is deployed on the other cluster: replicas start there",
+    "ray.authTokenSecretRef.name": OPERATOR,
+    "ray.authTokenSecretRef.key": OPERATOR,
+    "ray.kubeRay.rayVersion": "KubeRay builds a new Ray cluster and switches traffic to it once it serves",
+    "ray.kubeRay.image": "KubeRay builds a new Ray cluster and switches traffic to it once it serves",
+    "ray.kubeRay.workerReplicas": "KubeRay scales the running Ray cluster",
+    "ray.kubeRay.workerCpu": "KubeRay builds a new Ray cluster and switches traffic to it once it serves",
+    "ray.kubeRay.workerMemory": "KubeRay builds a new Ray cluster and switches traffic to it once it serves",
+    "ray.kubeRay.workerGpus": "KubeRay builds a new Ray cluster and switches traffic to it once it serves",
+    "ingress.apiKeySecretRef.name": f"{IN_PLACE} (the keys' digests reach the Ingress through its user_config)",
+    "ingress.apiKeySecretRef.key": f"{IN_PLACE} (the keys' digests reach the Ingress through its user_config)",
+}
+
+
+def classify(before: dict, after: dict) -> str:
+    """How Serve applies the change from one rendered application to the other."""
+    if before == after:
+        return OPERATOR
+    if any(before.get(k) != after.get(k) for k in APP_STATIC):
+        return RESTART
+    old = {d["name"]: d for d in before.get("deployments", [])}
+    new = {d["name"]: d for d in after.get("deployments", [])}
+    if set(old) != set(new):
+        return RESTART
+    for name, d in new.items():
+        changed = {k for k in set(d) | set(old[name]) if d.get(k) != old[name].get(k)}
+        if changed - LIGHTWEIGHT:
+            return RESTART
+    return IN_PLACE
+
+
+def _set(spec: dict, path: str, value) -> dict:
+    out = copy.deepcopy(spec)
+    target = out
+    if path.startswith("experts.overrides[]."):  # the first override (one is made when there is none)
+        overrides = out["experts"].setdefault("overrides", [{"expert": "0.1",
+                                                            "weights": {"path": "/weights/expert-0.1.safetensors"}}])
+        target, path = overrides[0], path[len("experts.overrides[]."):]
+    *parents, leaf = path.split(".")
+    for key in parents:
+        target = target.setdefault(key, {})
+    target[leaf] = value
+    return out
+
+
+def _render(raw: dict) -> dict:
+    spec = parse_spec(raw)
+    shape = spec.model.shape
+    layers = shape.sparse_layers if shape.sparse_layers else shape.num_layers
+    placement = initial_placement(layers, shape.num_experts, spec.experts.groups)
+    return render_application("default", "mixtral", spec, placement, ["/models", "/weights", "/var/cache", "/mnt"])
+
+
+def on_change(path: str) -> str:
+    """What changing the field at `path` does to a running application."""
+    if path in NOT_RENDERED:
+        return NOT_RENDERED[path]
+    if path not in PROBES:
+        raise KeyError(f"{path}: no probe value and no stated effect (moe_operator.render.on_change)")
+    base = BASE
+    if path.startswith("experts.overrides[]."):  # an override present before and after
+        base = _set(BASE, "experts.overrides[].expert", "0.1")
+    for other, value in WITH.get(path, {}).items():
+        base = _set(base, other, value)
+    return classify(_render(base), _render(_set(base, path, PROBES[path])))
