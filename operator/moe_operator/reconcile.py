@@ -8,7 +8,6 @@ restarted operator converges to the same result and never deploys twice.
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -117,17 +116,6 @@ def http_options(port: int, host: str = "127.0.0.1") -> dict:
     return {"host": host, "port": port}
 
 
-_locks_guard = threading.Lock()
-_cluster_locks: dict[str, threading.Lock] = {}
-
-
-def cluster_lock(client) -> threading.Lock:
-    """One writer at a time per Ray cluster in this process: the Serve REST PUT replaces the whole
-    config, so two concurrent read-merge-writes would drop each other's application."""
-    with _locks_guard:
-        return _cluster_locks.setdefault(client.dashboard_url, threading.Lock())
-
-
 def same_config(deployed: dict | None, ours: dict) -> bool:
     """Whether the cluster's deployed config of an application is the one we render. Ray reports
     it as it was submitted (only the fields set), so equality is the test; numbers compare by value
@@ -137,11 +125,13 @@ def same_config(deployed: dict | None, ours: dict) -> bool:
 
 def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: float, attempts: int = 3,
                       host: str = "127.0.0.1") -> dict:
-    """Read-merge-write under the cluster lock, then wait outside it; if another writer (another
+    """Read-merge-write under the client's write lock (one writer at a time per Ray cluster in this
+    process: the Serve REST PUT replaces the whole config, so two concurrent read-merge-writes
+    would drop each other's application; clients of one cluster share it), then wait outside it; if another writer (another
     process) replaced the config meanwhile and ours is gone, write again. When the cluster already
     runs our config, nothing is written (a steady pass makes no PUT)."""
     for _ in range(attempts):
-        with cluster_lock(client):
+        with client.write_lock:
             current = client.get()
             mine = current.get("applications", {}).get(ours["name"]) or {}
             if same_config(mine.get("deployed_app_config"), ours):
@@ -162,7 +152,7 @@ def remove_application(client: RayServeClient, name: str, port: int, wait_s: flo
                        host: str = "127.0.0.1") -> bool:
     """Delete our application, keep everyone else's, and wait until Ray no longer lists it.
     False when it was not there."""
-    with cluster_lock(client):
+    with client.write_lock:
         apps = client.get().get("applications", {})
         if name not in apps:
             return False

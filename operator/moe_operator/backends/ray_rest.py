@@ -6,8 +6,9 @@ Token authentication is on by default in Ray: every request carries
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import requests
 
@@ -29,6 +30,9 @@ class RayServeClient:
     token: str | None = None
     timeout_s: float = 30.0
     puts: int = 0  # config writes made (bench/operator.py counts them per pass)
+    # held across a read-merge-write of the cluster's Serve config (moe_operator.reconcile);
+    # RayClients gives every client of one cluster the same lock
+    write_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def _headers(self) -> dict[str, str]:
         return {"x-ray-authorization": f"Bearer {self.token}"} if self.token else {}
@@ -80,3 +84,21 @@ class RayServeClient:
             time.sleep(0.5)
         raise RayServeError(f"applications {names} not RUNNING after {timeout_s:.0f} s: "
                             f"{ {n: a.get('status') for n, a in status.get('applications', {}).items()} }")
+
+
+class RayClients:
+    """The operator's clients for its lifetime: one per (dashboard, token), and one write lock per
+    dashboard shared by them (a rotated token makes a new client of the same cluster)."""
+
+    def __init__(self):
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._clients: dict[tuple[str, str | None], RayServeClient] = {}
+
+    def get(self, address: str, token: str | None) -> RayServeClient:
+        with self._guard:
+            client = self._clients.get((address, token))
+            if client is None:
+                lock = self._locks.setdefault(address.rstrip("/"), threading.Lock())
+                client = self._clients[(address, token)] = RayServeClient(address, token, write_lock=lock)
+            return client

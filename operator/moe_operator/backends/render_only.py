@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
 @dataclass
 class RenderOnlyClient:
     directory: str
+    write_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def dashboard_url(self) -> str:

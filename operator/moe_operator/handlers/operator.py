@@ -18,7 +18,7 @@ import kopf
 
 from moe_operator.api import models
 from moe_operator.backends.kuberay import KubeRayClient, KubeRayError
-from moe_operator.backends.ray_rest import RayServeClient, RayServeError
+from moe_operator.backends.ray_rest import RayClients, RayServeClient, RayServeError
 from moe_operator.backends.render_only import RenderOnlyClient
 from moe_operator.metrics import RECONCILES, RECONCILE_SECONDS, APPLIED_GENERATION, start_metrics_server
 from moe_operator.api import conditions as cond
@@ -40,9 +40,11 @@ PREFIX = models.GROUP
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """kopf's settings, and the operator memo: our settings (a bad value stops the operator with
-    the variable's name) and the autoscaler."""
+    the variable's name), the autoscaler, and the Ray clients (one write lock per cluster)."""
     memo.settings = Settings.from_env(os.environ)
     memo.autoscaler = Autoscaler()
+    memo.ray_clients = RayClients()
+    memo.render_only = RenderOnlyClient(memo.settings.render_only_dir)
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -126,22 +128,24 @@ def _token(spec: dict, namespace: str, settings: Settings) -> str | None:
     return settings.ray_token or None
 
 
-def _client(spec: dict, namespace: str, settings: Settings) -> RayServeClient | RenderOnlyClient:
+def _client(spec: dict, namespace: str, memo: kopf.Memo) -> RayServeClient | RenderOnlyClient:
+    settings: Settings = memo.settings
     if settings.ray_backend == RENDER_ONLY:
-        return RenderOnlyClient(settings.render_only_dir)
+        return memo.render_only
     address = (spec.get("ray") or {}).get("address") or settings.ray_address
     if not address:
         raise Unconfigured(cond.RAY_NOT_CONFIGURED, "no Ray address: set spec.ray.address, or the operator's "
                            "MOE_RAY_ADDRESS (Helm value ray.address)", retry_s=None)
-    return RayServeClient(address, _token(spec, namespace, settings))
+    return memo.ray_clients.get(address, _token(spec, namespace, settings))
 
 
-def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict, settings: Settings):
+def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict, memo: kopf.Memo):
+    settings: Settings = memo.settings
     obj = ObjectRef(namespace, name, meta.get("generation", 0), meta.get("uid", ""))
     try:
         if _kuberay_mode(spec_dict):
             return reconcile_kuberay(obj, spec_dict, status, _kuberay(), settings)
-        client, keys = _client(spec_dict, namespace, settings), _api_key_digests(spec_dict, namespace)
+        client, keys = _client(spec_dict, namespace, memo), _api_key_digests(spec_dict, namespace)
     except Unconfigured as err:
         return unconfigured(status, obj.generation, err.reason, str(err), err.retry_s)
     return reconcile(obj, spec_dict, status, client, settings, api_key_digests=keys)
@@ -153,7 +157,7 @@ def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict, s
 def reconcile_handler(name: str, namespace: str, spec, meta, status, patch, body, memo: kopf.Memo, **_: Any) -> None:
     started = time.perf_counter()
     before = dict(status or {})
-    res = _reconcile(name, namespace, dict(spec), meta, dict(before), memo.settings)
+    res = _reconcile(name, namespace, dict(spec), meta, dict(before), memo)
     patch.status.update(merge_patch(before, res.status))
     RECONCILE_SECONDS.observe(time.perf_counter() - started)
     RECONCILES.labels(result=res.event[1] if res.event else "None").inc()
@@ -188,7 +192,7 @@ def delete_handler(name: str, namespace: str, spec, meta, status, logger, memo: 
         logger.info("deleted RayService %s/%s" if removed else "no RayService %s/%s of ours to delete", namespace, name)
         return
     try:
-        removed = remove_application(_client(spec_dict, namespace, settings), app_name(namespace, name),
+        removed = remove_application(_client(spec_dict, namespace, memo), app_name(namespace, name),
                                      settings.serve_http_port, host=settings.serve_http_host)
     except (RayServeError, OSError) as err:  # keep the finalizer until Ray confirms the app is gone
         raise kopf.TemporaryError(f"removing {app_name(namespace, name)}: {err}", delay=10)
@@ -210,7 +214,7 @@ def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, 
         # (a rebalance in progress is the autoscale timer's: it runs the same pass)
         # the application's state lives in the RayService's status, which KubeRay changes on its
         # own (an app turning UNHEALTHY, an upgrade): map it again; a steady pass writes nothing
-        res = _reconcile(name, namespace, spec_dict, meta, status, memo.settings)
+        res = _reconcile(name, namespace, spec_dict, meta, status, memo)
         before, after = (cond.get_condition(c.get("conditions") or [], cond.READY) or {} for c in (status, res.status))
         patch.status.update(merge_patch(status, res.status))
         if res.event and (before.get("status"), before.get("reason")) != (after.get("status"), after.get("reason")):
@@ -226,7 +230,7 @@ def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, 
         except Unconfigured:
             current = "unreadable"  # the pass says why
         if current != (status.get("apiKeys") or {}).get("fingerprint"):
-            res = _reconcile(name, namespace, spec_dict, meta, status, memo.settings)
+            res = _reconcile(name, namespace, spec_dict, meta, status, memo)
             patch.status.update(merge_patch(status, res.status))
             if res.event:
                 kopf.event(body, type=res.event[0], reason="ApiKeysChanged", message="API keys changed; " + res.event[2][:900])
@@ -260,7 +264,7 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
     except SpecError:
         return
     if (status.get("autoscaling") or {}).get("target") is not None:
-        res = _reconcile(name, namespace, spec_dict, meta, dict(status), memo.settings)
+        res = _reconcile(name, namespace, spec_dict, meta, dict(status), memo)
         patch.status.update(merge_patch(status, res.status))
         for event_type, reason, message in res.events:
             kopf.event(body, type=event_type, reason=reason, message=message[:1000])
@@ -276,7 +280,7 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
         if _kuberay_mode(spec_dict):
             placement = placement_from_rayservice(_kuberay().get(namespace, name))
         else:
-            placement = deployed_placement(_client(spec_dict, namespace, memo.settings).get(),
+            placement = deployed_placement(_client(spec_dict, namespace, memo).get(),
                                            app_name(namespace, name))
     except (RayServeError, KubeRayError, OSError, Unconfigured) as err:
         logger.info("autoscaler: cannot read the deployed placement: %s", err)
