@@ -202,3 +202,57 @@ def test_placement_covers_only_sparse_layers():
     assert placement_problem(p, (1, 2, 3), 4, 2) is None
     assert "outside the model" in placement_problem(initial_placement(4, 4, 2), (1, 2, 3), 4, 2)
     assert current_placement((1, 2, 3), 4, 2, initial_placement(4, 4, 2)) == p  # a stale one is replanned
+
+
+def _unsupported(model_dir):
+    import json as _json
+
+    bad = model_dir / "unsupported"
+    if not bad.exists():
+        bad.mkdir()
+        cfg = _json.loads((model_dir / "m" / "config.json").read_text())
+        (bad / "config.json").write_text(_json.dumps({**cfg, "model_type": "jamba"}))
+    return bad
+
+
+@pytest.mark.parametrize("case", ["valid", "outside-roots", "no-config", "unsupported", "override-and-budget",
+                                  "shape-disagrees-and-override"])
+def test_the_composed_chain_gives_the_first_reason_and_every_message_in_order(model_dir, case):
+    """The whole chain of checks, as the operator runs it: exact reason and messages, in order; a
+    model the chain cannot read stops it (nothing else can be judged)."""
+    from moe_operator.api.models import ModelShape
+
+    spec, m = _spec(model_dir), model_dir / "m"
+    budget_msg = ("spec.experts.tiers.hot.budget (1024 bytes) is smaller than one batch's working set in a shard "
+                  "group: 2 experts of a layer x 24576 bytes = 49152 bytes; raise the budget or add groups")
+    if case == "valid":
+        expected = ("", [])
+    elif case == "outside-roots":
+        spec.model.path = "/etc"
+        spec.experts.tiers.hot.budget = "1Ki"  # not judged: the model cannot be read
+        expected = (cond.INVALID_SPEC, [f"spec.model.path /etc is outside the allowed model roots ({model_dir})"])
+    elif case == "no-config":
+        spec.model.path = str(model_dir)
+        expected = (cond.INVALID_SPEC, [f"spec.model.path {model_dir} has no readable config.json (expected a "
+                                        "Hugging Face layout directory)"])
+    elif case == "unsupported":
+        spec.model.path = str(_unsupported(model_dir))
+        spec.experts.overrides[0].expert = "9.0"  # not judged
+        _, problems, reason = validate_semantics(spec, [str(model_dir)])
+        assert reason == cond.UNSUPPORTED_MODEL and len(problems) == 1 and "jamba" in problems[0]
+        return
+    elif case == "override-and-budget":
+        spec.experts.overrides[0].expert = "1.4"
+        spec.experts.tiers.hot.budget = "1Ki"
+        expected = (cond.INVALID_SPEC, ["spec.experts.overrides[0].expert 1.4 does not exist: the model has 2 "
+                                        "layers x 4 routed experts", budget_msg])
+    else:
+        spec.model.shape = ModelShape(num_layers=3, num_experts=4, top_k=2, hidden_size=32, intermediate_size=64,
+                                      dtype="float32")
+        spec.experts.overrides[0].weights.path = "/tmp/x.safetensors"
+        expected = (cond.INVALID_SPEC, [f"spec.model.shape disagrees with {m}/config.json: num_layers 3 "
+                                        "(config.json: 2)",
+                                        "spec.experts.overrides[0].weights.path /tmp/x.safetensors is outside the "
+                                        "allowed weight roots"])
+    _, problems, reason = validate_semantics(spec, [str(model_dir)])
+    assert (reason, problems) == expected
