@@ -231,6 +231,27 @@ def keys_fingerprint(digests: list[str] | None) -> str | None:
     return hashlib.sha256("\n".join(sorted(digests)).encode()).hexdigest()[:16]
 
 
+def moved(status: dict, mode: str, address: str | None = None) -> str | None:
+    """Why a pass must not deploy (the message of an InvalidSpec): the application serves on
+    another Ray cluster, or the other ray.mode, than the spec now names. Moving a served object is
+    not supported: the old application would be left behind. None when the pass may go on.
+    `address`: the dashboard the pass would use (ray.mode Existing)."""
+    old, rayservice = status.get("rayAddress"), status.get("rayService")
+    if mode == "Existing" and rayservice:
+        return (f"spec.ray.mode: the application runs in the RayService {rayservice}; changing the mode of a served "
+                "object is not supported: set mode KubeRay again, or delete the object (which removes the RayService) "
+                "and create it anew")
+    if mode == "Existing" and old and address and old.rstrip("/") != address.rstrip("/"):
+        return (f"spec.ray.address: the application serves on the Ray cluster {old}; moving it to {address} is not "
+                "supported: set the address back (or the operator's MOE_RAY_ADDRESS, when the spec names none), or "
+                "delete the object (which removes the application there) and create it anew")
+    if mode == "KubeRay" and old:
+        return (f"spec.ray.mode: the application serves on the Ray cluster {old}; changing the mode of a served "
+                "object is not supported: set mode Existing again, or delete the object (which removes the "
+                "application there) and create it anew")
+    return None
+
+
 def never_deployed(status: dict | None) -> bool:
     """True when this object never had a Serve application: it was never served (no endpoint)
     and it stopped before any Serve config was written (an invalid spec, or a Ray dashboard that
@@ -265,6 +286,9 @@ def reconcile(obj: ObjectRef, raw_spec: dict | None, status: dict, client: RaySe
     if failed:
         return failed
     app = app_name(namespace, name)
+    elsewhere = moved(status, "Existing", client.dashboard_url)
+    if elsewhere:
+        return result(False, cond.INVALID_SPEC, elsewhere, "Warning")
     try:
         cluster = client.get()
     except (RayServeError, OSError) as err:
@@ -288,6 +312,7 @@ def reconcile(obj: ObjectRef, raw_spec: dict | None, status: dict, client: RaySe
     except (RayServeError, OSError) as err:
         return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
     status["endpoint"] = base_url + "/v1"
+    status["rayAddress"] = client.dashboard_url
     if api_key_digests:
         status["apiKeys"] = {"count": len(api_key_digests), "fingerprint": keys_fingerprint(api_key_digests)}
     else:
@@ -368,6 +393,9 @@ def reconcile_kuberay(obj: ObjectRef, raw_spec: dict | None, status: dict, kuber
     spec, facts, failed = _validated(raw_spec, spec, allowed_roots, result)
     if failed:
         return failed
+    elsewhere = moved(status, "KubeRay")
+    if elsewhere:
+        return result(False, cond.INVALID_SPEC, elsewhere, "Warning")
     problem = name_problem(name)
     if problem:
         return result(False, cond.INVALID_SPEC, problem, "Warning")

@@ -539,6 +539,10 @@ class MoEDeploymentStatus(ApiModel):
     )
     endpoint: str | None = Field(default=None, description="Base URL of the OpenAI-compatible API.")
     ray_service: str | None = Field(default=None, description="Name of the RayService this object owns (ray.mode KubeRay).")
+    ray_address: str | None = Field(default=None, description="Dashboard URL of the Ray cluster the application was "
+                                    "deployed to (ray.mode Existing). A spec that names another cluster, or the other "
+                                    "mode, is refused while it is set (Ready=False, InvalidSpec): the application "
+                                    "keeps serving where it is; delete the object to remove it, then create it anew.")
     replicas: int = Field(default=0, description="Ready replicas per shard group (the least across groups); the scale subresource reads it.")
     selector: str = Field(default="", description="Label selector of the Ray worker Pods (scale subresource) with mode "
                           "KubeRay; unset with mode Existing, whose replicas run as Ray actors in Pods the operator "

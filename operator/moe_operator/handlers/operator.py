@@ -139,6 +139,15 @@ def _client(spec: dict, namespace: str, memo: kopf.Memo) -> RayServeClient | Ren
     return memo.ray_clients.get(address, _token(spec, namespace, settings))
 
 
+def _served_client(spec: dict, namespace: str, status: dict, memo: kopf.Memo) -> RayServeClient | RenderOnlyClient:
+    """A client of the cluster the application was deployed to (status.rayAddress), which a spec
+    edited since may no longer name (the pass refuses to move it)."""
+    address = status.get("rayAddress")
+    if not address or memo.settings.ray_backend == RENDER_ONLY:
+        return _client(spec, namespace, memo)
+    return memo.ray_clients.get(address, _token(spec, namespace, memo.settings))
+
+
 def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict, memo: kopf.Memo):
     settings: Settings = memo.settings
     obj = ObjectRef(namespace, name, meta.get("generation", 0), meta.get("uid", ""))
@@ -182,7 +191,8 @@ def delete_handler(name: str, namespace: str, spec, meta, status, logger, memo: 
     if never_deployed(dict(status or {})):
         logger.info("nothing was deployed for %s/%s (never Ready); nothing to remove from Ray", namespace, name)
         return
-    if _kuberay_mode(spec_dict):
+    served = dict(status or {})
+    if served.get("rayService") or (_kuberay_mode(spec_dict) and not served.get("rayAddress")):
         # the owner reference lets the garbage collector do this too; deleting it here means the
         # finalizer is only released once the RayService (and with it the app) is gone
         try:
@@ -192,7 +202,7 @@ def delete_handler(name: str, namespace: str, spec, meta, status, logger, memo: 
         logger.info("deleted RayService %s/%s" if removed else "no RayService %s/%s of ours to delete", namespace, name)
         return
     try:
-        removed = remove_application(_client(spec_dict, namespace, memo), app_name(namespace, name),
+        removed = remove_application(_served_client(spec_dict, namespace, served, memo), app_name(namespace, name),
                                      settings.serve_http_port, host=settings.serve_http_host)
     except (RayServeError, OSError) as err:  # keep the finalizer until Ray confirms the app is gone
         raise kopf.TemporaryError(f"removing {app_name(namespace, name)}: {err}", delay=10)

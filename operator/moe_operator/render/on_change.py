@@ -101,10 +101,10 @@ WITH: dict[str, dict[str, object]] = {
 
 # fields whose change the Serve config of one cluster cannot show, and what it does instead
 NOT_RENDERED: dict[str, str] = {
-    "ray.mode": "the application is deployed the other way (replicas start anew); the operator does not remove "
-                "the old one: delete it, or delete and re-create the object",
-    "ray.address": "the application is deployed on the other cluster (replicas start there); the operator does "
-                   "not remove it from the first: delete it there, or delete and re-create the object",
+    "ray.mode": "refused while the application serves (Ready=False, InvalidSpec; it keeps serving): delete the "
+                "object and create it anew",
+    "ray.address": "refused while the application serves on another cluster (Ready=False, InvalidSpec; it keeps "
+                   "serving): delete the object and create it anew",
     "ray.authTokenSecretRef.name": OPERATOR,
     "ray.authTokenSecretRef.key": OPERATOR,
     "ray.kubeRay.rayVersion": "KubeRay builds a new Ray cluster and switches traffic to it once it serves",
