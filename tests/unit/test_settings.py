@@ -36,3 +36,19 @@ def test_every_variable_lands_in_its_field():
 def test_a_bad_value_is_refused_naming_the_variable(env, named):
     with pytest.raises(SettingsError, match=named.replace("(", r"\(")):
         Settings.from_env(env)
+
+
+def test_the_operator_refuses_to_start_on_a_bad_variable(monkeypatch):
+    """kopf retries a startup handler's ordinary errors forever; a setting that cannot work is
+    permanent: the operator exits with the variable's name."""
+    import kopf
+
+    from moe_operator.handlers.operator import configure
+
+    memo = kopf.Memo()
+    monkeypatch.setenv("MOE_SERVE_HTTP_PORT", "eighty")
+    with pytest.raises(kopf.PermanentError, match="MOE_SERVE_HTTP_PORT='eighty'"):
+        configure(settings=kopf.OperatorSettings(), memo=memo)
+    monkeypatch.setenv("MOE_SERVE_HTTP_PORT", "8100")
+    configure(settings=kopf.OperatorSettings(), memo=memo)
+    assert memo.settings.serve_http_port == 8100 and memo.autoscaler is not None

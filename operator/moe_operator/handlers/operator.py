@@ -26,7 +26,7 @@ from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.api.semantics import validate_semantics
 from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
 from moe_operator.merge_patch import merge_patch
-from moe_operator.settings import RENDER_ONLY, Settings
+from moe_operator.settings import RENDER_ONLY, Settings, SettingsError
 from moe_operator.reconcile import (
     ObjectRef, deployed_placement, keys_fingerprint, never_deployed, observe_live, placement_from_rayservice,
     reconcile, reconcile_kuberay, remove_application, unconfigured)
@@ -41,7 +41,10 @@ PREFIX = models.GROUP
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """kopf's settings, and the operator memo: our settings (a bad value stops the operator with
     the variable's name), the autoscaler, and the Ray clients (one write lock per cluster)."""
-    memo.settings = Settings.from_env(os.environ)
+    try:
+        memo.settings = Settings.from_env(os.environ)
+    except SettingsError as err:  # not retried: the operator exits, saying which variable
+        raise kopf.PermanentError(str(err)) from err
     memo.autoscaler = Autoscaler()
     memo.ray_clients = RayClients()
     memo.render_only = RenderOnlyClient(memo.settings.render_only_dir)
