@@ -36,4 +36,3 @@ def serve_service(namespace: str, name: str) -> str:
 def worker_selector(name: str) -> str:
     """Label selector of a RayService's worker Pods (the scale subresource's status.selector)."""
     return f"{MOEDEPLOYMENT_LABEL}={name},ray.io/node-type=worker"
-

@@ -125,10 +125,10 @@ def same_config(deployed: dict | None, ours: dict) -> bool:
 
 def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: float, attempts: int = 3,
                       host: str = "127.0.0.1") -> dict:
-    """Read-merge-write under the client's write lock (one writer at a time per Ray cluster in this
-    process: the Serve REST PUT replaces the whole config, so two concurrent read-merge-writes
-    would drop each other's application; clients of one cluster share it), then wait outside it; if another writer (another
-    process) replaced the config meanwhile and ours is gone, write again. When the cluster already
+    """Read-merge-write under the client's write lock (one writer at a time per Ray cluster in
+    this process: the Serve REST PUT replaces the whole config, so two concurrent read-merge-writes
+    would drop each other's application; clients of one cluster share it), then wait outside it;
+    if another writer (another process) replaced the config meanwhile and ours is gone, write again. When the cluster already
     runs our config, nothing is written (a steady pass makes no PUT)."""
     for _ in range(attempts):
         with client.write_lock:

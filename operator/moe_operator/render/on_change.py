@@ -100,6 +100,8 @@ WITH: dict[str, dict[str, object]] = {
 }
 
 # fields whose change the Serve config of one cluster cannot show, and what it does instead
+NEW_CLUSTER = "KubeRay builds a new Ray cluster and switches traffic to it once it serves"
+API_KEYS = f"{IN_PLACE} (the keys' digests reach the Ingress through its user_config)"
 NOT_RENDERED: dict[str, str] = {
     "ray.mode": "refused while the application serves (Ready=False, InvalidSpec; it keeps serving): delete the "
                 "object and create it anew",
@@ -107,14 +109,14 @@ NOT_RENDERED: dict[str, str] = {
                    "serving): delete the object and create it anew",
     "ray.authTokenSecretRef.name": OPERATOR,
     "ray.authTokenSecretRef.key": OPERATOR,
-    "ray.kubeRay.rayVersion": "KubeRay builds a new Ray cluster and switches traffic to it once it serves",
-    "ray.kubeRay.image": "KubeRay builds a new Ray cluster and switches traffic to it once it serves",
+    "ray.kubeRay.rayVersion": NEW_CLUSTER,
+    "ray.kubeRay.image": NEW_CLUSTER,
     "ray.kubeRay.workerReplicas": "KubeRay scales the running Ray cluster",
-    "ray.kubeRay.workerCpu": "KubeRay builds a new Ray cluster and switches traffic to it once it serves",
-    "ray.kubeRay.workerMemory": "KubeRay builds a new Ray cluster and switches traffic to it once it serves",
-    "ray.kubeRay.workerGpus": "KubeRay builds a new Ray cluster and switches traffic to it once it serves",
-    "ingress.apiKeySecretRef.name": f"{IN_PLACE} (the keys' digests reach the Ingress through its user_config)",
-    "ingress.apiKeySecretRef.key": f"{IN_PLACE} (the keys' digests reach the Ingress through its user_config)",
+    "ray.kubeRay.workerCpu": NEW_CLUSTER,
+    "ray.kubeRay.workerMemory": NEW_CLUSTER,
+    "ray.kubeRay.workerGpus": NEW_CLUSTER,
+    "ingress.apiKeySecretRef.name": API_KEYS,
+    "ingress.apiKeySecretRef.key": API_KEYS,
 }
 
 
@@ -161,6 +163,11 @@ def on_change(path: str) -> str:
     """What changing the field at `path` does to a running application."""
     if path in NOT_RENDERED:
         return NOT_RENDERED[path]
+    return classify(*(_render(raw) for raw in probe(path)))
+
+
+def probe(path: str) -> tuple[dict, dict]:
+    """The raw spec before and after the probe change of the field at `path`."""
     if path not in PROBES:
         raise KeyError(f"{path}: no probe value and no stated effect (moe_operator.render.on_change)")
     base = BASE
@@ -168,4 +175,4 @@ def on_change(path: str) -> str:
         base = _set(BASE, "experts.overrides[].expert", "0.1")
     for other, value in WITH.get(path, {}).items():
         base = _set(base, other, value)
-    return classify(_render(base), _render(_set(base, path, PROBES[path])))
+    return base, _set(base, path, PROBES[path])
