@@ -350,6 +350,7 @@ def deep_point(a, n: int) -> dict:
             steps = e1["steps"] - e0["steps"]
             per_step = {"loop_ms": ((e1["step_s"] - e0["step_s"]) - (e1["forward_s"] - e0["forward_s"])) / steps * 1000,
                         "dense_ms": (e1["dense_s"] - e0["dense_s"]) / steps * 1000,
+                        "dense_cpu_ms": (e1["dense_cpu_s"] - e0["dense_cpu_s"]) / steps * 1000,
                         "experts_ms": (e1["experts_s"] - e0["experts_s"]) / steps * 1000,
                         "shard_compute_ms": max(b["compute_s"] - a_["compute_s"] for a_, b in zip(s0, s1)) / steps * 1000,
                         "shard_handle_ms": max(b["channel"]["handle_s"] - a_["channel"]["handle_s"]
