@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 import yaml
 
 from moe_operator.api import conditions as cond
-from moe_operator.api.models import MoEDeploymentSpec
+from moe_operator.api.models import GroupStatus, MoEDeploymentSpec
 from moe_operator.api.semantics import validate_semantics
+from moe_operator.api.status import checked, dump
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.backends.ray_rest import RayServeClient, RayServeError, Unschedulable
 from moe_operator.metrics import RAY_APPLY_SECONDS
@@ -191,7 +192,7 @@ class _Outcome:
         self.set(cond.PROGRESSING, False, reason if not ok else cond.RECONCILED,
                  message if not ok else f"generation {g} applied")
         self.status["observedGeneration"] = g
-        return Result(self.status, (event_type, reason, message), retry, ok, placement or {})
+        return Result(checked(self.status), (event_type, reason, message), retry, ok, placement or {})
 
     def serving(self, message: str, step: transition.Step, events: list[tuple[str, str, str]]) -> Result:
         """Ready (Serving), and Progressing (Rebalancing) while the placement step is not done,
@@ -340,11 +341,9 @@ def observed_groups(cluster: dict, app: str, placement: dict[str, list[str]], de
         d = deployments.get(g)
         replicas = d.get("target_num_replicas", desired) if d else desired
         ready = sum(1 for r in d.get("replicas", []) if r.get("state") == "RUNNING") if d else desired
-        entry = {"name": g, "replicas": replicas, "readyReplicas": ready, "experts": len(experts)}
-        load = next((p.get("load") for p in previous or [] if p.get("name") == g), None)
-        if load is not None:  # the autoscaler's, kept until it measures again
-            entry["load"] = load
-        groups.append(entry)
+        load = next((p.get("load") for p in previous or [] if p.get("name") == g), None)  # the autoscaler's,
+        groups.append(dump(GroupStatus(name=g, replicas=replicas, ready_replicas=ready,  # kept until it measures again
+                                       experts=len(experts), load=load)))
     return groups
 
 
@@ -357,7 +356,7 @@ def observe_live(spec: MoEDeploymentSpec, status: dict, fetch=fetch_app_status) 
     report = fetch(endpoint.removesuffix("/v1"))
     if report is None:
         return {}, []
-    fields = summarise(spec, report, status)
+    fields = checked(summarise(spec, report, status))
     return fields, swap_transitions(status.get("lastSwaps") or [], fields["lastSwaps"])
 
 
@@ -417,8 +416,8 @@ def reconcile_kuberay(obj: ObjectRef, raw_spec: dict | None, status: dict, kuber
     state = service_state(observed, app["name"])
     healthy = healthy_deployments(observed, app["name"]) if state.ready or state.degraded else set()
     desired = spec.experts.replicas_per_group
-    status["groups"] = [{"name": g, "replicas": desired, "readyReplicas": desired if g in healthy else 0,
-                         "experts": len(experts)} for g, experts in sorted(step.shards.items())]
+    status["groups"] = [dump(GroupStatus(name=g, replicas=desired, ready_replicas=desired if g in healthy else 0,
+                                         experts=len(experts))) for g, experts in sorted(step.shards.items())]
     status["replicas"] = min((g["readyReplicas"] for g in status["groups"]), default=0)
     status["selector"] = worker_selector(name)  # KubeRay's worker Pods
     result.set(cond.DEGRADED, bool(state.degraded), cond.DEPLOYMENT_UNHEALTHY if state.degraded else cond.ALL_REPLICAS_READY,

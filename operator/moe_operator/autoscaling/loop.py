@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_operator.api.models import MoEDeploymentSpec
+from moe_operator.api.status import checked
 from moe_operator.autoscaling import policy
 from moe_operator.autoscaling.signals import (coefficient_of_variation, expert_load, group_load, layer_imbalance,
                                               mean_imbalance)
 from moe_operator.planner.rebalance import plan
 from moe_workers.rfc3339 import format_rfc3339, parse_rfc3339
-
 
 
 @dataclass
@@ -37,7 +37,16 @@ def autoscale(spec: MoEDeploymentSpec, status: dict, placement: dict[str, list[s
               replicas_running: int, request: str | None = None,
               co_selection: dict[tuple[str, str], float] | None = None) -> Pass:
     """`rates`: smoothed expert-tokens/s per (group, expert) over the window; `placement`: what the
-    ingress routes by now; `request`: the rebalance annotation's value (moectl rebalance)."""
+    ingress routes by now; `request`: the rebalance annotation's value (moectl rebalance). The
+    status it writes is checked against the CRD's schema (api/status.py)."""
+    out = _autoscale(spec, status, placement, rates, now, expert_bytes, replicas_running, request, co_selection)
+    checked({**out.status, "autoscaling": out.autoscaling})
+    return out
+
+
+def _autoscale(spec: MoEDeploymentSpec, status: dict, placement: dict[str, list[str]],
+               rates: dict[tuple[str, str], float], now: float, expert_bytes: int, replicas_running: int,
+               request: str | None, co_selection: dict[tuple[str, str], float] | None) -> Pass:
     a = spec.autoscaling
     auto = dict(status.get("autoscaling") or {})
     groups = sorted(placement)
