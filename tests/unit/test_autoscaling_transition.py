@@ -76,6 +76,12 @@ def test_placement_problem_and_current_placement():
     assert "outside" in placement_problem({**p, "ExpertShard-0": p["ExpertShard-0"] + ["5.0"]}, 2, 4, 2)
     assert "twice" in placement_problem({**p, "ExpertShard-0": p["ExpertShard-0"] * 2}, 2, 4, 2)
     assert "no copy" in placement_problem({"ExpertShard-0": [], "ExpertShard-1": ["0.0"]}, 2, 4, 2)
+    # ids are parsed as the CRD's schema parses them: " 0.1" or "01.1" would have been int()-ed to 0.1 and
+    # counted as that expert's copy, leaving 0.1 itself unhosted under a name the shards never serve
+    for odd in (" 0.1", "+0.1", "00.1", "0.1.0", "0.x"):
+        bad = {**p, "ExpertShard-0": [odd if e == "0.1" else e for e in p["ExpertShard-0"]],
+               "ExpertShard-1": [odd if e == "0.1" else e for e in p["ExpertShard-1"]]}
+        assert placement_problem(bad, 2, 4, 2).endswith(f"{odd!r} is not an expert id; expected LAYER.EXPERT, e.g. 3.12")
     # a rebalanced placement (a replica, uneven counts) is kept as deployed
     rebalanced = {"ExpertShard-0": ["0.0", "0.1", "0.2", "1.0"], "ExpertShard-1": ["0.2", "0.3", "1.1", "1.2", "1.3"]}
     assert current_placement(2, 4, 2, rebalanced) == rebalanced

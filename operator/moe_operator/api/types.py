@@ -7,11 +7,12 @@ the CRD's OpenAPI schema (the apiserver), so both reject the same input.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
 from typing import Annotated, Any, Callable
 
 from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
+
+from moe_workers.expert_ids import EXPERT_ID_PATTERN, ExpertId
 
 # Kubernetes resource.Quantity's regular expression, without the sign: no size here is negative,
 # and the apiserver refuses "-1Gi" as the parser does.
@@ -25,8 +26,6 @@ _DECIMAL_EXPONENT = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12,
 # Kubernetes keeps quantities in an int64; the schema's `maximum` is a float64, which cannot hold
 # 2**63 - 1 (it rounds up and overflows), so the bound both sides use is the largest float64 below it
 MAX_QUANTITY = 2**63 - 1024
-EXPERT_ID_PATTERN = r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$"
-_EXPERT_ID_RE = re.compile(EXPERT_ID_PATTERN)
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 
@@ -94,24 +93,6 @@ def _quantity_type(validator: Callable[[Any], int | str]) -> Any:
 
 Quantity = _quantity_type(_validate_quantity)
 Bytes = _quantity_type(_validate_bytes)  # whole bytes, at least 1
-
-
-@dataclass(frozen=True, order=True)
-class ExpertId:
-    """One expert: layer L, expert E, written `L.E` on every interface."""
-
-    layer: int
-    expert: int
-
-    @classmethod
-    def parse(cls, text: str) -> "ExpertId":
-        if not isinstance(text, str) or not _EXPERT_ID_RE.match(text):
-            raise ValueError(f"{text!r} is not an expert id; expected LAYER.EXPERT, e.g. 3.12")
-        layer, expert = text.split(".")
-        return cls(int(layer), int(expert))
-
-    def __str__(self) -> str:
-        return f"{self.layer}.{self.expert}"
 
 
 def _validate_expert_id(value: Any) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from moe_workers.expert_ids import expert_key
+from moe_workers.expert_ids import ExpertId, expert_key
 from moe_workers.serve.config import group_name  # the deployment names the app builder uses
 
 Placement = dict[str, list[str]]
@@ -83,10 +83,10 @@ def placement_problem(placement: Placement | None, layers: int | Iterable[int], 
             return f"{g} hosts an expert twice"
         for eid in experts:
             try:
-                layer, expert = (int(p) for p in eid.split("."))
-            except ValueError:
-                return f"{g}: {eid!r} is not an expert id"
-            if layer not in sparse or not 0 <= expert < num_experts:
+                parsed = ExpertId.parse(eid)
+            except ValueError as err:
+                return f"{g}: {err}"
+            if parsed.layer not in sparse or not 0 <= parsed.expert < num_experts:
                 return f"{g}: expert {eid} is outside the model"
             seen.add(eid)
     missing = len(sparse) * num_experts - len(seen)
