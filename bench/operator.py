@@ -8,8 +8,8 @@ A: one MoEDeployment on a local Ray head: seconds from `kubectl apply` to Ready=
    the operator's own work, Ray's (Serve config PUT -> app RUNNING), and the rest (watch latency,
    status write-back). C: passes over an unchanged spec, both backends (Ray REST on that head;
    KubeRay on a RayService CRD with KubeRay's structure): writes per pass (target 0). B: N MoEDeployments reconciled with the render-only Ray backend: time until
-   all are Ready, apiserver requests and operator CPU seconds per reconcile. Ends with
-   `figure: value` lines.
+   all are Ready, apiserver requests and operator CPU seconds per reconcile. Writes every result
+   to --out (JSON) and ends with `figure: value` lines.
 
 --node: on `scripts/testenv start --node` (images imported again, so the import is measured):
    the node's start, the images' import, `helm install` -> operator Pod Ready, the Ray head and
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import psutil
 import requests
+from figures import report
 
 REPO = Path(__file__).resolve().parents[1]
 KOPF = str(Path(sys.executable).with_name("kopf"))
@@ -214,7 +215,7 @@ def pod_state(cp: dict, namespace: str, selector: str) -> tuple[bool, bool]:
     return running, ready
 
 
-def node_bench() -> int:
+def node_bench(out: str) -> int:
     """Apply -> Ready with the operator, Ray and the model in Pods on a real node."""
     sys.path.insert(0, str(REPO / "tests"))
     from node_cluster import as_yaml, helm_install_args, moedeployment, ray_cluster
@@ -290,16 +291,19 @@ def node_bench() -> int:
     print(f"  watch latency + status write            {total - reconcile_s:7.2f} s")
     print(f"the same apply, operator and Ray as local processes: {local_total:.2f} s "
           f"(operator {local_reconcile - local_ray:.2f} s, Ray {local_ray:.2f} s)")
-    print()
-    print(f"node-start-s: {start_s:.1f}")
-    print(f"image-import-s: {import_s}")
-    print(f"ray-pods-ready-s: {ray_ready:.1f}")
-    print(f"operator-pod-ready-s: {op_ready:.1f}")
-    print(f"node-apply-to-ready-s: {total:.2f}")
-    print(f"node-operator-share-of-apply-to-ready: {operator_s / total:.2f}")
-    print(f"node-ray-share-of-apply-to-ready: {ray_s / total:.2f}")
-    print(f"node-vs-local-apply-to-ready: {total / local_total:.2f}")
-    return 0
+    figures = {"node-start-s": start_s, "image-import-s": import_s, "ray-pods-ready-s": ray_ready,
+               "operator-pod-ready-s": op_ready, "node-apply-to-ready-s": total,
+               "node-operator-share-of-apply-to-ready": operator_s / total,
+               "node-ray-share-of-apply-to-ready": ray_s / total, "node-vs-local-apply-to-ready": total / local_total}
+    results = {"node": {"start_s": start_s, "ready_s": node_s, "image_import_s": import_s},
+               "ray_pods": {"head_running_s": ray_running, "dashboard_ready_s": ray_ready,
+                            "worker_running_s": worker_running},
+               "operator_pod": {"helm_install_s": helm_s, "running_s": op_running, "ready_s": op_ready},
+               "apply_to_ready": {"total_s": total, "operator_s": operator_s, "ray_s": ray_s,
+                                  "watch_and_status_s": total - reconcile_s},
+               "local_apply_to_ready": {"total_s": local_total, "operator_s": local_reconcile - local_ray,
+                                        "ray_s": local_ray}}
+    return report(out, results, figures, digits=2)
 
 
 def metric_sum_at(host: str, port: int, name: str) -> float:
@@ -313,9 +317,12 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--count", type=int, default=None)
     p.add_argument("--node", action="store_true", help="everything in Pods on a real node (needs root)")
+    p.add_argument("--out", default=None, help="results as JSON (default bench/results/operator.json, "
+                   "operator-node.json with --node)")
     a = p.parse_args()
     if a.node:
-        return node_bench()
+        return node_bench(a.out or str(REPO / "bench" / "results" / "operator-node.json"))
+    a.out = a.out or str(REPO / "bench" / "results" / "operator.json")
     count = a.count or (10 if a.quick else 50)
     import urllib3
 
@@ -389,18 +396,22 @@ def main() -> int:
     print(f"  operator CPU                  {cpu:7.2f} s ({cpu / reconciles:.3f} s per reconcile)")
     print(f"  apiserver requests by the operator ~{operator_requests:.0f} ({operator_requests / reconciles:.1f} per reconcile;"
           f" all {requests_total:.0f}, of them the bench's own ~{ours:.0f})")
-    print()
-    print(f"apply-to-ready-s: {total:.2f}")
-    print(f"operator-share-of-apply-to-ready: {operator_s / total:.2f}")
-    print(f"ray-share-of-apply-to-ready: {ray_s / total:.2f}")
-    print(f"all-ready-{count}-s: {all_ready:.2f}")
-    print(f"cpu-seconds-per-reconcile: {cpu / reconciles:.3f}")
-    print(f"steady-writes-per-pass-rest: {rest_steady[0]:.1f}")
-    print(f"steady-writes-per-pass-kuberay: {kuberay_steady[0]:.1f}")
-    print(f"steady-pass-s-rest: {rest_steady[1]:.3f}")
-    print(f"api-requests-per-reconcile: {operator_requests / reconciles:.1f}")
-    return 0
-
+    figures = {"apply-to-ready-s": total, "operator-share-of-apply-to-ready": operator_s / total,
+               "ray-share-of-apply-to-ready": ray_s / total, f"all-ready-{count}-s": all_ready,
+               "cpu-seconds-per-reconcile": cpu / reconciles, "steady-writes-per-pass-rest": rest_steady[0],
+               "steady-writes-per-pass-kuberay": kuberay_steady[0], "steady-pass-s-rest": rest_steady[1],
+               "api-requests-per-reconcile": operator_requests / reconciles}
+    results = {"one_apply": {"total_s": total, "operator_s": operator_s, "ray_s": ray_s,
+                             "watch_and_status_s": total - reconcile_s},
+               "steady_passes": {"passes": STEADY_PASSES,
+                                 "rest": {"writes_per_pass": rest_steady[0], "pass_s": rest_steady[1],
+                                          "changed_pass_s": rest_steady[2]},
+                                 "kuberay": {"writes_per_pass": kuberay_steady[0], "pass_s": kuberay_steady[1],
+                                             "first_pass_s": kuberay_steady[2]}},
+               "many": {"count": count, "applications": apps, "all_ready_s": all_ready, "reconciles": reconciles,
+                        "operator_cpu_s": cpu, "operator_requests": operator_requests,
+                        "apiserver_requests": requests_total, "bench_requests": ours}}
+    return report(a.out, results, figures)
 
 if __name__ == "__main__":
     sys.exit(main())
