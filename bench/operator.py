@@ -273,7 +273,7 @@ def node_bench(out: str) -> int:
         # the reference, in the same run: the same apply with the operator and Ray as local processes
         kubectl(cp, "delete", "moed", "tiny", "--timeout=180s")
         subprocess.run([helm, "uninstall", "rel", "-n", "moe-system", "--wait"], check=True, capture_output=True, env=env)
-        local_total, local_reconcile, local_ray = local_apply_to_ready(cp, work, models / "tiny")
+        local_total, local_reconcile, local_ray, _ = local_apply_to_ready(cp, work, models / "tiny")
     finally:
         subprocess.run([str(REPO / "scripts" / "testenv"), "stop", str(work / "k8s")], check=False)
     operator_s = reconcile_s - ray_s
