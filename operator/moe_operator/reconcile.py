@@ -19,7 +19,8 @@ from moe_operator.api.models import GroupStatus, MoEDeploymentSpec
 from moe_operator.api.semantics import validate_semantics
 from moe_operator.api.status import checked, dump
 from moe_operator.api.validation import SpecError, parse_spec
-from moe_operator.backends.ray_rest import RayServeClient, RayServeError, Unschedulable
+from moe_operator.backends.ray_rest import RayServeError, Unschedulable
+from moe_operator.backends.serve_backend import ServeBackend
 from moe_operator.metrics import RAY_APPLY_SECONDS
 from moe_operator.observe import fetch_app_status, summarise, swap_transitions
 from moe_operator.autoscaling import transition
@@ -124,7 +125,7 @@ def same_config(deployed: dict | None, ours: dict) -> bool:
     return deployed is not None and deployed == ours
 
 
-def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: float, attempts: int = 3,
+def apply_application(client: ServeBackend, ours: dict, port: int, wait_s: float, attempts: int = 3,
                       host: str = "127.0.0.1") -> dict:
     """Read-merge-write under the client's write lock (one writer at a time per Ray cluster in
     this process: the Serve REST PUT replaces the whole config, so two concurrent read-merge-writes
@@ -149,7 +150,7 @@ def apply_application(client: RayServeClient, ours: dict, port: int, wait_s: flo
     raise RayServeError(f"application {ours['name']} was replaced by another writer {attempts} times in a row")
 
 
-def remove_application(client: RayServeClient, name: str, port: int, wait_s: float = 120.0,
+def remove_application(client: ServeBackend, name: str, port: int, wait_s: float = 120.0,
                        host: str = "127.0.0.1") -> bool:
     """Delete our application, keep everyone else's, and wait until Ray no longer lists it.
     False when it was not there."""
@@ -273,7 +274,7 @@ class ObjectRef:
     uid: str = ""  # the RayService's owner reference needs it (ray.mode KubeRay)
 
 
-def reconcile(obj: ObjectRef, raw_spec: dict | None, status: dict, client: RayServeClient, settings: Settings, *,
+def reconcile(obj: ObjectRef, raw_spec: dict | None, status: dict, client: ServeBackend, settings: Settings, *,
               spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status, wait_s: float = 600.0,
               api_key_digests: list[str] | None = None) -> Result:
     """ray.mode Existing (and standalone): the application on a Ray cluster through its REST API.

@@ -1,6 +1,7 @@
 """A Ray backend that only renders: it keeps the Serve config it is given in a file instead of
 deploying it. For benchmarking the control plane without Ray (bench/operator.py) and for
-inspecting exactly what would be applied. Same interface as RayServeClient."""
+inspecting exactly what would be applied. A ServeBackend (backends/serve_backend.py), as
+RayServeClient is."""
 
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ import kopf
 
 from moe_operator.api import models
 from moe_operator.backends.kuberay import KubeRayClient, KubeRayError
-from moe_operator.backends.ray_rest import RayClients, RayServeClient, RayServeError
+from moe_operator.backends.ray_rest import RayClients, RayServeError
 from moe_operator.backends.render_only import RenderOnlyClient
+from moe_operator.backends.serve_backend import ServeBackend
 from moe_operator.metrics import RECONCILES, RECONCILE_SECONDS, APPLIED_GENERATION, start_metrics_server
 from moe_operator.api import conditions as cond
 from moe_operator.api.validation import SpecError, parse_spec
@@ -131,7 +132,7 @@ def _token(spec: dict, namespace: str, settings: Settings) -> str | None:
     return settings.ray_token or None
 
 
-def _client(spec: dict, namespace: str, memo: kopf.Memo) -> RayServeClient | RenderOnlyClient:
+def _client(spec: dict, namespace: str, memo: kopf.Memo) -> ServeBackend:
     settings: Settings = memo.settings
     if settings.ray_backend == RENDER_ONLY:
         return memo.render_only
@@ -142,7 +143,7 @@ def _client(spec: dict, namespace: str, memo: kopf.Memo) -> RayServeClient | Ren
     return memo.ray_clients.get(address, _token(spec, namespace, settings))
 
 
-def _served_client(spec: dict, namespace: str, status: dict, memo: kopf.Memo) -> RayServeClient | RenderOnlyClient:
+def _served_client(spec: dict, namespace: str, status: dict, memo: kopf.Memo) -> ServeBackend:
     """A client of the cluster the application was deployed to (status.rayAddress), which a spec
     edited since may no longer name (the pass refuses to move it)."""
     address = status.get("rayAddress")

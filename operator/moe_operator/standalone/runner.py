@@ -22,7 +22,7 @@ from moe_operator.api.semantics import validate_semantics
 from moe_operator.api.pruning import prune, spec_schema
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
-from moe_operator.backends.ray_rest import RayServeClient
+from moe_operator.backends.serve_backend import ServeBackend
 from moe_operator.names import MANIFEST_ANNOTATION, OWNER_ANNOTATION, app_name
 from moe_operator.reconcile import ObjectRef, observe_live, reconcile, remove_application
 from moe_operator.settings import Settings
@@ -111,7 +111,7 @@ def load_manifest(path: Path) -> Manifest:
 @dataclass
 class StandaloneRunner:
     manifest_path: Path
-    client: RayServeClient
+    client: ServeBackend
     http_port: int
     allowed_roots: list[str]
     state_dir: Path = field(default_factory=default_state_dir)
