@@ -1,9 +1,12 @@
 """The Ray REST backend writes only on a change: on a real local Ray, a second reconcile pass of an
-unchanged spec makes no Serve config PUT and does not wait; a changed spec makes exactly one."""
+unchanged spec makes no Serve config PUT and does not wait; a changed spec makes exactly one. And
+scaling the Ingress applies in place: the shard replicas keep running (same processes) while the
+admission gate's capacity follows the new count."""
 
 from __future__ import annotations
 
 import pytest
+import requests
 
 from manifests import small_deployment
 from moe_operator.backends.ray_rest import RayServeClient
@@ -41,5 +44,19 @@ def test_steady_passes_make_no_put(ray_head, tmp_path):
         assert client.puts == 2
         deployed = client.get()["applications"][app_name("default", "steady")]["deployed_app_config"]
         assert deployed["args"]["max_batch_size"] == 4
+
+        url = f"http://127.0.0.1:{port}/steady/moe/v1/status"
+        before = requests.get(url, timeout=30).json()
+        assert before["admission_capacity"] == 4 + deployed["args"]["max_queued_requests"]  # batch + queue, 1 replica
+        scaled = {**changed, "ingress": {**changed["ingress"], "replicas": 2}}
+        res = reconcile(ObjectRef("default", "steady", 3), scaled, res.status, client, settings, wait_s=300)
+        assert res.ready, res.event
+        app = client.get()["applications"][app_name("default", "steady")]
+        assert app["deployed_app_config"]["args"] == deployed["args"]  # nothing static changed
+        ingress = app["deployments"]["Ingress"]
+        assert sum(r["state"] == "RUNNING" for r in ingress["replicas"]) == 2
+        after = requests.get(url, timeout=30).json()
+        assert sorted(r["pid"] for r in after["replicas"]) == sorted(r["pid"] for r in before["replicas"])
+        assert after["admission_capacity"] == 2 * before["admission_capacity"]
     finally:
         remove_application(client, app_name("default", "steady"), port)

@@ -146,3 +146,23 @@ def test_serve_checks_every_replica_often_enough_to_replace_a_killed_one_soon():
     assert ingress._deployment_config.health_check_period_s == HEALTH_CHECK_PERIOD_S
     assert sorted(shards) == ["ExpertShard-0", "ExpertShard-1"]
     assert all(s._bound_deployment._deployment_config.health_check_period_s == HEALTH_CHECK_PERIOD_S for s in shards.values())
+
+
+def test_scaling_the_ingress_is_in_place_and_the_admission_gate_follows_it():
+    """spec.ingress.replicas used to be a static arg (every replica, shards included, restarted
+    to scale the Ingress): now it is the Ingress deployment's num_replicas, with Serve's router
+    queue (max_queued_requests) and the capacity each Ingress replica announces to the proxy's
+    gate (its user_config) sized for the new count; the app's args are the same."""
+    from moe_operator.render.on_change import IN_PLACE, classify
+    from moe_workers.serve.config import AppArgs, admission_capacity
+
+    placement = initial_placement(2, 4, 2)
+    apps = [render_application("team-a", "mixtral", parse_spec({**VALID["spec"], "ingress": {"replicas": n,
+                                "maxBatchSize": 12, "maxQueuedRequests": 40}}), placement) for n in (1, 3)]
+    one, three = ({d["name"]: d for d in app["deployments"]}["Ingress"] for app in apps)
+    assert apps[0]["args"] == apps[1]["args"] and "ingress_replicas" not in apps[1]["args"]
+    assert (one["num_replicas"], three["num_replicas"]) == (1, 3)
+    assert three["user_config"]["ingress_replicas"] == 3
+    capacity = admission_capacity(AppArgs.model_validate({**apps[1]["args"], "ingress_replicas": 3}))
+    assert three["max_queued_requests"] == capacity == 3 * (12 + 40) and one["max_queued_requests"] == 12 + 40
+    assert classify(apps[0], apps[1]) == IN_PLACE

@@ -1,8 +1,9 @@
 """What changing each spec field does to a running application, found by rendering (pure).
 
 Ray Serve applies a changed config to running replicas only for its lightweight options
-(num_replicas, autoscaling_config, user_config, max_ongoing_requests, the graceful-shutdown and
-health-check settings: "Updating Applications In-Place" in Serve's docs); any other change to a
+(num_replicas, autoscaling_config, user_config, max_ongoing_requests, max_queued_requests, the
+graceful-shutdown and health-check settings: "Updating Applications In-Place" in Serve's docs; the
+update types in Serve's DeploymentConfig); any other change to a
 deployment, and any change to the application's `args`, `import_path` or `runtime_env`, replaces
 its replicas. So each field's effect is read off the Serve config we render: `classify` compares
 two rendered applications, and `on_change` renders a base spec before and after setting one field
@@ -23,7 +24,7 @@ IN_PLACE = "in place"
 RESTART = "restarts replicas"
 OPERATOR = "operator only"  # read by the operator (or the planner); the rendered application is the same
 
-LIGHTWEIGHT = {"num_replicas", "autoscaling_config", "user_config", "max_ongoing_requests",
+LIGHTWEIGHT = {"num_replicas", "autoscaling_config", "user_config", "max_ongoing_requests", "max_queued_requests",
                "graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s", "health_check_period_s",
                "health_check_timeout_s"}
 APP_STATIC = ("import_path", "args", "runtime_env", "route_prefix")  # route_prefix: not on Serve's in-place list

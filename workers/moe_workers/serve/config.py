@@ -1,9 +1,11 @@
 """App builder arguments and the Serve config for them (no torch here: the operator imports it).
 
-What changes often lives in each deployment's `user_config` (expert placement) and
-`num_replicas`: Serve applies those in place, without restarting replicas. Everything in the
-builder's `args` is static: Serve hashes args into the app's code version, so changing them
-restarts every replica.
+What changes often lives in each deployment's `user_config` (expert placement), `num_replicas`
+and `max_queued_requests`: Serve applies those in place, without restarting replicas. Everything
+in the builder's `args` is static: Serve hashes args into the app's code version, so changing them
+restarts every replica. So the Ingress' replica count is not in the args of a rendered config: it
+is the Ingress deployment's `num_replicas`, with the admission gate's size (`max_queued_requests`
+and the capacity each Ingress replica announces, from its user_config) following it.
 """
 
 from __future__ import annotations
@@ -157,17 +159,20 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
     `placement` is what the ingress routes by; `shard_experts` (default: the placement) what each
     group hosts, a superset while a new placement is applied make-before-break.
     `api_key_digests`: SHA-256 digests of the API keys /v1/* requires (none: open)."""
-    static = args.model_copy(update={"placement": None}).model_dump(exclude_none=True)
+    # placement and the Ingress' replica count are in-place options below, not static args
+    static = args.model_copy(update={"placement": None}).model_dump(exclude_none=True, exclude={"ingress_replicas"})
     hosts = shard_experts if shard_experts is not None else placement
     unknown = sorted((set(placement) | set(hosts)) - set(args.group_names()))
     if unknown:
         raise ValueError(f"placement names groups outside 0..{args.num_groups - 1}: {', '.join(unknown)}")
-    ingress_config: dict = {"placement": {g: list(placement.get(g, [])) for g in args.group_names()}}
+    ingress_config: dict = {"placement": {g: list(placement.get(g, [])) for g in args.group_names()},
+                            "ingress_replicas": args.ingress_replicas}
     if prefetch_lookahead:
         ingress_config["prefetch_lookahead"] = prefetch_lookahead
     if api_key_digests:
         ingress_config["api_keys_sha256"] = sorted(api_key_digests)
-    deployments = [{"name": INGRESS, "user_config": ingress_config}]
+    deployments = [{"name": INGRESS, "num_replicas": args.ingress_replicas,
+                    "max_queued_requests": admission(args)["max_queued_requests"], "user_config": ingress_config}]
     for g in args.group_names():
         n = replicas_per_group if isinstance(replicas_per_group, int) else replicas_per_group.get(g, 1)
         hosted = list(hosts.get(g, []))

@@ -198,7 +198,9 @@ class Ingress:
         fastapi_app.state.admission_capacity = admission_capacity(self.args)
 
     def reconfigure(self, config: dict) -> None:
-        """user_config {"placement": {group: [L.E, ...]}} re-points routing without a restart."""
+        """user_config {"placement": {group: [L.E, ...]}} re-points routing without a restart;
+        "ingress_replicas" (how many Ingress replicas the app runs now) resizes the capacity this
+        replica announces to the proxy's admission gate, so scaling the Ingress restarts nothing."""
         placement = config.get("placement") or {}
         unknown = sorted(set(placement) - set(self.shards))
         if unknown:
@@ -210,6 +212,8 @@ class Ingress:
                              + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
         self.router = router
         self.prefetch_lookahead = int(config.get("prefetch_lookahead", 0))
+        replicas = int(config.get("ingress_replicas", self.args.ingress_replicas))
+        fastapi_app.state.admission_capacity = admission_capacity(self.args.model_copy(update={"ingress_replicas": replicas}))
         fastapi_app.state.api_keys_sha256 = list(config.get("api_keys_sha256") or [])
 
     def _members(self) -> tuple[list[Member], str]:
@@ -561,6 +565,7 @@ class Ingress:
         spares = await self.board.spares.remote() if self.board is not None else {}
         return {"model": self.args.served_model_name, "placement": self.router.placement if self.router else {},
                 "prefetch_lookahead": self.prefetch_lookahead, "ingress": self.engine_stats(), "replicas": replicas,
+                "admission_capacity": fastapi_app.state.admission_capacity,
                 "spares": spares,
                 "channel": {"members": self.channel.members(), **self.channel.stats,
                             "last_membership_error": self.channel.last_membership_error,
