@@ -17,7 +17,7 @@ import yaml
 from moe_operator.api import conditions as cond
 from moe_operator.api.models import GroupStatus, MoEDeploymentSpec
 from moe_operator.api.semantics import validate_semantics
-from moe_operator.api.status import checked, dump
+from moe_operator.api.status import FIELDS as STATUS_FIELDS, checked, dump
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.backends.ray_rest import RayServeError, Unschedulable
 from moe_operator.backends.serve_backend import ServeBackend
@@ -176,7 +176,9 @@ class _Outcome:
     """Builds a pass's Result: Ready/Progressing written through the pure condition helper."""
 
     def __init__(self, status: dict, generation: int):
-        self.status = {k: v for k, v in (status or {}).items()}
+        # what the CRD keeps, as the apiserver would prune it (a status file an older version wrote
+        # may hold a field since removed); what the pass adds is checked when it returns
+        self.status = {k: v for k, v in (status or {}).items() if k in STATUS_FIELDS}
         self.generation = generation
 
     @property

@@ -30,6 +30,19 @@ def test_a_field_the_crd_does_not_have_is_refused_naming_it(status, message):
     assert message in str(err.value)
 
 
+def test_a_field_an_older_version_wrote_is_dropped_not_refused(tmp_path):
+    """A stored status (a standalone status file) may hold a field since removed from the CRD: the
+    pass drops it, as the apiserver prunes it, instead of failing every pass on it."""
+    model = write_random_mixtral(tmp_path / "tiny", num_layers=2, num_experts=4, hidden_size=32,
+                                 intermediate_size=64, vocab_size=128)
+    raw = small_deployment("m", str(model), groups=2, num_cpus=0.1, autoscaling={"mode": "Off"})["spec"]
+    res = reconcile(ObjectRef("default", "m", 1), raw, {"retiredField": 1, "replicas": 0},
+                    RenderOnlyClient(str(tmp_path / "ray")), Settings(allowed_roots=(str(tmp_path),)),
+                    fetch=lambda url: None, wait_s=5)
+    assert res.ready, res.event
+    assert "retiredField" not in res.status and res.status["replicas"] == 1
+
+
 def test_removals_pass():
     assert checked({k: None for k in FIELDS}) == {k: None for k in FIELDS}  # a merge patch's removals
 
