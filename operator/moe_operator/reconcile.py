@@ -130,8 +130,9 @@ def apply_application(client: ServeBackend, ours: dict, port: int, wait_s: float
     """Read-merge-write under the client's write lock (one writer at a time per Ray cluster in
     this process: the Serve REST PUT replaces the whole config, so two concurrent read-merge-writes
     would drop each other's application; clients of one cluster share it), then wait outside it;
-    if another writer (another process) replaced the config meanwhile and ours is gone, write again. When the cluster already
-    runs our config, nothing is written (a steady pass makes no PUT)."""
+    if another writer (another process) replaced the config meanwhile and ours is gone, write
+    again. When the cluster already runs our config, nothing is written (a steady pass makes no
+    PUT)."""
     for _ in range(attempts):
         with client.write_lock:
             current = client.get()
@@ -344,9 +345,10 @@ def observed_groups(cluster: dict, app: str, placement: dict[str, list[str]], de
         d = deployments.get(g)
         replicas = d.get("target_num_replicas", desired) if d else desired
         ready = sum(1 for r in d.get("replicas", []) if r.get("state") == "RUNNING") if d else desired
-        load = next((p.get("load") for p in previous or [] if p.get("name") == g), None)  # the autoscaler's,
-        groups.append(dump(GroupStatus(name=g, replicas=replicas, ready_replicas=ready,  # kept until it measures again
-                                       experts=len(experts), load=load)))
+        # the autoscaler's load, kept until it measures again
+        load = next((p.get("load") for p in previous or [] if p.get("name") == g), None)
+        groups.append(dump(GroupStatus(name=g, replicas=replicas, ready_replicas=ready, experts=len(experts),
+                                       load=load)))
     return groups
 
 

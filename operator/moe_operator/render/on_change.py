@@ -3,11 +3,11 @@
 Ray Serve applies a changed config to running replicas only for its lightweight options
 (num_replicas, autoscaling_config, user_config, max_ongoing_requests, max_queued_requests, the
 graceful-shutdown and health-check settings: "Updating Applications In-Place" in Serve's docs; the
-update types in Serve's DeploymentConfig); any other change to a
-deployment, and any change to the application's `args`, `import_path` or `runtime_env`, replaces
-its replicas. So each field's effect is read off the Serve config we render: `classify` compares
-two rendered applications, and `on_change` renders a base spec before and after setting one field
-to another valid value (`PROBES`). The API reference shows the result per field
+update types in Serve's DeploymentConfig); any other change to a deployment, and any change to
+the application's `args`, `import_path` or `runtime_env`, replaces its replicas. So each field's
+effect is read off the Serve config we render: `classify` compares two rendered applications, and
+`on_change` renders a base spec before and after setting one field to another valid value
+(`PROBES`). The API reference shows the result per field
 (moe_operator.reference), and a test checks that every field of the spec has a probe or a stated
 reason (`NOT_RENDERED`), so a new field cannot go unclassified.
 """

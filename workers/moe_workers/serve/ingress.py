@@ -213,7 +213,8 @@ class Ingress:
         self.router = router
         self.prefetch_lookahead = int(config.get("prefetch_lookahead", 0))
         replicas = int(config.get("ingress_replicas", self.args.ingress_replicas))
-        fastapi_app.state.admission_capacity = admission_capacity(self.args.model_copy(update={"ingress_replicas": replicas}))
+        now = self.args.model_copy(update={"ingress_replicas": replicas})
+        fastapi_app.state.admission_capacity = admission_capacity(now)
         fastapi_app.state.api_keys_sha256 = list(config.get("api_keys_sha256") or [])
 
     def _members(self) -> tuple[list[Member], str]:
