@@ -99,10 +99,12 @@ class NodeEnv(KubeEnv):
     ray_image: str = ""
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def k8s_node(tmp_path_factory) -> NodeEnv:
     """`scripts/testenv start --node`: its own apiserver on the node's bridge, a kubelet, kube-proxy,
-    scheduler and controller-manager, the operator and Ray images imported. Needs root."""
+    scheduler and controller-manager, the operator and Ray images imported. Needs root. Module
+    scope: stopped once the node tests are done, not held idle through the rest of the suite
+    (seven servers and containerd on CI's two cores)."""
     bin_dir = _cache_bin()
     missing = [b for b in ("kubelet", "kube-proxy", "kube-scheduler", "kube-controller-manager", "pause")
                if not (bin_dir / b).exists()]
