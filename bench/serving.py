@@ -58,11 +58,13 @@ def parse_args():
                    help="depth sweep: torch threads in-process and of the served ingress (1: the app's default, and "
                         "the faster setting for batch-1 decode on both sides)")
     p.add_argument("--deep-rounds", type=int, default=5, help="depth sweep: interleaved rounds per depth")
-    p.add_argument("--deep-channels", default="unix,unix-idle,tcp",
+    p.add_argument("--deep-channels", default="unix,unix-fair,tcp",
                    help="depth sweep: how the ingress reaches its shard replicas (all on one node), each measured "
                         "in every round; the first one gives the main figures. unix, tcp: with the app's defaults "
-                        "(poll for replies: exchange_spin_us; CPU wake-up latency asked for: cpu_wake_latency_us); "
-                        "-sleep: without the poll; -idle: without the wake-up latency request; -float: the shard "
+                        "(poll for replies: exchange_spin_us; CPU wake-up latency asked for: cpu_wake_latency_us; small steps "
+                        "under SCHED_RR: realtime_priority); "
+                        "-sleep: without the poll; -idle: without the wake-up latency request; -fair: the step "
+                        "threads in the fair class (realtime_priority 0) instead of SCHED_RR; -float: the shard "
                         "replicas' threads on every CPU (the kernel places them) instead of the CPUs each took "
                         "(pin_shard_cpus) (modifiers combine: unix-sleep-idle)")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
@@ -359,7 +361,7 @@ def deep_point(a, n: int) -> dict:
 
         from ray import serve
 
-        from moe_workers.serve.config import CPU_WAKE_LATENCY_US, EXCHANGE_SPIN_US
+        from moe_workers.serve.config import CPU_WAKE_LATENCY_US, EXCHANGE_SPIN_US, REALTIME_PRIORITY
         from moe_workers.serve.cpus import pin_process
 
         ingress = serve.get_app_handle("bench")
@@ -370,9 +372,11 @@ def deep_point(a, n: int) -> dict:
             way, *mods = channel.split("-")
             spin = 0 if "sleep" in mods else EXCHANGE_SPIN_US
             wake = None if "idle" in mods else CPU_WAKE_LATENCY_US
-            ingress.tune_channel.remote(local=way == "unix", spin_us=spin, wake_latency_us=wake).result()
+            rt = 0 if "fair" in mods else REALTIME_PRIORITY
+            ingress.tune_channel.remote(local=way == "unix", spin_us=spin, wake_latency_us=wake,
+                                        realtime_priority=rt).result()
             for h in shard_handles:
-                h.tune_channel.remote(wake).result()
+                h.tune_channel.remote(wake, rt).result()
             for shard in stats()[1]:  # -float: undo the pinning from here, for this round
                 pin_process(shard["cpu_affinity"]["cpus"] if "float" not in mods and shard["cpu_affinity"]["cpus"]
                             else sorted(os.sched_getaffinity(0)), shard["pid"])
@@ -384,20 +388,37 @@ def deep_point(a, n: int) -> dict:
             wake = [sh["channel"]["wake_latency"] for sh in stats()[1]]
             cpus = [sh["cpu_affinity"] for sh in stats()[1]]
             print(f"  {channel}: shards' CPU wake-up latency request {wake}; CPUs taken {cpus}", flush=True)
+        from moe_workers.transport.realtime import Realtime
+
+        rr = Realtime(REALTIME_PRIORITY, max_rows=1)
+
+        def local_rr_ms() -> float:
+            """In-process with this thread under SCHED_RR as the served app's step threads run:
+            the reference given the same claim on the CPU (nan where it cannot be taken)."""
+            rr.enter(1)
+            try:
+                return local_ms() if not rr.error else float("nan")
+            finally:
+                rr.enter(2)  # back to the fair class
+
         for _ in range(a.deep_rounds):
             lm = local_ms()
-            rnd = {"in_process_ms": lm, "by_channel": {}}
+            lm_rr = local_rr_ms()
+            rnd = {"in_process_ms": lm, "in_process_rr_ms": lm_rr, "by_channel": {}}
             for channel in channels:
                 use(channel)
                 sm, per_step = served_ms()
                 rnd["by_channel"][channel] = {"served_ms": sm, "ratio": lm / sm, "dispatch_ms_per_layer": (sm - lm) / n,
                                               "served_per_step": per_step}
-                print(f"  round: in-process {lm:.2f} ms/token, served over {channel} {sm:.2f} ms/token ({lm / sm:.2f}); "
+                print(f"  round: in-process {lm:.2f} ms/token ({lm_rr:.2f} under SCHED_RR), served over {channel} {sm:.2f} ms/token ({lm / sm:.2f}); "
                       "per step " + ", ".join(f"{k} {v:.2f}" for k, v in per_step.items()), flush=True)
             rnd.update(rnd["by_channel"][channels[0]])
             rounds.append(rnd)
     med = lambda k, c=channels[0]: statistics.median(r["by_channel"][c][k] for r in rounds)  # noqa: E731
+    lm_rr = statistics.median(r["in_process_rr_ms"] for r in rounds)
+    served = med("served_ms")
     return {"layers": n, "channel": channels[0], "in_process_ms_per_token": statistics.median(r["in_process_ms"] for r in rounds),
+            "in_process_rr_ms_per_token": lm_rr, "ratio_vs_rr": lm_rr / served, "dispatch_ms_per_layer_vs_rr": (served - lm_rr) / n,
             "served_ms_per_token": med("served_ms"), "ratio": med("ratio"), "dispatch_ms_per_layer": med("dispatch_ms_per_layer"),
             "by_channel": {c: {"served_ms_per_token": med("served_ms", c), "ratio": med("ratio", c),
                                "dispatch_ms_per_layer": med("dispatch_ms_per_layer", c),
@@ -424,6 +445,8 @@ def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
         rows.append(row)
         figures[f"decode1-ratio-{n}-layers"] = row["ratio"]
         figures[f"dispatch-ms-per-layer-{n}-layers"] = row["dispatch_ms_per_layer"]
+        figures[f"decode1-ratio-vs-rr-{n}-layers"] = row["ratio_vs_rr"]
+        figures[f"dispatch-ms-per-layer-vs-rr-{n}-layers"] = row["dispatch_ms_per_layer_vs_rr"]
         for channel, by in list(row["by_channel"].items())[1:]:
             figures[f"decode1-ratio-{channel}-{n}-layers"] = by["ratio"]
             figures[f"dispatch-ms-per-layer-{channel}-{n}-layers"] = by["dispatch_ms_per_layer"]
@@ -435,6 +458,7 @@ def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
             for channel, by in r["by_channel"].items():
                 print(f"{r['layers']:6} {channel:>11} {r['in_process_ms_per_token']:20.2f} {by['served_ms_per_token']:16.2f} "
                       f"{by['ratio']:18.2f} {by['dispatch_ms_per_layer']:18.3f} {by['loop_ms_per_step']:18.3f}")
+            print(f"{r['layers']:6} {'(in-process under SCHED_RR: ' + format(r['in_process_rr_ms_per_token'], '.2f') + ' ms/token; ' + r['channel'] + ' against it: ratio ' + format(r['ratio_vs_rr'], '.2f') + ', dispatch ' + format(r['dispatch_ms_per_layer_vs_rr'], '.3f') + ' ms/layer)'}")
         figures["dispatch-ms-per-layer"] = max(r["dispatch_ms_per_layer"] for r in rows)
     return rows, figures
 

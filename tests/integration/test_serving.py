@@ -282,6 +282,45 @@ def test_the_cpu_wake_latency_request_is_held_while_decoding_or_its_reason_repor
             assert not w["held"] and "/dev/cpu_dma_latency" in w["error"], got
 
 
+def test_decode_steps_run_real_time_on_the_ingress_and_every_shard(served):
+    """While decode steps run, the ingress' step thread and each shard replica's channel thread
+    run under SCHED_RR (priority 1, the default; the replicas run as root here): their status
+    counts them, and the kernel says so of their threads (/proc: the replicas run on this host).
+    No other thread of theirs is real-time."""
+    url = served[0]
+    stop = threading.Event()
+
+    def decode():
+        while not stop.is_set():
+            _complete(url, prompt=[3, 4, 5], max_tokens=16)
+
+    t = threading.Thread(target=decode)
+    t.start()
+    try:
+        def states():
+            status = requests.get(url + "/moe/v1/status", timeout=30).json()
+            got = [status["channel"]["realtime"], *(r["channel"]["realtime"] for r in status["replicas"])]
+            done = all(r["threads"] >= 1 or r["error"] for r in got) and len(status["replicas"]) >= 4
+            return (status, got) if done else None
+
+        status, got = wait_for(states, timeout_s=30, what="every replica's step threads real-time")
+    finally:
+        stop.set()
+        t.join()
+    assert all(r["priority"] == 1 and r["error"] == "" and r["threads"] >= 1 for r in got), got
+    pids = [status["ingress"]["pid"], *(r["pid"] for r in status["replicas"])]
+    for pid, state in zip(pids, got):
+        classes = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                classes[int(tid)] = os.sched_getscheduler(int(tid))
+            except OSError:  # the thread ended
+                pass
+        real_time = [tid for tid, cls in classes.items() if cls == os.SCHED_RR]
+        assert 1 <= len(real_time) <= state["threads"], (pid, state, classes)
+        assert len(real_time) < len(classes)  # the process' other threads (event loop, metrics) are fair
+
+
 def test_shard_replicas_run_on_cpus_of_their_own_while_there_are_free_ones(served):
     """Each shard replica takes a CPU no other live replica holds and runs every thread there
     (checked from /proc: the replicas run on this host); one that finds none free, or runs under

@@ -55,6 +55,25 @@ def test_the_cpu_wake_latency_request_is_rendered_into_the_args_and_can_be_turne
         parse_spec({**VALID["spec"], "ingress": {"cpuWakeLatencyMicroseconds": -2}})
 
 
+def test_the_real_time_priority_is_rendered_to_the_ingress_and_the_shards_and_can_be_turned_off():
+    from moe_workers.serve.app import build_app
+    from moe_workers.serve.config import AppArgs
+
+    placement = initial_placement(2, 4, 2)
+    default = render_application("team-a", "mixtral", parse_spec(VALID["spec"]), placement)["args"]
+    assert default["realtime_priority"] == 1
+    for spec_value in (0, 5):
+        spec = parse_spec({**VALID["spec"], "ingress": {"realtimePriority": spec_value}})
+        args = render_application("team-a", "mixtral", spec, placement)["args"]
+        assert args["realtime_priority"] == spec_value
+        app = build_app(AppArgs.model_validate({**args, "placement": placement}))._bound_deployment
+        assert AppArgs.model_validate(app.init_args[0]).realtime_priority == spec_value  # the Ingress
+        assert [s._bound_deployment.init_args[8] for s in app.init_args[1].values()] == [spec_value] * 2
+    for bad in (-1, 100):
+        with pytest.raises(Exception, match="realtimePriority|realtime_priority"):
+            parse_spec({**VALID["spec"], "ingress": {"realtimePriority": bad}})
+
+
 def test_shards_take_cpus_of_their_own_unless_turned_off():
     from moe_workers.serve.app import build_app
     from moe_workers.serve.config import AppArgs

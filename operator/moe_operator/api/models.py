@@ -213,6 +213,14 @@ class IngressSpec(ApiModel):
         "to the device in the Ray containers (else it is not taken and the replicas' status says why); it "
         "changes the whole node's power management while held.",
     )
+    realtime_priority: int = Field(
+        default=1, ge=0, le=99,
+        description="While a decode step runs (a step of 32 rows or fewer: tokens x topK), the threads on its "
+        "path (the Ingress' step thread, each shard replica's channel threads) run under SCHED_RR at this "
+        "priority, so a woken one preempts background work (Ray's daemons, metrics) at once instead of waiting "
+        "for its turn; larger steps run in the fair class. Needs CAP_SYS_NICE (or RLIMIT_RTPRIO) in the Ray "
+        "containers, else it is not taken and the replicas' status says why. 0 never asks.",
+    )
     api_key_secret_ref: SecretKeyRef | None = Field(
         default=None,
         description="API keys for /v1/*: a Secret key holding one key per line. With keys set, every "

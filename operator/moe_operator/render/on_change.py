@@ -61,6 +61,7 @@ PROBES: dict[str, object] = {
     "ingress.maxQueuedRequests": 128,
     "ingress.maxRequestBytes": "8Mi",
     "ingress.cpuWakeLatencyMicroseconds": 20,
+    "ingress.realtimePriority": 0,
     "experts.groups": 4,
     "experts.replicasPerGroup": 2,
     "experts.numCpus": 2,

@@ -46,6 +46,7 @@ def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None
         max_queued_requests=spec.ingress.max_queued_requests,
         max_request_bytes=quantity_bytes(spec.ingress.max_request_bytes),
         cpu_wake_latency_us=spec.ingress.cpu_wake_latency_microseconds,
+        realtime_priority=spec.ingress.realtime_priority,
         num_groups=spec.experts.groups,
         ingress_replicas=spec.ingress.replicas,
         ingress_num_cpus=spec.ingress.num_cpus,

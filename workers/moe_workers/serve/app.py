@@ -30,7 +30,8 @@ def build_app(args: AppArgs) -> serve.Application:
             options["user_config"] = {"experts": list(placement.get(name, []))}
         shards[name] = ExpertShard.options(**options).bind(args.model_path, args.dtype, args.torch_threads,
                                                            args.allowed_weight_roots, board, args.family,
-                                                           args.wake_latency_us(), args.pin_shard_cpus)
+                                                           args.wake_latency_us(), args.pin_shard_cpus,
+                                                           args.realtime_priority)
     options = {"name": INGRESS, "num_replicas": args.ingress_replicas, "health_check_period_s": HEALTH_CHECK_PERIOD_S,
                "ray_actor_options": {"num_cpus": args.ingress_num_cpus, "num_gpus": args.ingress_num_gpus},
                **admission(args)}

@@ -38,6 +38,9 @@ EXCHANGE_SPIN_US = 1000
 # the CPU wake-up latency the channel's processes ask for while exchanges run (moe_workers.transport.wakeup):
 # 0 leaves idle CPUs polling, so a woken replica runs at once
 CPU_WAKE_LATENCY_US = 0
+# the SCHED_RR priority of the threads on a small step's path (moe_workers.transport.realtime):
+# the lowest real-time one, which preempts every fair-class task; 0 never asks
+REALTIME_PRIORITY = 1
 
 
 class AppArgs(BaseModel):
@@ -79,6 +82,11 @@ class AppArgs(BaseModel):
                                      "idle states slower than this to leave (PM QoS, /dev/cpu_dma_latency: needs "
                                      "write access to it, else nothing changes and status says why); dropped 2 s "
                                      "after the last exchange. -1: never ask.")
+    realtime_priority: int = Field(default=REALTIME_PRIORITY, ge=0, le=99, description="While a step "
+                                   "of 32 rows or fewer runs (a decode step), the threads on its path (the ingress' "
+                                   "step thread, each shard replica's channel threads) run under SCHED_RR at this "
+                                   "priority, so a woken one preempts background work at once (needs CAP_SYS_NICE "
+                                   "or RLIMIT_RTPRIO, else nothing changes and status says why). 0: never ask.")
     local_channel: bool = Field(default=True, description="Reach shard replicas on the ingress' own node over a "
                                 "Unix socket (Linux's abstract namespace) instead of TCP loopback; TCP when that fails.")
     max_request_bytes: int = Field(default=4 * 2**20, ge=1024, description="Largest HTTP request body; a larger "

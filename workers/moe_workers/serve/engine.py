@@ -28,6 +28,7 @@ import torch
 
 from moe_workers.model.dense import Chunk, DenseModel, KVCache, StepBatch
 from moe_workers.model.sampling import sample
+from moe_workers.transport.realtime import Realtime
 
 Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # runs in a step thread
 
@@ -90,8 +91,11 @@ class StepTimings:
 class Engine:
     def __init__(self, dense: DenseModel, cache: KVCache, dispatch: Dispatcher, max_batch_size: int,
                  max_queued: int, micro_batches: int = 1, micro_batch_min_tokens: int = 256,
-                 routing_stats=None, observer: Observer | None = None):
+                 routing_stats=None, observer: Observer | None = None, realtime: Realtime | None = None):
+        """`realtime`: the real-time class a step's thread takes for a small step (its rows: the
+        step's tokens x top_k, what its exchanges carry at most), or None: never."""
         self.dense = dense
+        self.realtime = realtime
         self.routing_stats = routing_stats  # RoutingStats, or None
         self.observer = observer or Observer()
         self.cache = cache
@@ -258,6 +262,8 @@ class Engine:
         one inference-mode region (entering one costs a few microseconds; a step entered four a
         layer)."""
         t0 = time.perf_counter()
+        if self.realtime is not None:
+            self.realtime.enter(batch.num_tokens * self.dense.cfg.top_k)
         try:
             with torch.inference_mode():
                 return self._forward_steps(batch)

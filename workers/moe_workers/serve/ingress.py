@@ -42,6 +42,7 @@ from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.serve.node import ray_placement
 from moe_workers.transport import ExpertChannel, ExpertsUnavailable, Member, Part
+from moe_workers.transport.realtime import Realtime
 
 fastapi_app = FastAPI(title="moe-operator", docs_url=None, redoc_url=None)
 
@@ -182,7 +183,7 @@ class Ingress:
         self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
                              engine_queue_limit(self.args), self.args.micro_batches,
                              self.args.micro_batch_min_tokens, routing_stats=self.routing_stats,
-                             observer=self.metrics)
+                             observer=self.metrics, realtime=Realtime(self.args.realtime_priority))
         threading.Thread(target=self._export_metrics, name="ingress-metrics", daemon=True).start()
         tok_file = Path(self.args.model_path) / "tokenizer.json"
         self.tokenizer = None
@@ -570,21 +571,25 @@ class Ingress:
                 "spares": spares,
                 "channel": {"members": self.channel.members(), **self.channel.stats,
                             "last_membership_error": self.channel.last_membership_error,
-                            "wake_latency": self.channel.wake.status()},
+                            "wake_latency": self.channel.wake.status(),
+                            "realtime": self.engine.realtime.status()},
                 "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs()}}
 
     def tune_channel(self, local: bool | None = None, spin_us: int | None = None,
-                     wake_latency_us: int | None | str = "keep") -> None:
+                     wake_latency_us: int | None | str = "keep", realtime_priority: int | None = None) -> None:
         """Reach shard replicas on this node on their Unix sockets (local=True) or over TCP, from
         the next connection on; poll for small exchanges' replies for spin_us (0: sleep at once);
-        ask for this CPU wake-up latency while exchanges run (None: never). bench/serving.py
-        compares the ways in one window."""
+        ask for this CPU wake-up latency while exchanges run (None: never); run small steps at
+        this real-time priority (0: the fair class). bench/serving.py compares the ways in one
+        window."""
         if local is not None:
             self.channel.use_local_sockets(local)
         if spin_us is not None:
             self.channel.spin_s = max(0, spin_us) / 1e6
         if wake_latency_us != "keep":
             self.channel.wake.set_limit(wake_latency_us)
+        if realtime_priority is not None:
+            self.engine.realtime.set_priority(realtime_priority)
 
     def engine_stats(self) -> dict:
         t = self.engine.timings

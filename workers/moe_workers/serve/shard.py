@@ -40,7 +40,7 @@ class ExpertShard:
 
     def __init__(self, model_path: str, dtype: str, torch_threads: int, allowed_weight_roots: list[str] | None = None,
                  board: DeploymentHandle | None = None, family: str | None = None,
-                 wake_latency_us: int | None = None, pin_cpus: bool = True):
+                 wake_latency_us: int | None = None, pin_cpus: bool = True, realtime_priority: int = 0):
         torch.set_num_threads(torch_threads)
         self.cpu_claim = CpuClaim()
         if pin_cpus:  # before any thread of ours starts: they inherit it
@@ -75,7 +75,8 @@ class ExpertShard:
         self.node_id, self.runtime_env = ray_placement()
         self.baseline_rss_bytes = current_rss_bytes()  # torch + Ray + this code, before any expert
         self.channel = ExchangeServer(self._compute, lambda: self._tokens, host=node_address(),
-                                      torch_threads=torch_threads, wake_latency_us=wake_latency_us)
+                                      torch_threads=torch_threads, wake_latency_us=wake_latency_us,
+                                      realtime_priority=realtime_priority)
         threading.Thread(target=self._maintain, name="store-maintenance", daemon=True).start()
 
     def reconfigure(self, config: dict) -> None:
@@ -95,10 +96,13 @@ class ExpertShard:
                     self._swap(eid, o)
         self._report_now.set()
 
-    def tune_channel(self, wake_latency_us: int | None) -> None:
-        """Ask for this CPU wake-up latency while requests come (None: never); bench/serving.py
-        compares both in one window."""
+    def tune_channel(self, wake_latency_us: int | None, realtime_priority: int | None = None) -> None:
+        """Ask for this CPU wake-up latency while requests come (None: never), and run small
+        requests at this real-time priority (0: the fair class; None: keep); bench/serving.py
+        compares the ways in one window."""
         self.channel.wake.set_limit(wake_latency_us)
+        if realtime_priority is not None:
+            self.channel.realtime.set_priority(realtime_priority)
 
     def check_health(self) -> None:
         """Serve restarts a replica whose channel stopped accepting connections."""
@@ -229,6 +233,7 @@ class ExpertShard:
             "calls": self.calls,
             "channel": {"requests": self.channel.requests, "errors": self.channel.errors,
                         "handle_s": self.channel.handle_s, "wake_latency": self.channel.wake.status(),
+                        "realtime": self.channel.realtime.status(),
                         "connections": self.channel.connections(), "last_error": self.channel.last_error},
             "peak_rss_bytes": peak_rss_bytes(),
             "rss_bytes": current_rss_bytes(),

@@ -93,11 +93,7 @@ class Part:
 
 MembershipSource = Callable[[], tuple[list[Member], str]]
 
-# an exchange of more rows than this never polls: at batch 64 (128 rows, the bench's default
-# shape) the poll cost 5% of decode throughput (240.9 against 253.7 tok/s, 3 interleaved rounds):
-# it keeps the GIL from the ingress' event loop, which has 64 streams to feed; at 16 or fewer
-# rows it was even or ahead
-SPIN_MAX_ROWS = 32
+SPIN_MAX_ROWS = wire.SMALL_ROWS  # a larger exchange never polls
 
 
 class _Conn:

@@ -30,6 +30,7 @@ import torch
 
 from . import wire
 from .link import LinkError, LinkOffer, PairLink
+from .realtime import Realtime
 from .wakeup import WakeLatency
 
 Compute = Callable[[int, torch.Tensor, list[int], list[int], list[tuple[int, int]], torch.Tensor], None]
@@ -84,13 +85,16 @@ def tune(sock: socket.socket) -> None:
 class ExchangeServer:
     def __init__(self, compute: Compute, tokens: Callable[[], list[str]], host: str = "127.0.0.1", port: int = 0,
                  hello_timeout_s: float = 10.0, torch_threads: int | None = None, local: bool = True,
-                 wake_latency_us: int | None = None):
+                 wake_latency_us: int | None = None, realtime_priority: int = 0):
         """`tokens()`: the channel tokens accepted now (the current one, and the previous one for
         a while after it changes). `torch_threads`: intra-op threads of the connection threads
         (torch's setting is per thread under OpenMP: a new thread would otherwise use every core).
         `local`: listen on an abstract Unix socket too (Linux only). `wake_latency_us`: the CPU
-        wake-up latency to ask the kernel for while requests come (`WakeLatency`; None: never ask)."""
+        wake-up latency to ask the kernel for while requests come (`WakeLatency`; None: never ask).
+        `realtime_priority`: the SCHED_RR priority connection threads compute small requests at
+        (`Realtime`; 0: never ask)."""
         self.wake = WakeLatency(wake_latency_us)
+        self.realtime = Realtime(realtime_priority)
         self.compute = compute
         self.torch_threads = torch_threads
         self.tokens = tokens
@@ -241,6 +245,7 @@ class ExchangeServer:
             _recv_at_least(conn, view, got, total)
             t0 = time.perf_counter()
             self.wake.touch()
+            self.realtime.enter(rows)
             experts, counts, prefetch = wire.decode_request_body(view, head, n_experts, n_prefetch, rows)
             if linked:  # the rows come on the link, in frame order; take them even when draining
                 x = torch.empty(rows, hidden, dtype=dtype, device=link.device)

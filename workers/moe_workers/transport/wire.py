@@ -51,6 +51,13 @@ MAX_ROWS = 1 << 24
 MAX_HIDDEN = 1 << 17
 MAX_PAYLOAD = 4 << 30  # one layer's rows for one replica; far above any real step
 
+# an exchange of at most this many rows is a small one (a decode step's): the ingress polls for
+# its replies, and the threads on its path run real-time (channel.py, realtime.py); at batch 64
+# (128 rows, the bench's default shape) the poll cost 5% of decode throughput (240.9 against
+# 253.7 tok/s, 3 interleaved rounds): it keeps the GIL from the ingress' event loop, which has 64
+# streams to feed; at 16 or fewer rows it was even or ahead
+SMALL_ROWS = 32
+
 UNIX_PREFIX = "unix:@"  # an endpoint in Linux's abstract Unix socket namespace (per network namespace)
 
 
