@@ -67,6 +67,9 @@ def parse_args():
                         "threads in the fair class (realtime_priority 0) instead of SCHED_RR; -float: the shard "
                         "replicas' threads on every CPU (the kernel places them) instead of the CPUs each took "
                         "(pin_shard_cpus) (modifiers combine: unix-sleep-idle)")
+    p.add_argument("--realtime-priority", type=int, default=None,
+                   help="default shape: the served app's realtime_priority (default: the app's; 0: decode steps in "
+                        "the fair class)")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
     return p.parse_args()
@@ -200,7 +203,7 @@ def _concurrent(url: str, bodies: list[dict]) -> float:
 
 @contextlib.contextmanager
 def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_layers: int, num_experts: int,
-               micro_batches: int, serve_env: dict[str, str], max_batch: int):
+               micro_batches: int, serve_env: dict[str, str], max_batch: int, realtime_priority: int | None = None):
     """The bench app on a fresh local Ray head: (url, stats()) with stats() the ingress' engine
     figures and each shard's status."""
     from moe_operator.backends.ray_rest import RayServeClient
@@ -220,7 +223,8 @@ def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_la
         args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=groups, max_batch_size=max_batch,
                        kv_cache_budget_bytes=2 * 2**30, max_queued_requests=256, max_model_len=512,
                        ingress_num_cpus=1, shard_num_cpus=1, torch_threads=shard_threads,
-                       ingress_torch_threads=threads, micro_batches=micro_batches)
+                       ingress_torch_threads=threads, micro_batches=micro_batches,
+                       **({} if realtime_priority is None else {"realtime_priority": realtime_priority}))
         client = RayServeClient(head.dashboard_url, head.token)
         app = serve_application("bench", "/", args, placement)
         if serve_env:
@@ -253,10 +257,10 @@ def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_la
 
 
 def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads: int, vocab: int, num_layers: int,
-               num_experts: int, micro_batches: int, serve_env: dict[str, str]) -> dict:
+               num_experts: int, micro_batches: int, serve_env: dict[str, str], realtime_priority: int | None = None) -> dict:
     batch = max([work["prefill_n"], *work["decode_batches"]])
     with served_app(path, groups, threads, shard_threads, num_layers, num_experts, micro_batches, serve_env,
-                    batch) as (url, stats):
+                    batch, realtime_priority) as (url, stats):
         out = {}
         ps = prompts(work["prefill_n"], work["prefill_len"], vocab, 1)
         runs = []
@@ -390,7 +394,7 @@ def deep_point(a, n: int) -> dict:
             print(f"  {channel}: shards' CPU wake-up latency request {wake}; CPUs taken {cpus}", flush=True)
         from moe_workers.transport.realtime import Realtime
 
-        rr = Realtime(REALTIME_PRIORITY, max_rows=1)
+        rr = Realtime(REALTIME_PRIORITY, max_rows=1, torch_threads=a.deep_threads)
 
         def local_rr_ms() -> float:
             """In-process with this thread under SCHED_RR as the served app's step threads run:
@@ -496,7 +500,7 @@ def main() -> int:
     before = run_inprocess(path, work, a.threads)
     served = run_served(path, work, a.groups, ingress_threads, a.shard_threads, shape["vocab_size"], shape["num_layers"],
                         shape["num_experts"], a.micro_batches,
-                        dict(kv.split("=", 1) for kv in a.serve_env))
+                        dict(kv.split("=", 1) for kv in a.serve_env), a.realtime_priority)
     after = run_inprocess(path, work, a.threads)
     rates = [k for k, v in before.items() if k.endswith("_tps") and isinstance(v, float)]
     local = {**before, "before": {k: before[k] for k in rates},

@@ -183,7 +183,8 @@ class Ingress:
         self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
                              engine_queue_limit(self.args), self.args.micro_batches,
                              self.args.micro_batch_min_tokens, routing_stats=self.routing_stats,
-                             observer=self.metrics, realtime=Realtime(self.args.realtime_priority))
+                             observer=self.metrics, realtime=Realtime(self.args.realtime_priority,
+                                                               torch_threads=self.args.ingress_torch_threads))
         threading.Thread(target=self._export_metrics, name="ingress-metrics", daemon=True).start()
         tok_file = Path(self.args.model_path) / "tokenizer.json"
         self.tokenizer = None

@@ -94,7 +94,7 @@ class ExchangeServer:
         `realtime_priority`: the SCHED_RR priority connection threads compute small requests at
         (`Realtime`; 0: never ask)."""
         self.wake = WakeLatency(wake_latency_us)
-        self.realtime = Realtime(realtime_priority)
+        self.realtime = Realtime(realtime_priority, torch_threads=torch_threads or torch.get_num_threads())
         self.compute = compute
         self.torch_threads = torch_threads
         self.tokens = tokens
