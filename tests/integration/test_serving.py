@@ -335,7 +335,7 @@ def test_decode_steps_run_real_time_on_the_ingress_and_every_shard(served):
         classes = {}
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
-                classes[int(tid)] = os.sched_getscheduler(int(tid))
+                classes[int(tid)] = os.sched_getscheduler(int(tid)) & ~os.SCHED_RESET_ON_FORK
             except OSError:  # the thread ended
                 pass
         real_time = [tid for tid, cls in classes.items() if cls == os.SCHED_RR]

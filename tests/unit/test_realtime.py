@@ -22,7 +22,7 @@ from moe_workers.model.dense import DenseModel, KVCache
 from moe_workers.model.experts import LocalExperts
 from moe_workers.serve.engine import Engine, GenerationRequest
 from moe_workers.transport import ExchangeServer, ExpertChannel, Member, Part
-from moe_workers.transport.realtime import Realtime
+from moe_workers.transport.realtime import Realtime, policy_of
 
 TOKEN = "t"
 
@@ -79,67 +79,87 @@ def test_wanted_priority_by_step_size_and_state():
 
 def test_a_small_step_takes_sched_rr_for_its_thread_only_and_a_large_one_gives_it_back():
     rt = Realtime(1, max_rows=32)
-    main_before = os.sched_getscheduler(0)
+    main_before = policy_of()
 
     def steps():
         seen = []
         rt.enter(2)
-        seen.append((os.sched_getscheduler(0), os.sched_getparam(0).sched_priority, rt.status()["threads"]))
-        seen.append(_in_thread(lambda: os.sched_getscheduler(0)))
+        seen.append((policy_of(), os.sched_getparam(0).sched_priority, rt.status()["threads"]))
+        seen.append(_in_thread(policy_of))  # a thread it starts is born fair (reset on fork)
         rt.enter(64)
-        seen.append((os.sched_getscheduler(0), rt.status()["threads"]))
+        seen.append((policy_of(), rt.status()["threads"]))
         rt.enter(1)
         rt.set_priority(0)
         rt.enter(1)  # priority 0 from now on: back to the fair class at the next step
-        seen.append((os.sched_getscheduler(0), rt.status()["threads"]))
+        seen.append((policy_of(), rt.status()["threads"]))
         return seen
 
     seen = _in_thread(steps)
+    assert seen[1] == os.SCHED_OTHER
     assert seen[2] == (os.SCHED_OTHER, 0)
     assert seen[3] == (os.SCHED_OTHER, 0)
-    assert os.sched_getscheduler(0) == main_before == os.SCHED_OTHER  # the calling test thread was never touched
+    assert policy_of() == main_before == os.SCHED_OTHER  # the calling test thread was never touched
     if RR == os.SCHED_RR:
         assert seen[0] == (os.SCHED_RR, 1, 1), rt.status()
-        assert seen[1] == os.SCHED_RR  # a thread it starts inherits the class (next test)
         assert rt.error == ""
     else:  # refused here: nothing changed, and the status says why
         assert seen[0] == (os.SCHED_OTHER, 0, 0) and "CAP_SYS_NICE" in rt.error
 
 
 def test_a_thread_born_real_time_runs_a_large_step_in_the_fair_class():
-    """A thread inherits its creator's class: the engine's micro-batch pool is started from the
-    step thread, which may be real-time then, and runs only large steps. A thread's first enter()
-    reads the class it has, so a large step puts it back in the fair class."""
+    """A thread started by one that took SCHED_RR without the reset-on-fork flag (a process
+    started under chrt, say) is born real-time; its first enter() reads the class it has, so a
+    large step puts it back in the fair class."""
     rt = Realtime(1)
 
     def born_under_rr():
-        rt.enter(1)
-        return _in_thread(lambda: (os.sched_getscheduler(0), rt.enter(1000), os.sched_getscheduler(0)))
+        try:
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))  # no reset-on-fork
+        except OSError:
+            pass  # not allowed here: the child is born fair, and stays so
+        try:
+            return _in_thread(lambda: (policy_of(), rt.enter(1000), policy_of(), rt.status()["threads"]))
+        finally:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
-    before, _, after = _in_thread(born_under_rr)
+    before, _, after, threads = _in_thread(born_under_rr)
     assert before == RR  # inherited
-    assert after == os.SCHED_OTHER
+    assert after == os.SCHED_OTHER and threads == 0
 
 
-def test_threads_computing_on_a_team_of_torch_threads_never_take_it():
-    """A thread's OpenMP workers are born in its class and stay there: one born real-time stays
-    so after its master went back to the fair class (checked from /proc), which is why a thread
-    on more than one torch thread never takes the class."""
-    def born():
+def test_a_team_of_torch_threads_is_born_fair_and_its_leader_never_takes_it():
+    """A thread's OpenMP workers start on its first parallel region in the class it has then:
+    under our SCHED_RR they are born fair (reset on fork), where a plain SCHED_RR would leave
+    them real-time for good (checked from /proc). A thread on more than one torch thread never
+    takes the class."""
+    def team_born(flags):
         torch.set_num_threads(2)
         before = set(os.listdir("/proc/self/task"))
-        rt = Realtime(1)  # told one torch thread, wrongly
-        rt.enter(1)
+        try:
+            os.sched_setscheduler(0, os.SCHED_RR | flags, os.sched_param(1))
+        except OSError:
+            pass
         a = torch.randn(512, 512)
         (a @ a).sum()  # the team is born
-        rt.enter(1000)
-        workers = set(os.listdir("/proc/self/task")) - before
-        return [os.sched_getscheduler(int(t)) for t in workers]
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        return {policy_of(int(t)) for t in set(os.listdir("/proc/self/task")) - before}
 
-    assert RR in _in_thread(born)  # a worker born real-time stays so
+    assert _in_thread(lambda: team_born(0)) == {RR}  # a worker born real-time stays so
+    rt = Realtime(1)
+
+    def ours():
+        torch.set_num_threads(2)
+        before = set(os.listdir("/proc/self/task"))
+        rt.enter(1)  # told one torch thread, wrongly: takes it
+        a = torch.randn(512, 512)
+        (a @ a).sum()
+        rt.enter(1000)
+        return {policy_of(int(t)) for t in set(os.listdir("/proc/self/task")) - before}
+
+    assert _in_thread(ours) == {os.SCHED_OTHER}
     rt = Realtime(1, torch_threads=2)
     assert rt.wanted(1) == 0 and "2 torch threads" in rt.error
-    assert _in_thread(lambda: (rt.enter(1), os.sched_getscheduler(0))[1]) == os.SCHED_OTHER
+    assert _in_thread(lambda: (rt.enter(1), policy_of())[1]) == os.SCHED_OTHER
     rt.set_priority(3)  # a new priority does not lift it
     assert rt.wanted(1) == 0 and "torch threads" in rt.error
     server = ExchangeServer(lambda *a: None, lambda: [TOKEN], realtime_priority=1, torch_threads=2)
@@ -176,7 +196,7 @@ def test_the_channel_server_computes_small_requests_real_time_and_large_ones_fai
     classes = []
 
     def compute(layer, x, experts, counts, prefetch, out):
-        classes.append((x.shape[0], os.sched_getscheduler(0)))
+        classes.append((x.shape[0], policy_of()))
         out.copy_(x * 2)
 
     server = ExchangeServer(compute, lambda: [TOKEN], realtime_priority=1, torch_threads=1)
@@ -191,7 +211,7 @@ def test_the_channel_server_computes_small_requests_real_time_and_large_ones_fai
     finally:
         ch.close()
         server.close()
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    assert policy_of() == os.SCHED_OTHER
     # off: every request in the fair class
     classes.clear()
     server = ExchangeServer(compute, lambda: [TOKEN], realtime_priority=0, torch_threads=1)
@@ -213,7 +233,7 @@ def test_the_engine_runs_decode_steps_real_time_and_a_long_prefill_fair(tmp_path
     seen = []  # (rows the layer's exchange carries, the step thread's class)
 
     def dispatch(layer, x, indices, weights):
-        seen.append((indices.numel(), os.sched_getscheduler(0)))
+        seen.append((indices.numel(), policy_of()))
         return experts.moe(layer, x, indices, weights)
 
     cache = KVCache(ckpt.config, 2, ckpt.config.max_position_embeddings, ckpt.config.dtype)
@@ -232,4 +252,4 @@ def test_the_engine_runs_decode_steps_real_time_and_a_long_prefill_fair(tmp_path
     assert prefill and set(prefill), seen
     assert set(prefill) == {os.SCHED_OTHER}  # 80 rows: the fair class
     assert decode and set(decode) == {RR}
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    assert policy_of() == os.SCHED_OTHER

@@ -9,7 +9,8 @@ app takes about a quarter of one CPU here). On 2 CPUs such a wait lands on most 
 under SCHED_RR preempts every fair-class task at once, and the fair class still runs whenever the
 step's threads wait (the ingress for replies, the shards between requests), so the background
 loses latency, not throughput. Measured with the depth sweep, interleaved in one window
-(docs/benchmarks.md): 0.379 against 0.583 ms of dispatch a layer at 32 layers.
+(docs/benchmarks.md): 0.40 / 0.37 / 0.38 ms of dispatch a layer at 4 / 16 / 32 layers, against
+0.54 / 0.57 / 0.52 with the same threads in the fair class.
 
 Only steps of at most `max_rows` rows run so: a prefill or a large batch computes for long
 stretches, and the ingress' event loop, which feeds its streams, is a fair-class thread of the
@@ -17,10 +18,13 @@ same process. A thread switches class on its first step of the other kind (one s
 while the kind stays). The kernel keeps a share of each CPU for the fair class whatever
 real-time threads do (the fair server on Linux 6.12 and later, RT throttling before).
 
-Only threads that compute on one torch thread take it: a thread's intra-op workers (OpenMP's
-team) are born on its first parallel region in the class it has then and stay in it, so a team
-born real-time spins there after every region, through the large steps too (in the default
-bench shape, with the ingress on 2 torch threads, prefill fell from 0.78 to 0.67 of in-process).
+Threads a real-time one starts are born in the fair class (SCHED_RESET_ON_FORK): the wake-up
+latency holder, a store's loaders, a straggler's reaper, OpenMP's team. Before that flag, a team
+born real-time (a thread's intra-op workers start on its first parallel region, in the class it
+has then) spun real-time after every region, through large steps too: in the default bench shape,
+with the ingress on 2 torch threads, prefill fell from 0.78 to 0.67 of in-process. Only threads
+that compute on one torch thread take the class at all: a real-time thread leading a fair team
+would wait for it at every region's end, as exposed to the background as before (not measured).
 
 It needs CAP_SYS_NICE (root has it) or an RLIMIT_RTPRIO of at least the priority; without it
 nothing changes and `status()["error"]` says why. Priority 0 never asks.
@@ -34,6 +38,12 @@ import threading
 from .wire import SMALL_ROWS
 
 POLICY = getattr(os, "SCHED_RR", None)
+RESET_ON_FORK = getattr(os, "SCHED_RESET_ON_FORK", 0)  # the threads it starts are born fair
+
+
+def policy_of(tid: int = 0) -> int:
+    """A thread's scheduling policy (0: the calling one), without the reset-on-fork flag."""
+    return os.sched_getscheduler(tid) & ~RESET_ON_FORK
 
 
 class Realtime:
@@ -74,8 +84,8 @@ class Realtime:
 
     def _unsuitable(self) -> str:
         if self.torch_threads > 1:
-            return (f"not taken with {self.torch_threads} torch threads: their OpenMP workers would be born "
-                    "real-time and stay so")
+            return (f"not taken with {self.torch_threads} torch threads: a real-time thread would wait for its "
+                    "fair-class workers at every parallel region")
         return ""
 
     def status(self) -> dict:
@@ -84,7 +94,7 @@ class Realtime:
     def _switch(self, want: int) -> None:
         was = getattr(self._local, "priority", None)
         if was is None:  # this thread's first step: it runs in the class it was born with (its creator's)
-            was = os.sched_getparam(0).sched_priority if POLICY is not None and os.sched_getscheduler(0) == POLICY else 0
+            was = os.sched_getparam(0).sched_priority if POLICY is not None and policy_of() == POLICY else 0
             self._local.priority = was
             with self._lock:
                 self._threads += was > 0
@@ -94,7 +104,7 @@ class Realtime:
             if POLICY is None:
                 raise OSError("no SCHED_RR on this platform")
             if want:
-                os.sched_setscheduler(0, POLICY, os.sched_param(want))  # 0: the calling thread (Linux)
+                os.sched_setscheduler(0, POLICY | RESET_ON_FORK, os.sched_param(want))  # 0: this thread (Linux)
             else:
                 os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         except OSError as err:
