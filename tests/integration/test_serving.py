@@ -250,11 +250,9 @@ def test_expert_load_exported_in_prometheus_format(served, ray_head):
     assert total > 0 and all('layer="' in l and 'expert="' in l for l in lines)
 
 
-def test_the_cpu_wake_latency_request_is_held_while_decoding_or_its_reason_reported(served):
-    """While exchanges run the ingress and every shard replica hold a PM QoS request for CPU
-    wake-up latency (bound 0); where /dev/cpu_dma_latency cannot be written each says why."""
-    url = served[0]
-    writable = os.access("/dev/cpu_dma_latency", os.W_OK)  # the replicas run as this user, on this host
+def _states_while_decoding(url: str, key: str, settled, what: str) -> tuple[dict, list[dict]]:
+    """Batch-1 decode requests back to back until the Ingress' `channel[key]` and each shard
+    replica's (4 groups) satisfy `settled`; the last status and those states, Ingress first."""
     stop = threading.Event()
 
     def decode():
@@ -266,14 +264,21 @@ def test_the_cpu_wake_latency_request_is_held_while_decoding_or_its_reason_repor
     try:
         def states():
             status = requests.get(url + "/moe/v1/status", timeout=30).json()
-            got = [status["channel"]["wake_latency"], *(r["channel"]["wake_latency"] for r in status["replicas"])]
-            done = all(w["held"] or w["error"] for w in got) and len(status["replicas"]) >= 4  # 4 groups
-            return got if done else None
+            got = [status["channel"][key], *(r["channel"][key] for r in status["replicas"])]
+            return (status, got) if all(settled(s) for s in got) and len(status["replicas"]) >= 4 else None
 
-        got = wait_for(states, timeout_s=30, what="every replica's wake-latency request taken or refused")
+        return wait_for(states, timeout_s=30, what=what)
     finally:
         stop.set()
         t.join()
+
+
+def test_the_cpu_wake_latency_request_is_held_while_decoding_or_its_reason_reported(served):
+    """While exchanges run the ingress and every shard replica hold a PM QoS request for CPU
+    wake-up latency (bound 0); where /dev/cpu_dma_latency cannot be written each says why."""
+    writable = os.access("/dev/cpu_dma_latency", os.W_OK)  # the replicas run as this user, on this host
+    _, got = _states_while_decoding(served[0], "wake_latency", lambda w: w["held"] or w["error"],
+                                    "every replica's wake-latency request taken or refused")
     for w in got:
         assert w["limit_us"] == 0, got
         if writable:
@@ -305,27 +310,9 @@ def test_decode_steps_run_real_time_on_the_ingress_and_every_shard(served):
     run under SCHED_RR (priority 1, the default): their status counts them, and the kernel says
     so of their threads (/proc: the replicas run on this host, as this user). No other thread of
     theirs is real-time. Where this user may not take SCHED_RR each says why instead."""
-    url = served[0]
     allowed = rr_allowed()
-    stop = threading.Event()
-
-    def decode():
-        while not stop.is_set():
-            _complete(url, prompt=[3, 4, 5], max_tokens=16)
-
-    t = threading.Thread(target=decode)
-    t.start()
-    try:
-        def states():
-            status = requests.get(url + "/moe/v1/status", timeout=30).json()
-            got = [status["channel"]["realtime"], *(r["channel"]["realtime"] for r in status["replicas"])]
-            done = all(r["threads"] >= 1 or r["error"] for r in got) and len(status["replicas"]) >= 4
-            return (status, got) if done else None
-
-        status, got = wait_for(states, timeout_s=30, what="every replica's step threads real-time")
-    finally:
-        stop.set()
-        t.join()
+    status, got = _states_while_decoding(served[0], "realtime", lambda r: r["threads"] >= 1 or r["error"],
+                                         "every replica's step threads real-time, or refused")
     if not allowed:
         assert all(r["threads"] == 0 and "CAP_SYS_NICE" in r["error"] for r in got), got
         return

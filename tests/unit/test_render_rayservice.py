@@ -40,6 +40,26 @@ def test_rayservice_carries_the_same_serve_app_and_ownership():
     assert worker["template"]["spec"]["containers"][0]["image"] == "ghcr.io/example/moe-workers:0.1.0"
 
 
+def test_the_workers_get_sys_nice_only_when_real_time_is_allowed():
+    spec = _spec()
+    app = render_application("prod", "m", spec, initial_placement(32, 8, spec.experts.groups))
+
+    def containers(rs):
+        cluster = rs["spec"]["rayClusterConfig"]
+        return (cluster["headGroupSpec"]["template"]["spec"]["containers"][0],
+                cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0])
+
+    head, worker = containers(render_rayservice("prod", "m", "u", spec, app))
+    assert "securityContext" not in head and "securityContext" not in worker  # the default: no capability
+    raw = yaml.safe_load(open(KUBERAY_EXAMPLE))["spec"]
+    raw["ray"]["kubeRay"]["allowRealtime"] = True
+    allowed = render_rayservice("prod", "m", "u", parse_spec(raw), app)
+    head, worker = containers(allowed)
+    assert worker["securityContext"] == {"capabilities": {"add": ["SYS_NICE"]}}
+    assert "securityContext" not in head  # the head runs no replica
+    assert needs_write(render_rayservice("prod", "m", "u", spec, app), allowed)  # a new pod template
+
+
 def test_existing_mode_is_refused():
     spec = _spec()
     spec.ray.mode = "Existing"

@@ -126,6 +126,12 @@ class KubeRayCluster(ApiModel):
     worker_cpu: Quantity = Field(default="4", description="CPU request and limit of each worker Pod.")
     worker_memory: Bytes = Field(default="16Gi", description="Memory request and limit of each worker Pod.")
     worker_gpus: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu per worker Pod.")
+    allow_realtime: bool = Field(
+        default=False,
+        description="Add the SYS_NICE capability to the worker Pods' Ray container, so the decode step's threads "
+        "may run under SCHED_RR (spec.ingress.realtimePriority). Off by default: the containers get no capability "
+        "beyond the runtime's defaults, and the replicas' status says the class was not taken.",
+    )
 
 
 class RayTarget(ApiModel):

@@ -117,6 +117,7 @@ NOT_RENDERED: dict[str, str] = {
     "ray.kubeRay.workerCpu": NEW_CLUSTER,
     "ray.kubeRay.workerMemory": NEW_CLUSTER,
     "ray.kubeRay.workerGpus": NEW_CLUSTER,
+    "ray.kubeRay.allowRealtime": NEW_CLUSTER,
     "ingress.apiKeySecretRef.name": API_KEYS,
     "ingress.apiKeySecretRef.key": API_KEYS,
 }

@@ -67,12 +67,14 @@ def render_rayservice(namespace: str, name: str, uid: str, spec: MoEDeploymentSp
             "ports": [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
                       {"containerPort": http_port, "name": "serve"}]}]}},
     }
+    worker_container = {**container, "resources": _resources(kr.worker_cpu, kr.worker_memory, kr.worker_gpus)}
+    if kr.allow_realtime:  # the replicas run on the workers (the head schedules none)
+        worker_container["securityContext"] = {"capabilities": {"add": ["SYS_NICE"]}}
     workers = {
         "groupName": "experts",
         "replicas": kr.worker_replicas, "minReplicas": kr.worker_replicas, "maxReplicas": kr.worker_replicas,
         "rayStartParams": {},
-        "template": {"metadata": {"labels": labels}, "spec": {"containers": [{
-            **container, "resources": _resources(kr.worker_cpu, kr.worker_memory, kr.worker_gpus)}]}},
+        "template": {"metadata": {"labels": labels}, "spec": {"containers": [worker_container]}},
     }
     serve_config = {"http_options": {"host": "0.0.0.0", "port": http_port}, "applications": [application]}
     cluster = {"rayVersion": kr.ray_version, "headGroupSpec": head, "workerGroupSpecs": [workers]}
