@@ -23,6 +23,7 @@ from moe_workers.model.experts import LocalExperts
 from moe_workers.serve.engine import Engine, GenerationRequest
 from moe_workers.transport import ExchangeServer, ExpertChannel, Member, Part
 from moe_workers.transport.realtime import Realtime, policy_of
+from waiting import wait_for
 
 TOKEN = "t"
 
@@ -211,6 +212,9 @@ def test_the_channel_server_computes_small_requests_real_time_and_large_ones_fai
     finally:
         ch.close()
         server.close()
+    # the connection's thread left the class as it ended: the count is of live threads
+    wait_for(lambda: server.realtime.status()["threads"] == 0, timeout_s=5, what="the ended thread uncounted",
+             interval_s=0.01)
     assert policy_of() == os.SCHED_OTHER
     # off: every request in the fair class
     classes.clear()

@@ -74,6 +74,12 @@ class Realtime:
         if want != getattr(self._local, "priority", None):
             self._switch(want)
 
+    def leave(self) -> None:
+        """This thread is done with steps (it is about to end): back to the fair class, so
+        `status()["threads"]` counts only live threads."""
+        if getattr(self._local, "priority", 0):
+            self._switch(0)
+
     def set_priority(self, priority: int) -> None:
         """Another priority from now on; each thread takes it at its next step (0: back to the
         fair class). A new priority is asked for again even after a refusal."""

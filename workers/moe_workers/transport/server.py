@@ -187,6 +187,7 @@ class ExchangeServer:
         except Exception as err:  # noqa: BLE001 - a bug must not take the other connections down
             self.last_error = f"{type(err).__name__}: {err}"
         finally:
+            self.realtime.leave()
             with self._lock:
                 self._conns.discard(conn)
             try:
