@@ -394,7 +394,7 @@ def deep_point(a, n: int) -> dict:
             print(f"  {channel}: shards' CPU wake-up latency request {wake}; CPUs taken {cpus}", flush=True)
         from moe_workers.transport.realtime import Realtime
 
-        rr = Realtime(REALTIME_PRIORITY, max_rows=1, torch_threads=a.deep_threads)
+        rr = Realtime(REALTIME_PRIORITY, torch_threads=a.deep_threads)
 
         def local_rr_ms() -> float:
             """In-process with this thread under SCHED_RR as the served app's step threads run:
@@ -403,7 +403,7 @@ def deep_point(a, n: int) -> dict:
             try:
                 return local_ms() if not rr.error else float("nan")
             finally:
-                rr.enter(2)  # back to the fair class
+                rr.leave()
 
         for _ in range(a.deep_rounds):
             lm = local_ms()
@@ -462,7 +462,9 @@ def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
             for channel, by in r["by_channel"].items():
                 print(f"{r['layers']:6} {channel:>11} {r['in_process_ms_per_token']:20.2f} {by['served_ms_per_token']:16.2f} "
                       f"{by['ratio']:18.2f} {by['dispatch_ms_per_layer']:18.3f} {by['loop_ms_per_step']:18.3f}")
-            print(f"{r['layers']:6} {'(in-process under SCHED_RR: ' + format(r['in_process_rr_ms_per_token'], '.2f') + ' ms/token; ' + r['channel'] + ' against it: ratio ' + format(r['ratio_vs_rr'], '.2f') + ', dispatch ' + format(r['dispatch_ms_per_layer_vs_rr'], '.3f') + ' ms/layer)'}")
+            print(f"{r['layers']:6} (in-process under SCHED_RR: {r['in_process_rr_ms_per_token']:.2f} ms/token; "
+                  f"{r['channel']} against it: ratio {r['ratio_vs_rr']:.2f}, "
+                  f"dispatch {r['dispatch_ms_per_layer_vs_rr']:.3f} ms/layer)")
         figures["dispatch-ms-per-layer"] = max(r["dispatch_ms_per_layer"] for r in rows)
     return rows, figures
 

@@ -16,6 +16,7 @@ from checkpoints import make_mixtral
 from flood import flood
 from moe_workers.model.inprocess import InProcessModel
 from moe_workers.serve.config import serve_application
+from sched_class import rr_allowed
 from serve_rest import delete_all, deploy
 from waiting import wait_for
 
@@ -285,24 +286,6 @@ def test_the_cpu_wake_latency_request_is_held_while_decoding_or_its_reason_repor
             assert w["held"] and w["holds"] >= 1 and w["error"] == "", got
         else:
             assert not w["held"] and "/dev/cpu_dma_latency" in w["error"], got
-
-
-def rr_allowed() -> bool:
-    """Whether a thread of this process (the replicas' user, on this host) may take SCHED_RR."""
-    out = []
-
-    def probe():
-        try:
-            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-            out.append(True)
-        except OSError:
-            out.append(False)
-
-    t = threading.Thread(target=probe)
-    t.start()
-    t.join()
-    return out[0]
 
 
 def test_decode_steps_run_real_time_on_the_ingress_and_every_shard(served):

@@ -11,7 +11,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -23,41 +22,10 @@ from moe_workers.model.experts import LocalExperts
 from moe_workers.serve.engine import Engine, GenerationRequest
 from moe_workers.transport import ExchangeServer, ExpertChannel, Member, Part
 from moe_workers.transport.realtime import Realtime, policy_of
+from sched_class import in_thread as _in_thread, rr_allowed
 from waiting import wait_for
 
 TOKEN = "t"
-
-
-def _in_thread(fn):
-    """fn() in a fresh thread (so this one's class never changes); its result."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as err:  # noqa: BLE001 - re-raised below
-            out["error"] = err
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
-def rr_allowed() -> bool:
-    """Whether a thread of this process may take SCHED_RR at priority 1 (CAP_SYS_NICE or an
-    RLIMIT_RTPRIO, and a cgroup that lets real-time tasks run)."""
-    def probe():
-        try:
-            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
-        except OSError:
-            return False
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-        return True
-
-    return _in_thread(probe)
 
 
 RR = os.SCHED_RR if rr_allowed() else os.SCHED_OTHER  # the class a small step runs in here

@@ -53,12 +53,9 @@ class Realtime:
         """`priority`: 1-99 (the lowest, 1, is enough to preempt the fair class), or 0: never ask.
         `torch_threads`: the intra-op threads the entering threads compute with; more than one
         never takes the class (see the module's docstring)."""
-        if not 0 <= priority <= 99:
-            raise ValueError(f"real-time priority must be 0-99, got {priority}")
-        self.priority = priority
         self.max_rows = max_rows
         self.torch_threads = torch_threads
-        self.error = self._unsuitable()  # why the class is not taken (a refusal is not retried)
+        self.set_priority(priority)  # also sets `error`: why the class is not taken (a refusal is not retried)
         self._local = threading.local()  # .priority: what this thread runs at (0: the fair class)
         self._lock = threading.Lock()
         self._threads = 0  # threads running real-time now
