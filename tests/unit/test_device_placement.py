@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from moe_workers.model.checkpoint import Checkpoint
-from moe_workers.model.dense import Chunk, DenseModel, KVCache, StepBatch
+from moe_workers.model.dense import Chunk, DenseModel, StepBatch
+from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.random_init import write_random_mixtral
 
 
@@ -19,10 +20,14 @@ def test_a_step_stays_on_the_dense_device(tmp_path):
     cfg = ckpt.config
     device = torch.device("meta")
     dense = DenseModel(cfg, ckpt.dense_state(), device)
-    cache = KVCache(cfg, 4, 32, cfg.dtype, device)
+    cache = PagedKVCache(cfg, 16, 4, cfg.dtype, device)
     assert dense.embed_tokens.device == device and dense.layers[1]["gate"].device == device
-    assert cache.k.device == device and dense.inv_freq.device == device
-    batch = StepBatch([Chunk(0, 0, [1, 2, 3, 4]), Chunk(1, 5, [7]), Chunk(2, 2, [9])])  # prefill + 2 decodes
+    assert cache.k[0].device == device and dense.inv_freq.device == device
+    chunks = [Chunk(0, 0, [1, 2, 3, 4]), Chunk(1, 5, [7]), Chunk(2, 2, [9])]  # prefill + 2 decodes
+    for c in chunks:
+        assert cache.allocate() == c.slot
+        cache.reserve(c.slot, c.start + len(c.tokens), c.start)
+    batch = StepBatch(chunks)
     with torch.inference_mode():
         h = dense.embed(batch)
         assert h.device == device and batch.ids.device == device and batch.last_rows.device == device

@@ -9,14 +9,17 @@ import torch
 
 from checkpoints import make_mixtral
 from moe_workers.model.checkpoint import Checkpoint
-from moe_workers.model.dense import DenseModel, KVCache
+from moe_workers.model.dense import DenseModel
+from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.experts import LocalExperts
 from moe_workers.model.inprocess import InProcessModel
-from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
+from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest, Overloaded
 from moe_workers.serve.routing import ExpertRouter
 
 
-def _engine(path, slots=4, max_batch=8, max_queued=16):
+def _engine(path, slots=4, max_batch=8, max_queued=16, blocks=None, block_size=16, **kw):
+    """An engine running at most `slots` sequences at once (with room for each at the full
+    context unless `blocks` says otherwise)."""
     ckpt = Checkpoint(path)
     dense = DenseModel(ckpt.config, ckpt.dense_state())
     experts = LocalExperts(ckpt, ckpt.config.dtype)
@@ -24,8 +27,10 @@ def _engine(path, slots=4, max_batch=8, max_queued=16):
     def dispatch(layer, x, indices, weights):  # runs in the step's thread, as the expert channel does
         return experts.moe(layer, x, indices, weights)
 
-    cache = KVCache(ckpt.config, slots, ckpt.config.max_position_embeddings, ckpt.config.dtype)
-    return Engine(dense, cache, dispatch, max_batch, max_queued)
+    if blocks is None:
+        blocks = slots * -(-ckpt.config.max_position_embeddings // block_size) + 1
+    cache = PagedKVCache(ckpt.config, blocks, block_size, ckpt.config.dtype, prefix_caching=kw.pop("prefix_caching", True))
+    return Engine(dense, cache, dispatch, min(slots, max_batch), max_queued, **kw)
 
 
 async def _collect(req):
@@ -52,7 +57,7 @@ def test_concurrent_requests_join_between_steps_and_match_reference(tmp_path):
 
     results, engine = asyncio.run(main())
     assert results == expected
-    assert engine.cache.free_slots == 3
+    assert engine.manager.num_used == 0 and not engine.manager.seqs
     # batching happened: fewer steps than total tokens produced
     assert engine.timings.steps < sum(len(r) for r in results)
     # one forward pass a step (no micro-batches), in its thread: within the step's time on the loop
@@ -173,9 +178,9 @@ def test_failed_step_fails_its_requests_and_frees_their_slots(tmp_path):
 
     engine, reqs, outs = asyncio.run(main())
     assert outs == [[], [], []]
-    assert all(r.finish_reason == "error: shard group unreachable" for r in reqs)
+    assert all(r.finish_reason == "error" and str(r.error) == "shard group unreachable" for r in reqs)
     assert all(isinstance(r.error, RuntimeError) for r in reqs)  # the HTTP layer picks 500 or 503 by type
-    assert engine.cache.free_slots == 2 and engine.running == [] and not engine.waiting
+    assert engine.manager.num_used == 0 and engine.running == [] and not engine.waiting
 
 
 def test_compute_rows_writes_each_experts_rows_in_place(tmp_path):
@@ -258,7 +263,7 @@ def test_ingress_metrics_queue_the_engines_reports_and_record_them_on_flush():
     m.prompt_tokens, m.generation_tokens = metric("prompt"), metric("generated")
     m.first_token(0.5)
     m.inter_token(0.02)
-    m.finished(types.SimpleNamespace(finish_reason="error: boom", prompt=[1, 2, 3], produced=[4, 5]), 1.5)
+    m.finished(types.SimpleNamespace(finish_reason=FinishReason.ERROR, prompt=[1, 2, 3], produced=[4, 5]), 1.5)
     assert seen == []
     assert m.flush() == 5 and m.flush() == 0
     base = {"app": "app", "replica": "r1"}

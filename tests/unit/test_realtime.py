@@ -17,7 +17,8 @@ import torch
 
 from checkpoints import make_mixtral
 from moe_workers.model.checkpoint import Checkpoint
-from moe_workers.model.dense import DenseModel, KVCache
+from moe_workers.model.dense import DenseModel
+from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.experts import LocalExperts
 from moe_workers.serve.engine import Engine, GenerationRequest
 from moe_workers.transport import ExchangeServer, ExpertChannel, Member, Part
@@ -208,7 +209,7 @@ def test_the_engine_runs_decode_steps_real_time_and_a_long_prefill_fair(tmp_path
         seen.append((indices.numel(), policy_of()))
         return experts.moe(layer, x, indices, weights)
 
-    cache = KVCache(ckpt.config, 2, ckpt.config.max_position_embeddings, ckpt.config.dtype)
+    cache = PagedKVCache(ckpt.config, 2 * -(-ckpt.config.max_position_embeddings // 16) + 1)
     engine = Engine(dense, cache, dispatch, 4, 8, realtime=Realtime(1))
     top_k = ckpt.config.top_k
 

@@ -196,7 +196,25 @@ class IngressSpec(ApiModel):
     )
     kv_cache_budget: Bytes = Field(
         default="1Gi",
-        description="Memory the KV cache may use per replica. Requests wait when it is full.",
+        description="Memory the KV cache may use per replica, as blocks of kvBlockSize tokens: a sequence holds "
+        "the blocks its tokens fill (sliding-window layers their window only), not a whole maxModelLen. Must "
+        "hold one maxModelLen sequence. Requests wait when it is full; a running sequence that needs a block "
+        "when none is free preempts the most recently admitted one, which is recomputed later.",
+    )
+    kv_block_size: int = Field(
+        default=16, ge=1, le=1024,
+        description="Tokens per KV cache block: the unit of allocation and of prefix sharing.",
+    )
+    prefix_caching: bool = Field(
+        default=True,
+        description="Reuse computed KV blocks between requests whose prompts start with the same tokens "
+        "(a chat's system prompt and history); blocks nobody holds are evicted least recently used. A "
+        "committed hot-swap invalidates what was cached before it.",
+    )
+    max_num_batched_tokens: int = Field(
+        default=512, ge=1, le=1_048_576,
+        description="Tokens one engine step computes at most: every running sequence's decode token first, then "
+        "prefill chunks that fit, so a long prompt is prefilled over several steps while running streams go on.",
     )
     max_queued_requests: int = Field(
         default=64,

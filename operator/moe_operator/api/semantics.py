@@ -15,8 +15,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from moe_workers.model.family import CheckpointError, UnsupportedModel, parse
+from moe_workers.model.family import Arch, CheckpointError, UnsupportedModel, parse
 from moe_workers.model.index import read_index
+from moe_workers.model.kv_blocks import budget_problem
 from moe_workers.paths import within_roots
 
 from . import conditions as cond
@@ -41,6 +42,7 @@ class ModelFacts:
     family: str = "mixtral"
     sparse_layers: tuple[int, ...] | None = None  # None: every layer has routed experts
     expert_numel: int | None = None  # None: a SwiGLU expert's 3 x hidden x intermediate
+    arch: Arch | None = None  # the whole config when config.json was read (None: from spec.model.shape)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -79,7 +81,8 @@ def read_model_facts(model_dir: str, family: str | None = None) -> ModelFacts:
     arch.check_tensors({n: (str(t.file), t.dtype, t.shape) for n, t in index.items()}, model_dir)
     return ModelFacts(num_layers=arch.num_layers, num_experts=arch.num_experts, top_k=arch.top_k,
                       hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size, dtype=arch.dtype_name,
-                      family=arch.family, sparse_layers=arch.sparse_layers, expert_numel=arch.expert_numel())
+                      family=arch.family, sparse_layers=arch.sparse_layers, expert_numel=arch.expert_numel(),
+                      arch=arch)
 
 
 Check = Callable[[MoEDeploymentSpec, list[str], "ModelFacts | None"], tuple[str, str, bool]]
@@ -156,8 +159,22 @@ def check_hot_budget(spec, roots, facts):
     return OK
 
 
+def check_kv_budget(spec, roots, facts):
+    """The KV cache must hold one sequence of maxModelLen tokens (else the Ingress cannot start)."""
+    arch = facts.arch if facts else None
+    if arch is None:
+        return OK
+    dtype = arch.dtype_name if spec.model.dtype == "auto" else spec.model.dtype
+    max_len = min(spec.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    problem = budget_problem(arch, quantity_bytes(spec.ingress.kv_cache_budget), spec.ingress.kv_block_size,
+                             _DTYPE_BYTES.get(dtype, 4), max_len)
+    if problem:
+        return (cond.INVALID_SPEC, f"spec.ingress.kvCacheBudget: {problem} (spec.model.maxModelLen: {max_len})", True)
+    return OK
+
+
 CHECKS: list[Check] = [check_model_root, check_model_dir, check_shape_agrees, check_topk, check_overrides,
-                       check_hot_budget]
+                       check_hot_budget, check_kv_budget]
 
 
 def validate_semantics(spec: MoEDeploymentSpec, roots: list[str]) -> tuple[ModelFacts | None, list[str], str]:

@@ -1,9 +1,10 @@
-"""The dense part of an MoE model (everything but the routed experts), with a slot KV cache.
+"""The dense part of an MoE model (everything but the routed experts), over a paged KV cache.
 
 One forward *step* processes a flat batch of tokens from many sequences at once: prompt chunks
-(prefill) and single decode tokens side by side. Linear layers and the expert dispatch see all
-the step's tokens together; attention is per sequence (prefill) or batched over the decode
-sequences with a length mask. The family (`MoEConfig`) decides the attention variant, the
+(prefill, from any position: a cached prefix or an earlier chunk before it) and single decode
+tokens side by side. Linear layers and the expert dispatch see all the step's tokens together;
+attention reads each sequence's keys through its block table (`kv_cache.PagedKVCache`), per
+chunk for prefill and batched over the decode sequences with a position mask. The family (`MoEConfig`) decides the attention variant, the
 router, and what runs beside the routed experts here: a dense MLP in layers without experts,
 shared experts in layers with them.
 """
@@ -17,64 +18,15 @@ import torch.nn.functional as F
 
 from .checkpoint import Checkpoint
 from .config import CheckpointError, MoEConfig
+from .kv_cache import GroupPlan, PagedKVCache
 from .layers import (apply_rope, attention_mscale, mlp, rms_norm, rope_cos_sin, rope_parameters, route,
                      route_sigmoid_group, route_softmax_group, route_topk_softmax)
 
 
-def kv_layout(cfg: MoEConfig) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((heads, dim) of what the cache keeps as keys, the same for values). Multi-head latent
-    attention keeps what transformers' cache keeps: the normed latent and the roped shared key."""
-    if cfg.mla:
-        return (1, cfg.kv_lora_rank), (1, cfg.qk_rope_head_dim)
-    return (cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
-
-
-class KVCache:
-    """Preallocated keys/values: (layers, slots, heads, max_len, dim), one slot per sequence
-    (`kv_layout` says what heads and dim are for the model's attention)."""
-
-    def __init__(self, cfg: MoEConfig, num_slots: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
-        (kh, kd), (vh, vd) = kv_layout(cfg)
-        self.k = torch.zeros((cfg.num_layers, num_slots, kh, max_len, kd), dtype=dtype, device=device)
-        self.v = torch.zeros((cfg.num_layers, num_slots, vh, max_len, vd), dtype=dtype, device=device)
-        self.max_len = max_len
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @staticmethod
-    def bytes_per_slot(cfg: MoEConfig, max_len: int, dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
-        (kh, kd), (vh, vd) = kv_layout(cfg)
-        return cfg.num_layers * (kh * kd + vh * vd) * max_len * elem
-
-    @classmethod
-    def for_budget(cls, cfg: MoEConfig, budget_bytes: int, max_len: int, dtype: torch.dtype,
-                   max_slots: int | None = None, device: torch.device | str = "cpu") -> "KVCache":
-        per_slot = cls.bytes_per_slot(cfg, max_len, dtype)
-        slots = budget_bytes // per_slot
-        if slots < 1:
-            raise CheckpointError(
-                f"KV cache budget {budget_bytes} bytes holds no sequence of {max_len} tokens "
-                f"(one needs {per_slot} bytes); raise kvCacheBudget or lower maxModelLen")
-        if max_slots is not None:
-            slots = min(slots, max_slots)
-        return cls(cfg, int(slots), max_len, dtype, device)
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
-
-
 @dataclass
 class Chunk:
-    """Tokens of one sequence in a step: positions start .. start+len(tokens)-1."""
+    """Tokens of one sequence in a step: positions start .. start+len(tokens)-1. `slot`: the
+    sequence's id in the KV cache (its block tables)."""
 
     slot: int
     start: int
@@ -103,6 +55,8 @@ class StepBatch:
         self.last_rows = torch.tensor([o + len(c.tokens) - 1 for o, c in zip(offsets, self.chunks)], dtype=torch.long)
         self.decode = [i for i, c in enumerate(self.chunks) if len(c.tokens) == 1]
         self.prefill = [i for i, c in enumerate(self.chunks) if len(c.tokens) > 1]
+        self.kv: list[GroupPlan] | None = None  # the cache's index tensors, made at the first layer
+        self.decode_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -181,6 +135,7 @@ class DenseModel:
         inv_freq, self.rope_scaling = rope_parameters(cfg.head_dim, cfg.rope_theta, cfg.rope_params,
                                                       cfg.max_position_embeddings)
         self.inv_freq = inv_freq.to(self.device)
+        self.mla_absorb = True  # latent attention decodes absorbed (False: expanded, for the bench)
         if cfg.mla:
             qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
             self.scaling = qk ** -0.5 * attention_mscale(cfg.rope_params)
@@ -208,7 +163,7 @@ class DenseModel:
         batch.cos, batch.sin = rope_cos_sin(batch.positions, self.inv_freq, self.cfg.dtype, self.rope_scaling)
         return F.embedding(batch.ids, self.embed_tokens)
 
-    def attention(self, layer: int, h: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+    def attention(self, layer: int, h: torch.Tensor, batch: StepBatch, cache: PagedKVCache) -> torch.Tensor:
         """h + self-attention(input_layernorm(h)); writes this step's keys/values into the cache."""
         if self.cfg.mla:
             return self._latent_attention(layer, h, batch, cache)
@@ -228,9 +183,11 @@ class DenseModel:
         out = self._attend(layer, q, k, v, batch, cache, lambda kk, vv: (kk, vv), w["sinks"])
         return h + F.linear(out.reshape(n, cfg.num_heads * cfg.head_dim), w["o"], w["o_bias"])
 
-    def _latent_attention(self, layer: int, h: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+    def _latent_attention(self, layer: int, h: torch.Tensor, batch: StepBatch, cache: PagedKVCache) -> torch.Tensor:
         """DeepSeek's multi-head latent attention: the cache keeps the normed KV latent and the
-        roped shared key; keys and values are expanded from them (kv_b_proj) for each step."""
+        roped shared key. Prefill expands keys and values from them (kv_b_proj); decode attends
+        in the latent space (`mla_absorb`), which reads r + d numbers a cached token instead of
+        expanding heads x (nope + v) of them."""
         cfg, w = self.cfg, self.layers[layer]
         nope, rope_dim, vdim, heads = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.num_heads
         x = rms_norm(h, w["in_norm"], cfg.rms_norm_eps)
@@ -255,51 +212,56 @@ class DenseModel:
             keys = torch.cat((kv[..., :nope], kr.expand(b, heads, t, rope_dim)), dim=-1)
             return keys, kv[..., nope:]
 
-        out = self._attend(layer, query, latent.view(n, 1, -1), k_rot, batch, cache, expand, None)
+        def absorbed(qd: torch.Tensor, lat: torch.Tensor, kr: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            """Decode in the latent space (DeepSeek's inference code): the query through kv_b's
+            key part, attention over the cached latent itself, then kv_b's value part; nothing
+            is expanded per cached token. qd (B, H, nope+d), lat (B, 1, L, r), kr (B, 1, L, d)."""
+            wkv = w["kv_b"].view(heads, nope + vdim, cfg.kv_lora_rank)
+            q_lat = torch.einsum("bhn,hnr->bhr", qd[..., :nope], wkv[:, :nope])
+            scores = (torch.matmul(q_lat, lat[:, 0].transpose(1, 2))
+                      + torch.matmul(qd[..., nope:], kr[:, 0].transpose(1, 2))) * self.scaling  # (B, H, L)
+            scores = scores.masked_fill(~mask[:, 0], float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(lat.dtype)
+            return torch.einsum("bhr,hvr->bhv", torch.matmul(probs, lat[:, 0]), wkv[:, nope:])
+
+        out = self._attend(layer, query, latent.view(n, 1, -1), k_rot, batch, cache, expand, None,
+                           absorbed if self.mla_absorb else None)
         return h + F.linear(out.reshape(n, heads * vdim), w["o"], w["o_bias"])
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch,
-                cache: KVCache, expand, sinks: torch.Tensor | None) -> torch.Tensor:
+                cache: PagedKVCache, expand, sinks: torch.Tensor | None, decode=None) -> torch.Tensor:
         """Writes k, v (N, heads, dim) into the cache, then attends each token to its sequence's
-        cached positions (causal; within the layer's sliding window when it has one). `expand`
-        turns cached (B, heads, T, dim) keys/values into the attention's."""
-        window = self.cfg.sliding(layer)
+        cached positions (causal; within the layer's sliding window when it has one), read
+        through its block table. `expand` turns cached (B, heads, T, dim) keys/values into the
+        attention's; `decode` (latent attention), if given, attends the decode rows itself."""
+        if batch.kv is None:  # once a step: every layer of a group reads the same blocks
+            batch.kv = cache.plan(batch)
+            batch.decode_rows = torch.tensor([batch.offsets[i] for i in batch.decode], dtype=torch.long,
+                                             device=q.device)
+        plan = batch.kv[cache.group_of(layer)]
+        cache.write(layer, batch.kv, k, v)  # first: a token attends to itself
         n, heads = q.shape[0], q.shape[1]
         out = None
-        ck, cv = cache.k[layer], cache.v[layer]
-        for i, c in enumerate(batch.chunks):  # write keys/values first: decode attends to itself
-            o, m = batch.offsets[i], len(c.tokens)
-            ck[c.slot, :, c.start:c.start + m] = k[o:o + m].transpose(0, 1)
-            cv[c.slot, :, c.start:c.start + m] = v[o:o + m].transpose(0, 1)
-        for i in batch.prefill:
+        for (blocks, mask), i in zip(plan.prefill, batch.prefill):
             c, o = batch.chunks[i], batch.offsets[i]
-            m, total = len(c.tokens), c.start + len(c.tokens)
+            m = len(c.tokens)
             qi = q[o:o + m].transpose(0, 1).unsqueeze(0)          # (1, H, m, d)
-            ki, vi = expand(ck[c.slot, :, :total].unsqueeze(0), cv[c.slot, :, :total].unsqueeze(0))
-            mask = torch.ones(m, total, dtype=torch.bool, device=q.device).tril(diagonal=c.start)
-            if window:
-                mask &= torch.ones(m, total, dtype=torch.bool, device=q.device).triu(diagonal=c.start - window + 1)
+            ki, vi = expand(*cache.gather(layer, blocks))
             oi = self._sdpa(qi, ki, vi, mask, sinks)
             if out is None:
                 out = q.new_empty(n, heads, oi.shape[-1])
             out[o:o + m] = oi[0].transpose(0, 1)
         if batch.decode:
-            idx = batch.decode
-            rows = torch.tensor([batch.offsets[i] for i in idx], device=q.device)
-            slots = torch.tensor([batch.chunks[i].slot for i in idx], device=q.device)
-            lengths_list = [batch.chunks[i].start + 1 for i in idx]
-            lengths = torch.tensor(lengths_list, device=q.device)
-            longest = max(lengths_list)  # from the host: no device round trip
-            kd, vd = expand(ck[slots, :, :longest], cv[slots, :, :longest])  # (B, KVH, L, d)
-            qd = q[rows].unsqueeze(2)                              # (B, H, 1, d)
-            pos = torch.arange(longest, device=q.device)[None, :]
-            mask = pos < lengths[:, None]
-            if window:
-                mask &= pos > lengths[:, None] - 1 - window
-            od = self._sdpa(qd, kd, vd, mask[:, None, None, :], sinks)
+            rows = batch.decode_rows
+            kc, vc = cache.gather(layer, plan.decode_blocks)      # (B, KVH, L, d)
+            if decode is not None:
+                od = decode(q[rows], kc, vc, plan.decode_mask)    # (B, H, dv)
+            else:
+                kd, vd = expand(kc, vc)
+                od = self._sdpa(q[rows].unsqueeze(2), kd, vd, plan.decode_mask, sinks)[:, :, 0]
             if out is None:
                 out = q.new_empty(n, heads, od.shape[-1])
-            out[rows] = od[:, :, 0]
+            out[rows] = od
         return out
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -7,24 +7,30 @@ from pathlib import Path
 import torch
 
 from .checkpoint import Checkpoint
-from .dense import Chunk, DenseModel, KVCache, StepBatch
+from .dense import Chunk, DenseModel, StepBatch
 from .experts import LocalExperts
+from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_groups
 from .sampling import sample
 
 
 class InProcessModel:
     def __init__(self, path: str | Path, dtype: str | torch.dtype | None = None, max_len: int | None = None,
-                 max_sequences: int = 8, family: str | None = None):
+                 max_sequences: int = 8, family: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE):
         self.ckpt = Checkpoint(path, family)
         self.cfg = self.ckpt.config.with_dtype(dtype)
         self.dense = DenseModel(self.cfg, self.ckpt.dense_state())
         self.experts = LocalExperts(self.ckpt, self.cfg.dtype)
         self.max_len = max_len or self.cfg.max_position_embeddings
-        self.cache = KVCache(self.cfg, max_sequences, self.max_len, self.cfg.dtype)
+        # room for max_sequences sequences of max_len tokens (no prefix sharing here)
+        blocks = max_sequences * len(kv_groups(self.cfg)) * -(-self.max_len // block_size)
+        self.cache = PagedKVCache(self.cfg, blocks + 1, block_size, self.cfg.dtype, prefix_caching=False)
 
     @torch.inference_mode()
     def step(self, chunks: list[Chunk], all_rows: bool = False) -> torch.Tensor:
-        """Logits of each chunk's last token (or of every token with all_rows)."""
+        """Logits of each chunk's last token (or of every token with all_rows). Each chunk's
+        sequence (from `cache.allocate()`) gets the blocks it needs."""
+        for c in chunks:
+            self.cache.reserve(c.slot, c.start + len(c.tokens), c.start)
         batch = StepBatch(chunks)
         h = self.dense.embed(batch)
         for layer in range(self.cfg.num_layers):
@@ -36,22 +42,20 @@ class InProcessModel:
 
     def prompt_logits(self, ids: list[int]) -> torch.Tensor:
         """Logits at every position of one prompt, like transformers' model(ids).logits[0]."""
-        slot = self.cache.allocate()
+        seq = self.cache.allocate()
         try:
-            return self.step([Chunk(slot, 0, list(ids))], all_rows=True)
+            return self.step([Chunk(seq, 0, list(ids))], all_rows=True)
         finally:
-            self.cache.release(slot)
+            self.cache.release(seq)
 
     def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = False) -> list[list[int]]:
         """Completions for several prompts decoded together (one step per token, all sequences)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        slots = [self.cache.allocate() for _ in prompts]
-        if None in slots:
-            raise RuntimeError(f"at most {self.cache.num_slots} sequences at once")
+        seqs = [self.cache.allocate() for _ in prompts]
         try:
             outputs: list[list[int]] = [[] for _ in prompts]
-            chunks = [Chunk(s, 0, list(p)) for s, p in zip(slots, prompts)]
+            chunks = [Chunk(s, 0, list(p)) for s, p in zip(seqs, prompts)]
             active = list(range(len(prompts)))
             while active and max_tokens > 0:
                 logits = self.step([chunks[i] for i in active])
@@ -67,5 +71,5 @@ class InProcessModel:
                 active = still
             return outputs
         finally:
-            for s in slots:
+            for s in seqs:
                 self.cache.release(s)

@@ -54,6 +54,10 @@ class AppArgs(BaseModel):
     max_model_len: int | None = None
     max_batch_size: int = Field(default=32, ge=1)
     kv_cache_budget_bytes: int = Field(default=256 * 2**20, ge=1)
+    kv_block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV cache block.")
+    prefix_caching: bool = Field(default=True, description="Share computed prompt blocks between requests.")
+    max_num_batched_tokens: int = Field(default=512, ge=1, le=1_048_576, description="Tokens one engine step "
+                                        "computes at most: decode tokens first, then prefill chunks.")
     max_queued_requests: int = Field(default=64, ge=0)
     num_groups: int = Field(ge=1)
     ingress_replicas: int = Field(default=1, ge=1)

@@ -1,10 +1,16 @@
 """Continuous batching over the dense model; experts are reached through a dispatcher.
 
-The engine owns the KV cache and a bounded wait queue. Each step takes every running sequence
-(one decode token each) plus newly admitted prompts (prefill), runs them through the model
-together, samples, and streams tokens out. New requests join between steps. Nothing here knows
-about Ray: the dispatcher is any `(layer, x, indices, weights) -> moe_out`, which is how the same
-engine runs in-process (tests) and in the Ingress deployment (the expert channel).
+The engine owns the paged KV cache and a bounded wait queue. Each step schedules, within a
+token budget (`max_num_batched_tokens`): a decode token of every running sequence first, then
+chunks of prompts being prefilled (a long prompt is split over steps, so running streams keep
+their pace), then newly admitted prompts, each starting after the prefix the cache already
+holds computed (prefix caching). It runs them through the model together, samples, and
+streams tokens out. Memory is blocks (`model.kv_blocks`): a request is admitted when blocks for
+its first chunk are free; when a running sequence needs a block and none is, the most recently
+admitted sequence is preempted (its blocks freed, its tokens recomputed once there is room:
+vLLM's policy), so no request fails or is cut short for memory. Nothing here knows about Ray:
+the dispatcher is any `(layer, x, indices, weights) -> moe_out`, which is how the same engine
+runs in-process (tests) and in the Ingress deployment (the expert channel).
 
 Steps run back to back in one engine thread, from admission through the forward pass (layers
 and expert exchanges included) to sampling: the event loop only submits, cancels and streams,
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import threading
 import time
 from collections import deque
@@ -26,7 +33,9 @@ from typing import Callable
 
 import torch
 
-from moe_workers.model.dense import Chunk, DenseModel, KVCache, StepBatch
+from moe_workers.model.dense import Chunk, DenseModel, StepBatch
+from moe_workers.model.kv_blocks import NoFreeBlocks
+from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.sampling import sample
 from moe_workers.transport.realtime import Realtime
 
@@ -35,6 +44,22 @@ Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
 
 class Overloaded(Exception):
     """The wait queue is full; the caller should answer 503 with Retry-After."""
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued (or preempted: its tokens are recomputed when it is admitted again)
+    PREFILL = "prefill"  # admitted, some of its known tokens not computed yet (a chunked prompt)
+    DECODE = "decode"  # every known token computed: one new token a step
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended (OpenAI's finish_reason, plus cancelled and error)."""
+
+    STOP = "stop"  # end of sequence, or a stop sequence
+    LENGTH = "length"  # max_tokens, or the context
+    CANCELLED = "cancelled"  # the client went away
+    ERROR = "error"  # the step failed: `error` says why
 
 
 @dataclass
@@ -52,15 +77,29 @@ class GenerationRequest:
     final_only: bool = False
     loop: asyncio.AbstractEventLoop | None = None  # the one that reads `out` (set on submit)
     generator: torch.Generator | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: Exception | None = None  # what failed the step that ended this request
-    cancelled: str | None = None  # why it ends early ("cancelled": the client went away; "stop"): freed at the next step
+    cancelled: FinishReason | None = None  # why it ends early (CANCELLED, or STOP: a stop sequence): freed at the next step
     # engine state
-    slot: int | None = None
+    phase: Phase = Phase.WAITING
+    slot: int | None = None  # its sequence id in the KV cache while admitted
     produced: list[int] = field(default_factory=list)
     # with logprobs: per produced token (its logprob, [(token id, logprob) of the top alternatives])
     token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    cached: int = 0
+    num_computed_tokens: int = 0  # of prompt + produced, in the KV cache
+    cached_tokens: int = 0  # of the prompt, found in the prefix cache at its (last) admission
+    preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.produced)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Known tokens start..end-1 (the prompt, then what was produced)."""
+        p = len(self.prompt)
+        if end <= p:
+            return self.prompt[start:end]
+        return (self.prompt[start:] if start < p else []) + self.produced[max(0, start - p):end - p]
     # latency (time.perf_counter): submitted, the latest token
     t_submit: float = 0.0
     t_last: float = 0.0
@@ -85,23 +124,40 @@ class StepTimings:
     forward: float = 0.0  # the forward passes, in their threads
     step: float = 0.0  # whole steps in the engine thread (admission, forward, sampling, the hand-off of tokens)
     steps: int = 0
-    tokens: int = 0
+    tokens: int = 0  # sequences stepped, summed over steps
+    computed_tokens: int = 0  # tokens run through the model (prefill chunks and decode tokens)
+
+
+@dataclass
+class KVStats:
+    """The paged cache and the scheduler, since start (what status and metrics show)."""
+
+    preemptions: int = 0  # sequences preempted for blocks (their tokens recomputed later)
+    chunked_prefills: int = 0  # prompts prefilled over more than one step
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_hit_tokens: int = 0  # of those, found computed
 
 
 class Engine:
-    def __init__(self, dense: DenseModel, cache: KVCache, dispatch: Dispatcher, max_batch_size: int,
+    def __init__(self, dense: DenseModel, cache: PagedKVCache, dispatch: Dispatcher, max_batch_size: int,
                  max_queued: int, micro_batches: int = 1, micro_batch_min_tokens: int = 256,
-                 routing_stats=None, observer: Observer | None = None, realtime: Realtime | None = None):
+                 routing_stats=None, observer: Observer | None = None, realtime: Realtime | None = None,
+                 max_num_batched_tokens: int = 2048, max_len: int | None = None):
         """`realtime`: the real-time class a step's thread takes for a small step (its rows: the
-        step's tokens x top_k, what its exchanges carry at most), or None: never."""
+        step's tokens x top_k, what its exchanges carry at most), or None: never.
+        `max_num_batched_tokens`: a step's token budget (decode tokens always run; prefill
+        chunks fill what is left). `max_len`: the context (default: the model's)."""
         self.dense = dense
         self.realtime = realtime
-        self.routing_stats = routing_stats  # RoutingStats, or None
+        self.routing_stats = routing_stats  # RoutingStats over max_batch_size sequence slots, or None
         self.observer = observer or Observer()
         self.cache = cache
+        self.manager = cache.manager
         self.dispatch = dispatch
         self.max_batch_size = max_batch_size
         self.max_queued = max_queued
+        self.max_num_batched_tokens = max(1, max_num_batched_tokens)
+        self.max_len = max_len or dense.cfg.max_position_embeddings
         # >1: split each step into micro-batches run concurrently, so one's dense compute overlaps
         # another's expert calls (costs one more expert call per group and layer)
         self.micro_batches = micro_batches
@@ -109,8 +165,11 @@ class Engine:
         # overlap; decode steps are dispatch-bound and would only pay for the extra calls
         self.micro_batch_min_tokens = micro_batch_min_tokens
         self.waiting: deque[GenerationRequest] = deque()
-        self.running: list[GenerationRequest] = []
+        self.running: list[GenerationRequest] = []  # in admission order
         self.timings = StepTimings()
+        self.kv = KVStats()
+        self._slots = list(range(max_batch_size - 1, -1, -1))  # sequence ids (RoutingStats' rows)
+        self._reset_prefix = False
         # the engine thread runs steps off the event loop, so HTTP stays responsive; micro-batches
         # past the first run in the pool (made on demand). torch's intra-op thread count is per
         # thread under OpenMP: each takes the one of the thread that built the engine
@@ -122,9 +181,15 @@ class Engine:
                                                            initargs=(self._threads,))
         self._dense = threading.Lock()  # micro-batches' dense compute takes turns
 
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence (prompt + completion) this engine can ever hold: the context,
+        or fewer where the whole cache holds fewer."""
+        held = self.manager.max_tokens()
+        return self.max_len if held is None else min(self.max_len, held)
+
     def submit(self, req: GenerationRequest) -> GenerationRequest:
         # requests that can start at the next step do not count against the wait queue
-        can_start = max(0, min(self.cache.free_slots, self.max_batch_size - len(self.running)))
+        can_start = max(0, self.max_batch_size - len(self.running))
         if len(self.waiting) >= self.max_queued + can_start:
             raise Overloaded(f"{len(self.waiting)} requests already waiting for KV cache space")
         if req.seed is not None:
@@ -139,9 +204,9 @@ class Engine:
                 self._thread.start()
         return req
 
-    def cancel(self, req: GenerationRequest, reason: str = "cancelled") -> None:
+    def cancel(self, req: GenerationRequest, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """The client is gone (or a stop sequence ended the text): the request leaves the queue
-        now, or its KV slot at the next step, finishing with `reason`. On the event loop."""
+        now, or its KV blocks at the next step, finishing with `reason`. On the event loop."""
         if req.finish_reason is not None or req.cancelled:
             return
         req.cancelled = reason
@@ -151,6 +216,11 @@ class Engine:
                 self.waiting.remove(req)
         if queued:
             self._finish(req, reason)
+
+    def reset_prefix_cache(self) -> None:
+        """Cached prefixes were computed by other weights (a committed hot-swap): none is
+        reused from the next step on (sequences running keep their own blocks)."""
+        self._reset_prefix = True
 
     def _run(self) -> None:
         """The engine thread: steps while there is work, waits for a submit when there is none."""
@@ -165,31 +235,106 @@ class Engine:
             except Exception as err:  # a failed step fails its requests, not the server
                 for req in self.running:
                     req.error = err
-                    self._finish(req, f"error: {err}", out)
+                    self._finish(req, FinishReason.ERROR, out)
                 self.running = []
             _deliver(out)
 
-    def _admit(self) -> list[GenerationRequest]:
-        admitted = []
-        with self._work:
-            while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
-                slot = self.cache.allocate()
-                if slot is None:
-                    break
-                req = self.waiting.popleft()
-                req.slot = slot
-                admitted.append(req)
-        return admitted
+    # -- scheduling ------------------------------------------------------------------------
 
-    def _finish(self, req: GenerationRequest, reason: str,
+    def _preempt(self, req: GenerationRequest) -> None:
+        """Out of blocks: `req` gives its blocks back and waits at the front of the queue; its
+        tokens (prompt and produced) are computed again when it is admitted (much of them from
+        the prefix cache, if its blocks were not handed out meanwhile)."""
+        self.running.remove(req)
+        self._release(req)
+        req.phase, req.num_computed_tokens = Phase.WAITING, 0
+        req.preemptions += 1
+        self.kv.preemptions += 1
+        with self._work:
+            self.waiting.appendleft(req)
+
+    def _release(self, req: GenerationRequest) -> None:
+        if req.slot is not None:
+            self.manager.free(req.slot)
+            self._slots.append(req.slot)
+            req.slot = None
+
+    def _grow(self, req: GenerationRequest, total: int, scheduled: set[int]) -> bool:
+        """Blocks for `req`'s first `total` tokens, preempting the most recently admitted
+        sequence not yet scheduled this step while there are none. False: `req` itself was
+        preempted, or only scheduled ones are left to preempt."""
+        while True:
+            try:
+                self.manager.allocate(req.slot, total, req.num_computed_tokens)
+                return True
+            except NoFreeBlocks:
+                victim = self.running[-1]
+                if id(victim) in scheduled:
+                    return False
+                self._preempt(victim)
+                if victim is req:
+                    return False
+
+    def _schedule(self) -> list[tuple[GenerationRequest, int]]:
+        """This step's work: (request, tokens to compute), decode tokens first, then prefill
+        chunks of admitted prompts, then new admissions, within the token budget."""
+        budget = self.max_num_batched_tokens
+        plan: list[tuple[GenerationRequest, int]] = []
+        scheduled: set[int] = set()
+        preempted = self.kv.preemptions
+        for decoding in (True, False):
+            i = 0
+            while i < len(self.running):
+                req = self.running[i]
+                if (req.phase is Phase.DECODE) != decoding or id(req) in scheduled:
+                    i += 1
+                    continue
+                n = 1 if decoding else min(req.num_tokens - req.num_computed_tokens, budget)
+                if n < 1:
+                    break
+                if not self._grow(req, req.num_computed_tokens + n, scheduled):
+                    if req not in self.running:  # preempted itself: the rest of the list shifted
+                        continue
+                    break
+                plan.append((req, n))
+                scheduled.add(id(req))
+                budget -= n
+                i += 1
+        if self.kv.preemptions != preempted:  # no room for the running ones: admit nothing new
+            return plan
+        while self.waiting and budget > 0 and self._slots:
+            with self._work:
+                if not self.waiting:
+                    break
+                req = self.waiting[0]
+            slot = self._slots.pop()
+            tokens = req.prompt + req.produced
+            try:
+                computed = self.manager.admit(slot, tokens, budget)
+            except NoFreeBlocks:
+                self._slots.append(slot)
+                break
+            with self._work:
+                self.waiting.popleft()
+            req.slot, req.phase, req.num_computed_tokens = slot, Phase.PREFILL, computed
+            req.cached_tokens = computed
+            self.kv.prefix_queried_tokens += len(tokens)
+            self.kv.prefix_hit_tokens += computed
+            n = min(len(tokens) - computed, budget)
+            self.running.append(req)
+            plan.append((req, n))
+            scheduled.add(id(req))
+            budget -= n
+        return plan
+
+    def _finish(self, req: GenerationRequest, reason: FinishReason,
                 out: list[tuple[GenerationRequest, int | None]] | None = None) -> None:
         """`out`: the engine thread's tokens of this step, handed to the loop together; None on
         the event loop (a queued request cancelled)."""
         req.finish_reason = reason
+        req.phase = Phase.FINISHED
         self.observer.finished(req, time.perf_counter() - req.t_submit)
-        if req.slot is not None:
-            self.cache.release(req.slot)
-            req.slot = None
+        self._release(req)
         if out is None:
             req.out.put_nowait(None)
         else:
@@ -199,20 +344,18 @@ class Engine:
         """One step in the engine thread; the tokens it produced (and the Nones ending requests)
         are appended to `out` for the event loop."""
         t_step = time.perf_counter()
+        if self._reset_prefix:
+            self._reset_prefix = False
+            self.manager.reset_prefix_cache()
         for req in [r for r in self.running if r.cancelled]:
+            self.running.remove(req)
             self._finish(req, req.cancelled, out)
-        self.running = [r for r in self.running if not r.cancelled]
-        seqs = self.running + self._admit()
-        if not seqs:
+        plan = self._schedule()
+        if not plan:
             return
-        self.running = seqs  # so a failing step fails (and frees) the new ones too
-        chunks = []
-        for req in seqs:
-            if req.cached == 0:
-                chunks.append(Chunk(req.slot, 0, list(req.prompt)))
-            else:
-                chunks.append(Chunk(req.slot, req.cached, [req.produced[-1]]))
-        tokens = sum(len(c.tokens) for c in chunks)
+        chunks = [Chunk(req.slot, req.num_computed_tokens,
+                        req.tokens(req.num_computed_tokens, req.num_computed_tokens + n)) for req, n in plan]
+        tokens = sum(n for _, n in plan)
         parts = split_chunks(chunks, self.micro_batches if tokens >= self.micro_batch_min_tokens else 1)
         if len(parts) == 1:
             logits = self._forward(StepBatch(chunks))
@@ -223,14 +366,24 @@ class Engine:
             finally:  # the others write the KV cache too: never leave one running
                 concurrent.futures.wait(rest)
             logits = torch.cat([first, *(f.result() for f in rest)])
-        still = []
-        for row, (req, chunk) in enumerate(zip(seqs, chunks)):
-            req.cached = chunk.start + len(chunk.tokens)
+        bs = self.manager.block_size
+        done: set[int] = set()
+        for row, (req, n) in enumerate(plan):
+            before = req.num_computed_tokens
+            req.num_computed_tokens += n
+            if req.num_computed_tokens // bs > before // bs:  # a block filled: others may share it
+                self.manager.commit(req.slot, req.tokens(0, req.num_computed_tokens), req.num_computed_tokens)
+            if req.num_computed_tokens < req.num_tokens:  # a prompt chunk: more of it next step
+                if before == req.cached_tokens and req.phase is Phase.PREFILL:
+                    self.kv.chunked_prefills += 1
+                continue
+            req.phase = Phase.DECODE
             try:
                 tok = sample(logits[row], req.temperature, req.top_p, req.generator)
             except Exception as err:  # this sequence's sampling failed: it ends, the batch goes on
                 req.error = err
-                self._finish(req, f"error: {err}", out)
+                self._finish(req, FinishReason.ERROR, out)
+                done.add(id(req))
                 continue
             if req.logprobs is not None:
                 req.token_logprobs.append(token_logprobs(logits[row], tok, req.logprobs))
@@ -243,18 +396,21 @@ class Engine:
             req.t_last = now
             if not req.final_only:
                 out.append((req, tok))
+            reason = None
             if len(req.produced) >= req.max_tokens:
-                self._finish(req, "length", out)
+                reason = FinishReason.LENGTH
             elif req.stop_at_eos and tok == self.dense.cfg.eos_token_id:
-                self._finish(req, "stop", out)
-            elif req.cached + 1 >= self.cache.max_len:
-                self._finish(req, "length", out)
-            else:
-                still.append(req)
-        self.running = still
+                reason = FinishReason.STOP
+            elif req.num_tokens >= self.max_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._finish(req, reason, out)
+                done.add(id(req))
+        self.running = [r for r in self.running if id(r) not in done]
         self.timings.step += time.perf_counter() - t_step
         self.timings.steps += 1
         self.timings.tokens += len(chunks)
+        self.timings.computed_tokens += tokens
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         """Embedding to logits in this thread: dense parts under the dense lock, each layer's
@@ -347,7 +503,7 @@ def split_chunks(chunks: list[Chunk], parts: int) -> list[list[Chunk]]:
     return out
 
 
-def _attend_and_route(dense: DenseModel, layer: int, h: torch.Tensor, batch: StepBatch, cache: KVCache):
+def _attend_and_route(dense: DenseModel, layer: int, h: torch.Tensor, batch: StepBatch, cache: PagedKVCache):
     """(h after attention, the MLP input, top-k indices, weights, what the ingress computes
     itself): one layer up to the experts (in the step's inference mode). A dense layer has no
     indices; its MLP is `local`; shared experts are `local` beside the routed ones."""

@@ -26,10 +26,11 @@ from ray.serve.handle import DeploymentHandle
 from moe_workers.device import replica_device
 from moe_workers.model import routes
 from moe_workers.model.checkpoint import Checkpoint
-from moe_workers.model.dense import DenseModel, KVCache
+from moe_workers.model.dense import DenseModel
+from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.layers import combine, group_by_expert
 from moe_workers.serve.config import AppArgs, admission_capacity, engine_queue_limit
-from moe_workers.serve.engine import Engine, GenerationRequest, Overloaded
+from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest, Overloaded
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
 from moe_workers.serve.migration import RESUME_HEADER, Resume, parse_resume
@@ -142,11 +143,18 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
 def _raise_failed(gen: GenerationRequest) -> None:
     """A choice that ended in an error answers 503 (experts unavailable: retry) or 500."""
-    if not (gen.finish_reason and gen.finish_reason.startswith("error")):
+    if gen.finish_reason is not FinishReason.ERROR:
         return
     if isinstance(gen.error, ExpertsUnavailable):
         raise RequestError(503, f"experts unavailable: {gen.error}; retry later", err_type="unavailable")
-    raise RequestError(500, gen.finish_reason, err_type="server_error")
+    raise RequestError(500, _finish_text(gen), err_type="server_error")
+
+
+def _finish_text(gen: GenerationRequest) -> str | None:
+    """The finish_reason a client sees: OpenAI's, or "error: <why>" for a failed choice."""
+    if gen.finish_reason is FinishReason.ERROR:
+        return f"error: {gen.error}"
+    return None if gen.finish_reason is None else str(gen.finish_reason)
 
 
 @serve.deployment
@@ -163,8 +171,9 @@ class Ingress:
         self.dense = DenseModel(cfg, ckpt.dense_state(), self.device)
         ckpt.close()
         self.max_len = min(self.args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.cache = KVCache.for_budget(cfg, self.args.kv_cache_budget_bytes, self.max_len, cfg.dtype,
-                                        max_slots=max(self.args.max_batch_size, 1) * 2, device=self.device)
+        self.cache = PagedKVCache.for_budget(cfg, self.args.kv_cache_budget_bytes, self.max_len,
+                                             self.args.kv_block_size, cfg.dtype, self.device,
+                                             prefix_caching=self.args.prefix_caching)
         self.shards = shards  # bound so Serve deploys them; their traffic goes through the channel
         self.board = board
         self.channel = ExpertChannel(self._members if board is not None else None,
@@ -176,7 +185,7 @@ class Ingress:
         self._group_tokens_exported: dict[str, int] = {}
         self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
         self.prefetch_lookahead = 0
-        self.routing_stats = RoutingStats(cfg.num_layers, cfg.num_experts, self.cache.num_slots)
+        self.routing_stats = RoutingStats(cfg.num_layers, cfg.num_experts, self.args.max_batch_size)
         self.routing_window: dict = {}
         ctx = serve.get_replica_context()
         self.metrics = IngressMetrics(ctx.replica_id.deployment_id.app_name, ctx.replica_id.unique_id)
@@ -184,7 +193,8 @@ class Ingress:
                              engine_queue_limit(self.args), self.args.micro_batches,
                              self.args.micro_batch_min_tokens, routing_stats=self.routing_stats,
                              observer=self.metrics, realtime=Realtime(self.args.realtime_priority,
-                                                               torch_threads=self.args.ingress_torch_threads))
+                                                               torch_threads=self.args.ingress_torch_threads),
+                             max_num_batched_tokens=self.args.max_num_batched_tokens, max_len=self.max_len)
         threading.Thread(target=self._export_metrics, name="ingress-metrics", daemon=True).start()
         tok_file = Path(self.args.model_path) / "tokenizer.json"
         self.tokenizer = None
@@ -242,10 +252,7 @@ class Ingress:
                 continue
             last = time.monotonic()
             try:
-                kv = self.engine_stats()
-                slot_bytes = kv["kv_cache_bytes"] // max(kv["kv_slots"], 1)
-                self.metrics.load(kv["running"], kv["waiting"], (kv["kv_slots"] - kv["kv_free"]) * slot_bytes,
-                                  kv["kv_cache_bytes"])
+                self.metrics.load(self.engine_stats())
                 window = self.routing_stats.take()
                 if any(t for t in window["tokens"]):
                     self.routing_window = window  # status shows the last window that saw traffic
@@ -387,6 +394,11 @@ class Ingress:
         if new_tokens < 1 or len(ids) + new_tokens > self.max_len:
             raise RequestError(400, f"{param}: prompt ({len(ids)} tokens) + {param} ({new_tokens}) "
                                f"exceeds the context of {self.max_len} tokens", param=param)
+        held = self.engine.max_sequence_tokens()
+        if len(ids) + new_tokens > held:
+            raise RequestError(400, f"{param}: prompt ({len(ids)} tokens) + {param} ({new_tokens}) is more than "
+                               f"the whole KV cache holds for one sequence ({held} tokens: "
+                               f"spec.ingress.kvCacheBudget)", param=param)
         prefix = resume.token_ids if resume is not None else []
         # the choices' text streams; a resumed one holds the text its client has, and what is held back
         streams = [TextStream(self._decode, req.stops) for _ in range(req.n)]
@@ -442,7 +454,7 @@ class Ingress:
         if not stops:  # nothing to watch for: decode once at the end (the engine hands over the end only)
             while await gen.out.get() is not None:
                 pass
-            return self._decode(gen.produced), gen.finish_reason
+            return self._decode(gen.produced), _finish_text(gen)
         stream = TextStream(self._decode, stops)
         while (tok := await gen.out.get()) is not None:
             stream.push(tok)
@@ -450,10 +462,10 @@ class Ingress:
                 self._stopped(gen)
                 break
         stream.finish()
-        return stream.text, "stop" if stream.stopped else gen.finish_reason
+        return stream.text, "stop" if stream.stopped else _finish_text(gen)
 
     def _stopped(self, gen: GenerationRequest) -> None:
-        self.engine.cancel(gen, "stop")
+        self.engine.cancel(gen, FinishReason.STOP)
 
     async def _stream(self, gens: list[GenerationRequest], events):
         try:
@@ -496,7 +508,7 @@ class Ingress:
                 gen, stream = gens[i], streams[i]
                 if tok is None:
                     open_choices -= 1  # (a failed choice ends with finish_reason "error: ...")
-                    yield event(i, stream.finish(), [], "stop" if stream.stopped else gen.finish_reason)
+                    yield event(i, stream.finish(), [], "stop" if stream.stopped else _finish_text(gen))
                     continue
                 if stream.stopped:
                     continue
@@ -599,8 +611,19 @@ class Ingress:
                 "experts_s": t.experts, "forward_s": t.forward, "step_s": t.step,
                 "cpu_s": usage.ru_utime + usage.ru_stime,
                 "running": len(self.engine.running), "waiting": len(self.engine.waiting),
-                "kv_slots": self.cache.num_slots, "kv_free": self.cache.free_slots, "pid": os.getpid(),
-                "peak_rss_bytes": peak_rss_bytes(), "dense_bytes": self.dense.nbytes(),
-                "kv_cache_bytes": self.cache.k.numel() * self.cache.k.element_size() * 2}
+                "pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes(), "dense_bytes": self.dense.nbytes(),
+                "kv": self.kv_stats()}
+
+    def kv_stats(self) -> dict:
+        """The paged KV cache: blocks (used / total, bytes), prefix cache hits, preemptions,
+        chunked prefills (counts since start)."""
+        m, kv = self.engine.manager, self.engine.kv
+        return {"block_size": m.block_size, "blocks_total": m.pool.usable, "blocks_used": m.num_used,
+                "bytes": self.cache.nbytes, "block_bytes": self.cache.nbytes // max(self.cache.num_blocks, 1),
+                "max_sequence_tokens": self.engine.max_sequence_tokens(),
+                "prefix_caching": m.prefix_caching, "prefix_queried_tokens": kv.prefix_queried_tokens,
+                "prefix_hit_tokens": kv.prefix_hit_tokens, "prefix_cached_blocks": len(m.pool.cached),
+                "preemptions": kv.preemptions, "chunked_prefills": kv.chunked_prefills,
+                "max_num_batched_tokens": self.engine.max_num_batched_tokens}
 
 

@@ -131,6 +131,18 @@ class IngressMetrics:
         self.waiting = Gauge("moe_requests_waiting", description="Sequences waiting for KV cache space.", tag_keys=tags)
         self.kv_used = Gauge("moe_kv_cache_used_bytes", description="KV cache bytes held by sequences.", tag_keys=tags)
         self.kv_budget = Gauge("moe_kv_cache_budget_bytes", description="KV cache bytes of this replica.", tag_keys=tags)
+        self.kv_blocks_used = Gauge("moe_kv_cache_blocks_used", description="KV cache blocks held by sequences.",
+                                    tag_keys=tags)
+        self.kv_blocks = Gauge("moe_kv_cache_blocks", description="KV cache blocks of this replica.", tag_keys=tags)
+        self.prefix_queried = Counter("moe_prefix_cache_queried_tokens", description="Prompt tokens looked up in the "
+                                      "prefix cache at admission.", tag_keys=tags)
+        self.prefix_hits = Counter("moe_prefix_cache_hit_tokens", description="Prompt tokens found computed in the "
+                                   "prefix cache (not computed again).", tag_keys=tags)
+        self.preemptions = Counter("moe_preemptions", description="Sequences preempted for KV cache blocks (their "
+                                   "tokens computed again later).", tag_keys=tags)
+        self.chunked_prefills = Counter("moe_chunked_prefills", description="Prompts prefilled over more than one "
+                                        "step (spec.ingress.maxNumBatchedTokens).", tag_keys=tags)
+        self._last: dict[str, int] = {}
         self.rejected = Counter("moe_requests_rejected", description="Requests refused before work: 503 (queue full), "
                                 "401 (API key).", tag_keys=tags + ("code",))
         self.entropy = Gauge("moe_routing_entropy", description="Entropy of expert selection / log(experts), per layer "
@@ -172,7 +184,7 @@ class IngressMetrics:
     def finished(self, req, seconds: float) -> None:
         if not self.enabled:
             return
-        reason = (req.finish_reason or "").split(":")[0]  # "error: ..." -> "error"
+        reason = str(req.finish_reason or "")
         self._queued.append((self.e2e.observe, seconds, {**self._base(), "finish_reason": reason}))
         self._queued.append((self.prompt_tokens.inc, len(req.prompt), self._base()))
         if req.produced:
@@ -190,13 +202,23 @@ class IngressMetrics:
                 time.sleep(0)
         return n
 
-    def load(self, running: int, waiting: int, kv_used: int, kv_budget: int) -> None:
+    def load(self, engine: dict) -> None:
+        """Gauges and counters from the Ingress' engine_stats() (counters by their increase)."""
         if not self.enabled:
             return
-        self.running.set(running, tags=self._base())
-        self.waiting.set(waiting, tags=self._base())
-        self.kv_used.set(kv_used, tags=self._base())
-        self.kv_budget.set(kv_budget, tags=self._base())
+        base, kv = self._base(), engine["kv"]
+        self.running.set(engine["running"], tags=base)
+        self.waiting.set(engine["waiting"], tags=base)
+        self.kv_used.set(kv["blocks_used"] * kv["block_bytes"], tags=base)
+        self.kv_budget.set(kv["bytes"], tags=base)
+        self.kv_blocks_used.set(kv["blocks_used"], tags=base)
+        self.kv_blocks.set(kv["blocks_total"], tags=base)
+        for counter, name in ((self.prefix_queried, "prefix_queried_tokens"), (self.prefix_hits, "prefix_hit_tokens"),
+                              (self.preemptions, "preemptions"), (self.chunked_prefills, "chunked_prefills")):
+            delta = kv[name] - self._last.get(name, 0)
+            if delta > 0:
+                counter.inc(delta, tags=base)
+            self._last[name] = kv[name]
 
     def reject(self, code: int) -> None:
         if self.enabled:

@@ -1,0 +1,170 @@
+"""The paged KV cache's memory: keys and values in fixed-size blocks, read through block tables.
+
+`kv_groups` splits a model's layers into groups of one attention kind and equal size (full
+attention; a sliding window), so that one block of the pool holds one group's layers for
+`block_size` tokens and every group draws from the same pool (`kv_blocks.KVCacheManager` keeps
+the tables). Layer `l` is index `i` of its group; its keys are `k[i]`, of shape (blocks,
+block_size, heads, dim), whatever group it is in.
+
+`plan(batch)` turns a step's chunks into the index tensors attention uses (once a step, not
+once a layer): where each new token's keys go (`slots`), and for each group the blocks each
+chunk reads with the position the first one starts at. A decode step reads its sequences'
+blocks as one padded (B, blocks) table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import CheckpointError, MoEConfig
+from .kv_blocks import (DEFAULT_BLOCK_SIZE, NULL_BLOCK, KVCacheManager, KVGroup, NoFreeBlocks, block_bytes,
+                        budget_problem, kv_groups, kv_layout, token_numel)
+
+
+def bytes_per_block(cfg: MoEConfig, block_size: int, dtype: torch.dtype) -> int:
+    """One block of the pool: one group's layers, `block_size` tokens of keys and values."""
+    return block_bytes(cfg, block_size, torch.tensor([], dtype=dtype).element_size())
+
+
+def bytes_per_token(cfg: MoEConfig, dtype: torch.dtype) -> int:
+    """Keys and values of one token over every layer (what a full-attention cache holds per token)."""
+    return cfg.num_layers * token_numel(cfg) * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass
+class GroupPlan:
+    """One group's reads and writes for a step (its layers share them)."""
+
+    slots: torch.Tensor  # (N,) flat block * block_size + offset of each new token's keys
+    prefill: list[tuple[torch.Tensor, torch.Tensor]]  # per prefill chunk (batch.prefill order): (1, n) blocks, (m, L) mask
+    decode_blocks: torch.Tensor | None = None  # (B, n) the decode chunks' blocks, NULL_BLOCK-padded
+    decode_mask: torch.Tensor | None = None  # (B, 1, 1, L): which of those positions each decode token reads
+
+
+def _mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(..., q, k) causal mask of queries at `qpos` over keys at `kpos`, within the window."""
+    mask = kpos[..., None, :] <= qpos[..., :, None]
+    if window:
+        mask &= kpos[..., None, :] > qpos[..., :, None] - window
+    return mask
+
+
+class PagedKVCache:
+    """Keys/values of every layer in blocks of `block_size` tokens, and the manager of its tables.
+
+    `allocate()` starts a sequence without prefix lookup (the in-process model and tests);
+    `reserve(seq, total, computed)` gives it blocks as it grows. The engine uses the manager's
+    admission (prefix hits) and preemption itself."""
+
+    def __init__(self, cfg: MoEConfig, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                 prefix_caching: bool = True):
+        dtype = dtype or cfg.dtype
+        self.cfg = cfg
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.groups = kv_groups(cfg)
+        self.layer_slot = {layer: (g, i) for g, grp in enumerate(self.groups) for i, layer in enumerate(grp.layers)}
+        (kh, kd), (vh, vd) = kv_layout(cfg)
+        per_group = len(self.groups[0].layers)
+        # zeros, not empty: padded reads are masked, and a masked NaN would still poison softmax
+        self.k = [torch.zeros((num_blocks, block_size, kh, kd), dtype=dtype, device=device) for _ in range(per_group)]
+        self.v = [torch.zeros((num_blocks, block_size, vh, vd), dtype=dtype, device=device) for _ in range(per_group)]
+        self.manager = KVCacheManager(num_blocks, block_size, [g.window for g in self.groups], prefix_caching)
+        self._next_seq = 0
+
+    @classmethod
+    def for_budget(cls, cfg: MoEConfig, budget_bytes: int, max_len: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                   dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                   prefix_caching: bool = True) -> "PagedKVCache":
+        """As many blocks as `budget_bytes` holds; refused when that is not one sequence of
+        `max_len` tokens (the manager's count: windowed layers hold their window only)."""
+        dtype = dtype or cfg.dtype
+        elem = torch.tensor([], dtype=dtype).element_size()
+        problem = budget_problem(cfg, budget_bytes, block_size, elem, max_len)
+        if problem:
+            raise CheckpointError(problem)
+        blocks = budget_bytes // block_bytes(cfg, block_size, elem)
+        return cls(cfg, int(blocks), block_size, dtype, device, prefix_caching)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def allocate(self) -> int:
+        """A new sequence id, holding no blocks yet."""
+        seq = self._next_seq
+        self._next_seq += 1
+        self.manager.start(seq)
+        return seq
+
+    def reserve(self, seq: int, total: int, computed: int) -> None:
+        self.manager.allocate(seq, total, computed)
+
+    def release(self, seq: int) -> None:
+        self.manager.free(seq)
+
+    # -- a step's reads and writes -------------------------------------------------------
+
+    def plan(self, batch) -> list[GroupPlan]:
+        """Index tensors and masks for `batch` (a StepBatch), one GroupPlan per group."""
+        bs, device = self.block_size, self.k[0].device
+        plans = []
+        for g, grp in enumerate(self.groups):
+            tables = [self.manager.table(c.slot, g) for c in batch.chunks]
+            slots = [t[p // bs] * bs + p % bs for t, c in zip(tables, batch.chunks)
+                     for p in range(c.start, c.start + len(c.tokens))]
+            prefill = []
+            for i in batch.prefill:
+                c = batch.chunks[i]
+                first, end = self._span(grp.window, c.start, c.start + len(c.tokens))
+                blocks = torch.tensor([tables[i][first:end]], dtype=torch.long)
+                qpos = torch.arange(c.start, c.start + len(c.tokens))
+                mask = _mask(qpos, torch.arange(first * bs, end * bs), grp.window)
+                prefill.append((blocks.to(device), mask.to(device)))
+            plan = GroupPlan(torch.tensor(slots, dtype=torch.long, device=device), prefill)
+            if batch.decode:
+                rows, bases, qpos = [], [], []
+                for i in batch.decode:
+                    c = batch.chunks[i]
+                    first, end = self._span(grp.window, c.start, c.start + 1)
+                    rows.append(tables[i][first:end])
+                    bases.append(first * bs)
+                    qpos.append(c.start)
+                width = max(len(r) for r in rows)
+                kpos = torch.tensor(bases)[:, None] + torch.arange(width * bs)[None, :]
+                mask = _mask(torch.tensor(qpos)[:, None], kpos, grp.window)  # (B, 1, L)
+                plan.decode_blocks = torch.tensor([r + [NULL_BLOCK] * (width - len(r)) for r in rows],
+                                                  dtype=torch.long, device=device)
+                plan.decode_mask = mask[:, None].to(device)
+            plans.append(plan)
+        return plans
+
+    def _span(self, window: int | None, start: int, end: int) -> tuple[int, int]:
+        """Block indices [first, last) that queries at positions start..end-1 read."""
+        first = 0 if window is None else max(0, start - window + 1) // self.block_size
+        return first, -(-end // self.block_size)
+
+    def write(self, layer: int, plan: list[GroupPlan], k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's (N, heads, dim) keys and values of `layer` into their blocks."""
+        g, i = self.layer_slot[layer]
+        slots = plan[g].slots
+        self.k[i].view(-1, *self.k[i].shape[2:]).index_copy_(0, slots, k.to(self.k[i].dtype))
+        self.v[i].view(-1, *self.v[i].shape[2:]).index_copy_(0, slots, v.to(self.v[i].dtype))
+
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `blocks` ((B, n) block ids) as (B, heads, n * block_size, dim)."""
+        _, i = self.layer_slot[layer]
+        b, n = blocks.shape
+        k, v = self.k[i][blocks], self.v[i][blocks]  # (B, n, bs, heads, dim)
+        return (k.view(b, n * self.block_size, *k.shape[3:]).transpose(1, 2),
+                v.view(b, n * self.block_size, *v.shape[3:]).transpose(1, 2))
+
+    def group_of(self, layer: int) -> int:
+        return self.layer_slot[layer][0]
+
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "GroupPlan", "KVGroup", "NoFreeBlocks", "PagedKVCache", "bytes_per_block",
+           "bytes_per_token", "kv_groups", "kv_layout"]
