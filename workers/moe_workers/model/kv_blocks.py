@@ -221,15 +221,17 @@ class KVCacheManager:
     # -- sizes ---------------------------------------------------------------------------
 
     def blocks_for(self, tokens: int) -> int:
-        """Blocks a sequence of `tokens` tokens holds at most, all groups together."""
-        return sum(self._needed(w, tokens, tokens) for w in self.windows)
+        """Blocks a sequence of up to `tokens` tokens holds at most while it decodes, all groups
+        together (a windowed group: its window, and a partial block on either side)."""
+        end = -(-tokens // self.block_size)
+        return sum(end if w is None else min(end, -(-(w - 1) // self.block_size) + 1) for w in self.windows)
 
     def max_tokens(self) -> int | None:
         """The longest sequence the whole pool holds, or None when every group is windowed
         (a sequence then holds a window's blocks, whatever its length)."""
         if all(w is not None for w in self.windows):
             return None
-        usable = self.pool.usable - sum(self._needed(w, 1 << 40, 1 << 40) for w in self.windows if w is not None)
+        usable = self.pool.usable - sum(-(-(w - 1) // self.block_size) + 1 for w in self.windows if w is not None)
         full = sum(1 for w in self.windows if w is None)
         return max(0, usable // full) * self.block_size
 

@@ -259,17 +259,17 @@ class Engine:
             self._slots.append(req.slot)
             req.slot = None
 
-    def _grow(self, req: GenerationRequest, total: int, scheduled: set[int]) -> bool:
+    def _grow(self, req: GenerationRequest, total: int, scheduled: set[int], preempt_self: bool = True) -> bool:
         """Blocks for `req`'s first `total` tokens, preempting the most recently admitted
         sequence not yet scheduled this step while there are none. False: `req` itself was
-        preempted, or only scheduled ones are left to preempt."""
+        preempted (or would be, without `preempt_self`), or only scheduled ones are left."""
         while True:
             try:
                 self.manager.allocate(req.slot, total, req.num_computed_tokens)
                 return True
             except NoFreeBlocks:
                 victim = self.running[-1]
-                if id(victim) in scheduled:
+                if id(victim) in scheduled or (victim is req and not preempt_self):
                     return False
                 self._preempt(victim)
                 if victim is req:
@@ -292,7 +292,12 @@ class Engine:
                 n = 1 if decoding else min(req.num_tokens - req.num_computed_tokens, budget)
                 if n < 1:
                     break
-                if not self._grow(req, req.num_computed_tokens + n, scheduled):
+                # a prompt chunk too large for the cache is made smaller before it preempts itself
+                # (a sliding window's blocks hold a chunk's tokens until the step is done)
+                while not (ok := self._grow(req, req.num_computed_tokens + n, scheduled, preempt_self=n == 1)) \
+                        and n > 1 and req in self.running and self.running[-1] is req:
+                    n = max(1, n // 2)
+                if not ok:
                     if req not in self.running:  # preempted itself: the rest of the list shifted
                         continue
                     break
@@ -309,9 +314,17 @@ class Engine:
                 req = self.waiting[0]
             slot = self._slots.pop()
             tokens = req.prompt + req.produced
-            try:
-                computed = self.manager.admit(slot, tokens, budget)
-            except NoFreeBlocks:
+            chunk = budget
+            while True:
+                try:
+                    computed = self.manager.admit(slot, tokens, chunk)
+                    break
+                except NoFreeBlocks:
+                    if self.running or chunk == 1:  # wait for blocks to come back
+                        computed = None
+                        break
+                    chunk = max(1, chunk // 2)  # alone and still too large: a smaller first chunk
+            if computed is None:
                 self._slots.append(slot)
                 break
             with self._work:
@@ -320,7 +333,7 @@ class Engine:
             req.cached_tokens = computed
             self.kv.prefix_queried_tokens += len(tokens)
             self.kv.prefix_hit_tokens += computed
-            n = min(len(tokens) - computed, budget)
+            n = min(len(tokens) - computed, chunk)
             self.running.append(req)
             plan.append((req, n))
             scheduled.add(id(req))

@@ -1,0 +1,139 @@
+"""The engine over its paged KV cache, against transformers (no Ray): prefix hits, chunked
+prefill, preemption with recompute and a prefix cache reset give the tokens a cold, whole run
+gives, for every family (transformers writes the checkpoints: its own config.json and layout)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from checkpoints import make_family, reference_greedy
+from moe_workers.model.checkpoint import Checkpoint
+from moe_workers.model.dense import DenseModel
+from moe_workers.model.experts import LocalExperts
+from moe_workers.model.family import SUPPORTED
+from moe_workers.model.kv_blocks import sequence_blocks
+from moe_workers.model.kv_cache import PagedKVCache
+from moe_workers.serve.engine import Engine, GenerationRequest
+
+
+def _engine(path, blocks=None, block_size=4, max_batch=8, budget=512, prefix_caching=True):
+    ckpt = Checkpoint(path)
+    cfg = ckpt.config
+    dense = DenseModel(cfg, ckpt.dense_state())
+    experts = LocalExperts(ckpt, cfg.dtype)
+    if blocks is None:
+        blocks = max_batch * sequence_blocks(cfg, block_size, cfg.max_position_embeddings) + 1
+    cache = PagedKVCache(cfg, blocks, block_size, cfg.dtype, prefix_caching=prefix_caching)
+    return Engine(dense, cache, lambda layer, x, i, w: experts.moe(layer, x, i, w), max_batch, 64,
+                  max_num_batched_tokens=budget)
+
+
+async def _run(engine, prompts, max_tokens, gap=0.0, **kw):
+    reqs = []
+    for p in prompts:
+        reqs.append(engine.submit(GenerationRequest(prompt=list(p), max_tokens=max_tokens, stop_at_eos=False, **kw)))
+        if gap:
+            await asyncio.sleep(gap)
+
+    async def collect(r):
+        while await r.out.get() is not None:
+            pass
+        assert r.error is None, r.error
+        return r.produced
+
+    return await asyncio.gather(*(collect(r) for r in reqs)), reqs
+
+
+def _prompt(n, seed):
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_every_path_of_the_paged_engine_gives_transformers_tokens(tmp_path, family):
+    ref = make_family(tmp_path, family)  # gpt_oss: a sliding window of 32 in every other layer
+    prefix = _prompt(41, 1)
+    prompts = [prefix + _prompt(3 + i, 10 + i) for i in range(4)]
+    want = [reference_greedy(ref, p, 8) for p in prompts]
+
+    async def main():
+        # a step budget of 16 tokens: each 44-token prompt takes 3 steps; the first request
+        # computes the prefix, the others (sent after it) start after its 40 cached tokens
+        engine = _engine(tmp_path, budget=16)
+        first, _ = await _run(engine, prompts[:1], 8)
+        rest, reqs = await _run(engine, prompts[1:], 8)
+        assert engine.kv.chunked_prefills >= 1
+        assert [r.cached_tokens for r in reqs] == [40, 40, 40]
+        assert engine.kv.prefix_hit_tokens == 120 and engine.manager.num_used == 0
+        # blocks for one and a half of the four at once, each admitted with blocks for its first
+        # chunk only: as they grow, the newest are preempted and recomputed
+        tight = _engine(tmp_path, blocks=sequence_blocks(engine.dense.cfg, 4, 52) * 3 // 2 + 1, budget=16,
+                        prefix_caching=False)
+        again, _ = await _run(tight, prompts, 8)
+        assert tight.kv.preemptions >= 1 and tight.manager.num_used == 0
+        return first + rest, again
+
+    cached, preempted = asyncio.run(main())
+    assert cached == want
+    assert preempted == want
+
+
+def test_seeded_sampling_is_the_same_with_the_prefix_cached_or_not(tmp_path):
+    make_family(tmp_path, "qwen3_moe")
+    prompt = _prompt(40, 3)
+
+    async def main(prefix_caching):
+        engine = _engine(tmp_path, prefix_caching=prefix_caching)
+        warm, _ = await _run(engine, [prompt], 10, temperature=1.0, seed=5)
+        second, reqs = await _run(engine, [prompt], 10, temperature=1.0, seed=5)
+        return warm[0], second[0], reqs[0].cached_tokens
+
+    cold_first, cold_second, cold_hit = asyncio.run(main(False))
+    warm_first, warm_second, warm_hit = asyncio.run(main(True))
+    assert cold_hit == 0 and warm_hit == 36
+    assert cold_first == cold_second == warm_first == warm_second
+
+
+def test_a_prefix_cache_reset_computes_everything_again(tmp_path):
+    """What a committed hot-swap does: blocks computed by the old weights are not reused."""
+    make_family(tmp_path, "mixtral")
+    prompt = _prompt(30, 4)
+
+    async def main():
+        engine = _engine(tmp_path)
+        await _run(engine, [prompt], 4)
+        engine.reset_prefix_cache()
+        _, reqs = await _run(engine, [prompt], 4)
+        hit_after_reset = reqs[0].cached_tokens
+        _, reqs = await _run(engine, [prompt], 4)
+        return hit_after_reset, reqs[0].cached_tokens
+
+    assert asyncio.run(main()) == (0, 28)
+
+
+def test_decode_tokens_run_beside_a_long_prompt_prefilled_in_chunks(tmp_path):
+    """A running stream gets a token every step while a long prompt arrives (the budget splits
+    the prompt), and each step computes at most the budget beyond its decode tokens."""
+    make_family(tmp_path, "mixtral", max_position_embeddings=256)
+
+    async def main():
+        engine = _engine(tmp_path, budget=24)
+        stream = engine.submit(GenerationRequest(prompt=_prompt(5, 1), max_tokens=30, stop_at_eos=False))
+        while not stream.produced:
+            await asyncio.sleep(0.001)
+        steps_before = engine.timings.steps
+        long = engine.submit(GenerationRequest(prompt=_prompt(200, 2), max_tokens=2, stop_at_eos=False))
+        while await long.out.get() is not None:
+            pass
+        produced_meanwhile = len(stream.produced)
+        while await stream.out.get() is not None:
+            pass
+        return engine, engine.timings.steps - steps_before, produced_meanwhile
+
+    engine, steps, produced = asyncio.run(main())
+    assert engine.kv.chunked_prefills == 1
+    assert steps >= 200 // 23  # the prompt took about 9 steps ...
+    assert produced >= 200 // 23  # ... and the stream had a token in each of them
+    assert engine.timings.computed_tokens <= engine.timings.steps * 24 + 30
