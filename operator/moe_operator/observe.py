@@ -1,5 +1,5 @@
 """The live app's per-replica report (GET {endpoint}/moe/v1/status) -> the MoEDeployment status
-fields that summarise it (pure): tier residency, overridden experts, and the hot-swaps as the
+fields that summarise it (pure): tier residency, overridden experts, the Ingress' KV cache, and the hot-swaps as the
 spec asked for them (Serving on every replica hosting the expert, Failed with the replica's
 reason, or Pending). Status stays small: aggregates only; details come from moectl."""
 
@@ -9,7 +9,7 @@ import json
 import urllib.error
 import urllib.request
 
-from moe_operator.api.models import MoEDeploymentSpec
+from moe_operator.api.models import KVCacheStatus, MoEDeploymentSpec
 
 MAX_SWAPS = 20
 CHECKPOINT = "checkpoint"
@@ -93,14 +93,31 @@ def overridden_experts(replicas: list[dict]) -> int:
                 if v.get("source") != CHECKPOINT})
 
 
+def kv_summary(engine: dict) -> dict | None:
+    """status.kvCache from an Ingress replica's engine figures (None: an app that reports none)."""
+    kv = engine.get("kv") if isinstance(engine, dict) else None
+    if not isinstance(kv, dict):
+        return None
+    queried = kv.get("prefix_queried_tokens", 0)
+    return KVCacheStatus(block_size=kv["block_size"], blocks_total=kv["blocks_total"], blocks_used=kv["blocks_used"],
+                         max_sequence_tokens=kv["max_sequence_tokens"],
+                         prefix_hit_rate=round(kv["prefix_hit_tokens"] / queried, 4) if queried else None,
+                         preemptions=kv.get("preemptions", 0), chunked_prefills=kv.get("chunked_prefills", 0)
+                         ).model_dump(by_alias=True, exclude_none=True)
+
+
 def summarise(spec: MoEDeploymentSpec, report: dict, previous_status: dict) -> dict:
     """Status fields from the app's report."""
     replicas = report.get("replicas") or []
-    return {
+    out = {
         "tiers": tier_summary(replicas),
         "overriddenExperts": overridden_experts(replicas),
         "lastSwaps": swap_records(spec, replicas, previous_status.get("lastSwaps") or []),
     }
+    kv = kv_summary(report.get("ingress") or {})
+    if kv is not None:
+        out["kvCache"] = kv
+    return out
 
 
 def swaps_settled(status: dict) -> bool:

@@ -1,6 +1,7 @@
 """Live app report -> MoEDeployment status fields (pure)."""
 
 from moe_operator.api.validation import parse_spec
+from moe_operator.cli.get import kv_columns
 from moe_operator.observe import summarise, swap_transitions, swaps_settled
 
 PATH = "/weights/e-1.2.safetensors"
@@ -81,3 +82,16 @@ def test_transitions_post_one_event_per_outcome():
     events = swap_transitions(before, after)
     assert [e[1] for e in events] == ["HotSwapServing", "HotSwapFailed"]
     assert swap_transitions(after, after) == []
+
+
+def test_the_ingress_kv_cache_is_summarised_into_status_and_moectl_get():
+    kv = {"block_size": 16, "blocks_total": 100, "blocks_used": 25, "max_sequence_tokens": 1600, "bytes": 1,
+          "block_bytes": 1, "prefix_caching": True, "prefix_queried_tokens": 400, "prefix_hit_tokens": 300,
+          "prefix_cached_blocks": 3, "preemptions": 2, "chunked_prefills": 5, "max_num_batched_tokens": 512}
+    status = summarise(spec(), {"replicas": [], "ingress": {"kv": kv}}, {})
+    assert status["kvCache"] == {"blockSize": 16, "blocksTotal": 100, "blocksUsed": 25, "maxSequenceTokens": 1600,
+                                 "prefixHitRate": 0.75, "preemptions": 2, "chunkedPrefills": 5}
+    assert kv_columns(status["kvCache"]) == ["25/100 x16", "75%", "2"]
+    none_queried = summarise(spec(), {"replicas": [], "ingress": {"kv": {**kv, "prefix_queried_tokens": 0}}}, {})
+    assert "prefixHitRate" not in none_queried["kvCache"] and kv_columns(none_queried["kvCache"])[1] == ""
+    assert "kvCache" not in summarise(spec(), {"replicas": []}, {}) and kv_columns(None) == ["", "", ""]

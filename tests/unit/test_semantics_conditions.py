@@ -42,12 +42,23 @@ def test_valid_spec_passes(model_dir):
     (lambda s, d: s.experts.overrides[0].__setattr__("expert", "1.4"), "does not exist"),
     (lambda s, d: s.experts.overrides[0].weights.__setattr__("path", "/tmp/x.safetensors"), "outside the allowed weight roots"),
     (lambda s, d: s.experts.tiers.hot.__setattr__("budget", "1Ki"), "smaller than one batch's working set"),
+    # 2 layers x (k + v) x 2 KV heads x 8 dims x 4 bytes = 256 bytes a token; 512 tokens at the model's context
+    (lambda s, d: s.ingress.__setattr__("kv_cache_budget", "64Ki"),
+     "spec.ingress.kvCacheBudget: KV cache budget 65536 bytes holds 15 blocks of 16 tokens (4096 bytes each); "
+     "one sequence of 512 tokens needs 32 (135168 bytes with the null block)"),
 ])
 def test_semantic_problems_name_what_to_fix(model_dir, mutate, needle):
     spec = _spec(model_dir)
     mutate(spec, model_dir)
     _, problems, _ = validate_semantics(spec, [str(model_dir)])
     assert any(needle in p for p in problems), problems
+
+
+def test_the_kv_budget_fits_when_maxmodellen_is_lowered(model_dir):
+    spec = _spec(model_dir)
+    spec.ingress.kv_cache_budget = "64Ki"
+    spec.model.max_model_len = 224  # 14 blocks: the 15 the budget holds are enough
+    assert validate_semantics(spec, [str(model_dir)])[1] == []
 
 
 def test_model_shape_stands_in_for_an_unreadable_config_and_must_agree_with_a_readable_one(model_dir):

@@ -552,6 +552,19 @@ class AutoscalingStatus(ApiModel):
         default=None, description="Expert slots every shard group has per layer: (experts + redundantExpertSlots) / groups.")
 
 
+class KVCacheStatus(ApiModel):
+    """The Ingress' paged KV cache, as the replica that answered the observation reports it."""
+
+    block_size: int = Field(description="Tokens per block (spec.ingress.kvBlockSize).")
+    blocks_total: int = Field(description="Blocks the budget holds.")
+    blocks_used: int = Field(description="Blocks held by running sequences now.")
+    max_sequence_tokens: int = Field(description="Longest sequence (prompt + completion) a request may ask for.")
+    prefix_hit_rate: float | None = Field(default=None, description="Prompt tokens found computed in the prefix "
+                                          "cache over prompt tokens looked up, since the replica started.")
+    preemptions: int = Field(default=0, description="Sequences preempted for blocks (recomputed later), since start.")
+    chunked_prefills: int = Field(default=0, description="Prompts prefilled over more than one step, since start.")
+
+
 class ApiKeysStatus(ApiModel):
     """The API keys in force (never the keys: a count and a fingerprint of their digests)."""
 
@@ -589,6 +602,8 @@ class MoEDeploymentStatus(ApiModel):
     last_swaps: list[SwapRecord] = Field(default_factory=list, max_length=20, description="Most recent hot-swaps, newest first.")
     autoscaling: AutoscalingStatus | None = Field(default=None, description="Last autoscaling decision.")
     api_keys: ApiKeysStatus | None = Field(default=None, description="API keys in force (spec.ingress.apiKeySecretRef).")
+    kv_cache: KVCacheStatus | None = Field(default=None, description="The Ingress' KV cache blocks, prefix cache hits, "
+                                           "preemptions and chunked prefills.")
 
 
 class MoEDeployment(ApiModel):

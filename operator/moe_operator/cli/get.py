@@ -42,7 +42,8 @@ def get(
         return
     table = Table(box=None, header_style="bold")
     columns = (["NAMESPACE"] if all_namespaces else []) + ["NAME", "READY", "REASON", "GROUPS", "REPLICAS", "ENDPOINT"]
-    for col in columns + (["IMBALANCE", "AUTOSCALING", "MESSAGE"] if output == "wide" else []):
+    for col in columns + (["IMBALANCE", "AUTOSCALING", "KV BLOCKS", "PREFIX HITS", "PREEMPTED", "MESSAGE"]
+                          if output == "wide" else []):
         table.add_column(col, overflow="fold")
     for d in docs:
         st = d.get("status") or {}
@@ -58,6 +59,15 @@ def get(
             row += ["" if imb is None else f"{imb:.2f}" + (f" (worst L{worst['layer']} {worst['imbalance']:.2f})"
                                                            if worst else ""),
                     f"{auto.get('phase', 'Steady')} (last: {auto['lastDecision']})" if auto.get("lastDecision")
-                    else auto.get("phase", ""), ready.get("message", "")]
+                    else auto.get("phase", ""), *kv_columns(st.get("kvCache")), ready.get("message", "")]
         table.add_row(*row)
     out.print(table)
+
+
+def kv_columns(kv: dict | None) -> list[str]:
+    """KV BLOCKS (used/total, of N tokens), PREFIX HITS (share of prompt tokens), PREEMPTED."""
+    if not kv:
+        return ["", "", ""]
+    hits = kv.get("prefixHitRate")
+    return [f"{kv['blocksUsed']}/{kv['blocksTotal']} x{kv['blockSize']}", "" if hits is None else f"{hits:.0%}",
+            str(kv.get("preemptions", 0))]

@@ -13,6 +13,8 @@ The board also keeps each node that hosts shard replicas supplied with warm spar
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import secrets
 import threading
@@ -120,8 +122,18 @@ class StatusBoard:
                 log.info("warm spares: starting %d on node %s", start, node[:12])
 
     def members(self, max_age_s: float = REPORT_MAX_AGE_S) -> dict:
-        """The expert channel's members (replicas with an endpoint) and its token."""
-        return {"token": self.token,
+        """The expert channel's members (replicas with an endpoint), its token, and `weights`:
+        a digest of every expert version the replicas serve (it changes when a hot-swap commits
+        or rolls back, not when experts move: the Ingress' prefix cache follows it)."""
+        fresh = [st for _, st in self._fresh(max_age_s) if st.get("endpoint")]
+        return {"token": self.token, "weights": weights_digest(fresh),
                 "members": [{**{k: st[k] for k in ("group", "replica", "endpoint", "experts")},
                              "local_endpoint": st.get("local_endpoint", ""), "node_id": st.get("node_id")}
-                            for _, st in self._fresh(max_age_s) if st.get("endpoint")]}
+                            for st in fresh]}
+
+
+def weights_digest(reports: list[dict]) -> str:
+    """One digest of the expert versions in replicas' reports (each expert's content digest)."""
+    versions = sorted({(eid, str(v.get("digest", ""))) for st in reports
+                       for eid, v in (st.get("versions") or {}).items()})
+    return hashlib.sha256(json.dumps(versions).encode()).hexdigest()[:16]

@@ -176,6 +176,7 @@ class Ingress:
                                              prefix_caching=self.args.prefix_caching)
         self.shards = shards  # bound so Serve deploys them; their traffic goes through the channel
         self.board = board
+        self._weights: str | None = None  # the experts' versions the prefix cache was computed with
         self.channel = ExpertChannel(self._members if board is not None else None,
                                      timeout_s=self.args.exchange_timeout_s,
                                      on_refused=self._forget if board is not None else None,
@@ -232,6 +233,12 @@ class Ingress:
     def _members(self) -> tuple[list[Member], str]:
         """The channel's membership, from the StatusBoard (called by the channel's poller thread)."""
         got = self.board.members.remote().result(timeout_s=10)
+        weights = got.get("weights")
+        if weights != self._weights:  # a hot-swap committed (or rolled back): cached prefixes are stale
+            engine = getattr(self, "engine", None)
+            if self._weights is not None and engine is not None:
+                engine.reset_prefix_cache()
+            self._weights = weights
         return [Member.from_report(m) for m in got["members"]], got["token"]
 
     def _forget(self, member: Member) -> None:
