@@ -15,6 +15,10 @@ caching, chunked prefill, absorbed latent attention (in process, real engine, ra
   multi-turn chat (each turn resends the history) with prefix caching on over off.
 - itl: inter-token p99 of 8 running streams while a 4k-token prompt arrives, chunked
   (maxNumBatchedTokens 512) over unchunked.
+- attention: one decode step's attention read through block tables at Mixtral-8x7B's KV dims (32 query
+  heads, 8 KV heads of 128, batch 16, 1k / 4k context, pool blocks shuffled): gather + SDPA (the
+  CPU path) and FlexAttention over the pool (the CUDA path) against SDPA on contiguous keys (the
+  raw operation, no paging).
 - mla: one decode step of a DeepSeek-V3 attention layer (hidden 7168, 128 heads, q_lora 1536,
   kv_lora 512, nope 128, rope 64, v 128) at 1k / 4k / 16k context, absorbed over expanded.
 Also prints what the published configs' KV budgets hold (the same sizing code the Ingress uses).
@@ -64,7 +68,7 @@ PUBLISHED = {
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", choices=["capacity", "prefix", "itl", "mla"], default=None)
+    p.add_argument("--only", choices=["capacity", "prefix", "itl", "attention", "mla"], default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--budget-tokens", type=int, default=16384, help="capacity: the KV budget, in tokens")
     p.add_argument("--requests", type=int, default=96, help="capacity: requests in the length mix")
@@ -289,6 +293,72 @@ def bench_itl(args, path: Path) -> tuple[dict, dict]:
     return {"p99_chunked_s": chunked, "p99_unchunked_s": whole}, {"itl-p99-during-long-prefill": chunked / whole}
 
 
+# -- paged attention ----------------------------------------------------------------------------
+
+def bench_attention(args) -> tuple[dict, dict]:
+    import torch.nn.functional as F
+
+    raw = random_config("mixtral", vocab_size=64, hidden_size=4096, intermediate_size=64, num_layers=1,
+                        num_heads=32, num_kv_heads=8, num_experts=2, top_k=1, max_position_embeddings=8192,
+                        dtype=torch.float32)
+    cfg = MoEConfig.from_dict(raw)
+    b, bs = 16, 16
+    results, figures = {}, {}
+    for ctx in ((1024,) if args.quick else (1024, 4096)):
+        times: dict[str, list[float]] = {}
+        cache = {way: PagedKVCache(cfg, b * ctx // bs + 2, bs, attention=way) for way in ("gather", "flex")}
+        g = torch.Generator().manual_seed(0)
+        perm = (torch.randperm(b * ctx // bs + 1, generator=g) + 1).tolist()
+        for c in cache.values():
+            for t in (*c.k, *c.v):
+                t.normal_(generator=torch.Generator().manual_seed(1))
+            for seq in range(b):
+                c.allocate()
+                c.manager.seqs[seq].tables[0] = perm[seq * ctx // bs:(seq + 1) * ctx // bs]
+        batch = StepBatch([Chunk(seq, ctx - 1, [1]) for seq in range(b)])
+        q = torch.randn(b, cfg.num_heads, cfg.head_dim, generator=g)
+        plans = {way: c.plan(batch) for way, c in cache.items()}
+        kc, vc = cache["gather"].gather(0, plans["gather"][0].decode_blocks)
+        kc, vc = kc.contiguous(), vc.contiguous()
+        mask = plans["gather"][0].decode_mask
+
+        def gather():
+            k, v = cache["gather"].gather(0, plans["gather"][0].decode_blocks)
+            return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
+
+        def flex():
+            plans["flex"][0].flex_mask = None  # the mask is made once a step: count it
+            return cache["flex"].flex_decode(0, q, plans["flex"], cfg.head_dim ** -0.5)
+
+        def contiguous():
+            return F.scaled_dot_product_attention(q[:, :, None], kc, vc, attn_mask=mask, enable_gqa=True)[:, :, 0]
+
+        with torch.inference_mode():
+            flex()  # compile
+            if cache["flex"].attention != "flex":
+                print(f"attention: flex unavailable here ({cache['flex'].flex_error[:200]})")
+            ways = {"gather": gather, "contiguous": contiguous}
+            if cache["flex"].attention == "flex":
+                torch.testing.assert_close(flex(), gather(), atol=1e-4, rtol=1e-4)
+                ways["flex"] = flex
+            for _ in range(3):
+                for name, fn in ways.items():
+                    fn()
+                    t0 = time.perf_counter()
+                    for _ in range(5):
+                        fn()
+                    times.setdefault(name, []).append((time.perf_counter() - t0) / 5)
+        best = {k: min(v) for k, v in times.items()}
+        print(f"attention: batch {b} x {ctx} tokens, Mixtral KV dims: gather+SDPA {best['gather'] * 1e3:.1f} ms, "
+              + (f"flex {best['flex'] * 1e3:.1f} ms, " if "flex" in best else "")
+              + f"contiguous SDPA {best['contiguous'] * 1e3:.1f} ms")
+        results[ctx] = best
+        figures[f"paged-gather-over-contiguous-{ctx // 1024}k"] = best["gather"] / best["contiguous"]
+        if "flex" in best:
+            figures[f"paged-flex-over-gather-{ctx // 1024}k"] = best["flex"] / best["gather"]
+    return results, figures
+
+
 # -- MLA --------------------------------------------------------------------------------------
 
 def bench_mla(args) -> tuple[dict, dict]:
@@ -348,6 +418,9 @@ def main() -> int:
             if args.only in (None, "itl"):
                 results["itl"], f = bench_itl(args, path)
                 figures.update(f)
+        if args.only in (None, "attention"):
+            results["attention"], f = bench_attention(args)
+            figures.update(f)
         if args.only in (None, "mla"):
             results["mla"], f = bench_mla(args)
             figures.update(f)

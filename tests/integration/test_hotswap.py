@@ -182,6 +182,38 @@ def test_bad_swaps_leave_the_serving_version_and_rollback_restores(setup):
     assert [complete(url, p).json()["choices"][0]["token_ids"] for p in probe] == [old.generate([p], 4, stop_at_eos=True)[0] for p in probe]
 
 
+def test_a_committed_swap_invalidates_cached_prefixes(setup):
+    """A prompt whose blocks the Ingress cached under the old weights is computed anew once the
+    swap serves (the KV of every later layer depends on the swapped expert): tokens equal a cold
+    run on the new weights, and the prefix is cached again for the requests after it."""
+    url, old, new = setup["url"], setup["old"], setup["new"]
+    assert setup["status"]()["versions"][EID]["digest"] == setup["old_digest"]  # rolled back above
+    g = torch.Generator().manual_seed(9)
+    long = torch.randint(3, 128, (40,), generator=g).tolist()
+    assert old.generate([long], 4, stop_at_eos=True)[0] != new.generate([long], 4, stop_at_eos=True)[0]
+
+    def ask():
+        body = complete(url, long).json()
+        return body["choices"][0]["token_ids"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def weights():
+        return requests.get(url + "/moe/v1/status", timeout=30).json()["ingress"]["kv"]["weights"]
+
+    ask()
+    assert ask() == (old.generate([long], 4, stop_at_eos=True)[0], 32)
+    before = weights()
+    setup["apply"]({EID: {"path": str(setup["swap_file"]), "sha256": file_sha256(setup["swap_file"])}})
+    wait_for(lambda: setup["status"]()["swaps"].get(EID, {}).get("outcome") == "Serving", timeout_s=120,
+             what="swap serving")
+    wait_for(lambda: weights() != before, timeout_s=30, what="the Ingress to see the new expert version")
+    want = new.generate([long], 4, stop_at_eos=True)[0]
+    assert ask() == (want, 0)
+    assert ask() == (want, 32)
+    setup["apply"](None)
+    wait_for(lambda: setup["status"]()["swaps"].get(EID, {}).get("outcome") == "RolledBack", timeout_s=60,
+             what="rollback")
+
+
 def test_tier_metrics_exported_in_prometheus_format(setup, ray_head):
     """Per-replica tier metrics reach Ray's metrics export (after the load test above moved experts)."""
     assert complete(setup["url"], [3, 4, 5]).status_code == 200

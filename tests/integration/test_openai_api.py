@@ -73,6 +73,27 @@ def test_chat_greedy_equals_the_in_process_model(app, client):
     assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == len(want)
 
 
+def test_a_chat_turn_reuses_the_cached_history_and_says_so_in_usage(app, client):
+    """The second turn resends the first with its answer: the Ingress finds those blocks computed
+    (usage.prompt_tokens_details.cached_tokens, as OpenAI reports it) and the answer is still the
+    in-process model's on the whole rendered prompt; /moe/v1/status counts the hit."""
+    url, path, reference = app
+    system = [{"role": "system", "content": "You answer in one line. " * 2}]
+    first = client.chat.completions.create(model="tiny", messages=system + [{"role": "user", "content": "Hi."}],
+                                           max_completion_tokens=8, temperature=0)
+    history = system + [{"role": "user", "content": "Hi."},
+                        {"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model="tiny", messages=history, max_completion_tokens=8, temperature=0)
+    ids = _prompt_ids(path, history)
+    assert second.choices[0].model_extra["token_ids"] == reference.generate([ids], 8, stop_at_eos=True)[0]
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 * (len(_prompt_ids(path, system)) // 16) > 0 and cached % 16 == 0
+    kv = requests.get(url + "/moe/v1/status", timeout=30).json()["ingress"]["kv"]
+    assert kv["prefix_hit_tokens"] >= cached and kv["blocks_used"] == 0 < kv["blocks_total"]
+    assert kv["block_size"] == 16 and kv["max_sequence_tokens"] == MAX_LEN
+
+
 def test_streamed_chat_is_the_same_text_and_reports_usage(app, client):
     kwargs = dict(model="tiny", messages=MESSAGES, max_completion_tokens=12, temperature=0)
     whole = client.chat.completions.create(**kwargs)

@@ -136,6 +136,11 @@ class DenseModel:
                                                       cfg.max_position_embeddings)
         self.inv_freq = inv_freq.to(self.device)
         self.mla_absorb = True  # latent attention decodes absorbed (False: expanded, for the bench)
+        self._absorb: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, w in enumerate(self.layers if cfg.mla else []):
+            wkv = w["kv_b"].view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+            self._absorb[i] = (wkv[:, :cfg.qk_nope_head_dim].contiguous(),
+                               wkv[:, cfg.qk_nope_head_dim:].transpose(1, 2).contiguous())
         if cfg.mla:
             qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
             self.scaling = qk ** -0.5 * attention_mscale(cfg.rope_params)
@@ -154,6 +159,7 @@ class DenseModel:
                 tensors.extend(t if isinstance(t, tuple) else [t])
         if self.lm_head is not self.embed_tokens:
             tensors.append(self.lm_head)
+        tensors.extend(t for pair in self._absorb.values() for t in pair)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- one step, in pieces the drivers (in-process and served) call in order ----------------
@@ -216,17 +222,23 @@ class DenseModel:
             """Decode in the latent space (DeepSeek's inference code): the query through kv_b's
             key part, attention over the cached latent itself, then kv_b's value part; nothing
             is expanded per cached token. qd (B, H, nope+d), lat (B, 1, L, r), kr (B, 1, L, d)."""
-            wkv = w["kv_b"].view(heads, nope + vdim, cfg.kv_lora_rank)
-            q_lat = torch.einsum("bhn,hnr->bhr", qd[..., :nope], wkv[:, :nope])
+            uk, uv = self._absorbed(layer)
+            q_lat = torch.bmm(qd[..., :nope].transpose(0, 1), uk).transpose(0, 1)  # (B, H, r)
             scores = (torch.matmul(q_lat, lat[:, 0].transpose(1, 2))
                       + torch.matmul(qd[..., nope:], kr[:, 0].transpose(1, 2))) * self.scaling  # (B, H, L)
             scores = scores.masked_fill(~mask[:, 0], float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(lat.dtype)
-            return torch.einsum("bhr,hvr->bhv", torch.matmul(probs, lat[:, 0]), wkv[:, nope:])
+            out_lat = torch.matmul(probs, lat[:, 0])  # (B, H, r)
+            return torch.bmm(out_lat.transpose(0, 1), uv).transpose(0, 1)  # (B, H, v)
 
         out = self._attend(layer, query, latent.view(n, 1, -1), k_rot, batch, cache, expand, None,
                            absorbed if self.mla_absorb else None)
         return h + F.linear(out.reshape(n, heads * vdim), w["o"], w["o_bias"])
+
+    def _absorbed(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head for absorbed decode, made at load: (H, nope, r) for the
+        query, (H, r, v) for the output (a copy of kv_b, small beside the layer's projections)."""
+        return self._absorb[layer]
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch,
                 cache: PagedKVCache, expand, sinks: torch.Tensor | None, decode=None) -> torch.Tensor:
@@ -253,11 +265,14 @@ class DenseModel:
             out[o:o + m] = oi[0].transpose(0, 1)
         if batch.decode:
             rows = batch.decode_rows
-            kc, vc = cache.gather(layer, plan.decode_blocks)      # (B, KVH, L, d)
-            if decode is not None:
-                od = decode(q[rows], kc, vc, plan.decode_mask)    # (B, H, dv)
+            # FlexAttention over the pool where the cache reads that way (None: it does not)
+            od = cache.flex_decode(layer, q[rows], batch.kv, self.scaling) if decode is None and sinks is None else None
+            if od is not None:
+                pass
+            elif decode is not None:
+                od = decode(q[rows], *cache.gather(layer, plan.decode_blocks), plan.decode_mask)  # (B, H, dv)
             else:
-                kd, vd = expand(kc, vc)
+                kd, vd = expand(*cache.gather(layer, plan.decode_blocks))  # (B, KVH, L, d)
                 od = self._sdpa(q[rows].unsqueeze(2), kd, vd, plan.decode_mask, sinks)[:, :, 0]
             if out is None:
                 out = q.new_empty(n, heads, od.shape[-1])

@@ -41,6 +41,9 @@ class GroupPlan:
     prefill: list[tuple[torch.Tensor, torch.Tensor]]  # per prefill chunk (batch.prefill order): (1, n) blocks, (m, L) mask
     decode_blocks: torch.Tensor | None = None  # (B, n) the decode chunks' blocks, NULL_BLOCK-padded
     decode_mask: torch.Tensor | None = None  # (B, 1, 1, L): which of those positions each decode token reads
+    decode_tables: list[list[int]] | None = None  # the decode chunks' whole block tables (the flex path's input)
+    decode_qpos: list[int] | None = None  # each decode token's position
+    flex_mask: object = None  # the flex path's BlockMask over the pool, made at its first layer
 
 
 def _mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -60,8 +63,16 @@ class PagedKVCache:
 
     def __init__(self, cfg: MoEConfig, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, attention: str | None = None):
+        """`attention`: how decode reads the blocks: "gather" (copy each sequence's blocks, then
+        SDPA: the faster on CPU, bench/engine.py --only attention) or "flex" (FlexAttention over
+        the pool with a block mask, no copy: the CUDA path, not yet run on a GPU; it falls back to
+        gather if it fails). Default: flex on CUDA, gather elsewhere."""
         dtype = dtype or cfg.dtype
+        self.attention = attention or ("flex" if torch.device(device).type == "cuda" else "gather")
+        if self.attention not in ("gather", "flex"):
+            raise ValueError(f"attention {self.attention!r}: expected gather or flex")
+        self.flex_error = ""  # why the flex path fell back to gather
         self.cfg = cfg
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -139,6 +150,8 @@ class PagedKVCache:
                 plan.decode_blocks = torch.tensor([r + [NULL_BLOCK] * (width - len(r)) for r in rows],
                                                   dtype=torch.long, device=device)
                 plan.decode_mask = mask[:, None].to(device)
+                plan.decode_tables = [tables[i] for i in batch.decode]
+                plan.decode_qpos = qpos
             plans.append(plan)
         return plans
 
@@ -164,6 +177,66 @@ class PagedKVCache:
 
     def group_of(self, layer: int) -> int:
         return self.layer_slot[layer][0]
+
+    def flex_decode(self, layer: int, q: torch.Tensor, plan: list[GroupPlan], scale: float) -> torch.Tensor | None:
+        """Decode attention of (B, H, d) queries straight over the pool (FlexAttention: a block
+        mask keeps each query to its own blocks, shared prefix blocks included, within its
+        position and window), (B, H, d) out; None when the flex path is off or failed (the caller
+        gathers instead)."""
+        if self.attention != "flex":
+            return None
+        g, i = self.layer_slot[layer]
+        gp = plan[g]
+        try:
+            if gp.flex_mask is None:
+                gp.flex_mask = _flex_block_mask(gp.decode_tables, gp.decode_qpos, self.groups[g].window,
+                                                self.num_blocks, self.block_size, q.device)
+            k, v = self.k[i], self.v[i]
+            kf = k.view(1, -1, *k.shape[2:]).transpose(1, 2)  # (1, KVH, blocks * bs, d): the pool as one sequence
+            vf = v.view(1, -1, *v.shape[2:]).transpose(1, 2)
+            out = _flex()(q.transpose(0, 1).unsqueeze(0), kf, vf, block_mask=gp.flex_mask, scale=scale,
+                          enable_gqa=True)
+            return out[0].transpose(0, 1)
+        except Exception as err:  # noqa: BLE001 - an unsupported build or device: gather from now on
+            self.attention, self.flex_error = "gather", f"{type(err).__name__}: {err}"
+            return None
+
+
+_FLEX = None
+
+
+def _flex():
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _FLEX = torch.compile(flex_attention, dynamic=True)
+    return _FLEX
+
+
+def _flex_block_mask(tables: list[list[int]], qpos: list[int], window: int | None, num_blocks: int,
+                     block_size: int, device):
+    """A BlockMask over (B queries) x (the whole pool): query b reads pool block p where p is its
+    table's logical block j, at positions j * block_size + offset <= its own (and within the window)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b = len(tables)
+    logical = torch.full((b, num_blocks), -1, dtype=torch.long)
+    for row, table in enumerate(tables):
+        for j, blk in enumerate(table):
+            if blk != NULL_BLOCK:
+                logical[row, blk] = j
+    logical, pos = logical.to(device), torch.tensor(qpos, dtype=torch.long, device=device)
+
+    def mask_mod(_b, _h, q_idx, kv_idx):
+        j = logical[q_idx, kv_idx // block_size]
+        at = j * block_size + kv_idx % block_size
+        ok = (j >= 0) & (at <= pos[q_idx])
+        if window:
+            ok = ok & (at > pos[q_idx] - window)
+        return ok
+
+    return create_block_mask(mask_mod, 1, None, b, num_blocks * block_size, device=device,
+                             BLOCK_SIZE=(16, block_size))
 
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "GroupPlan", "KVGroup", "NoFreeBlocks", "PagedKVCache", "bytes_per_block",

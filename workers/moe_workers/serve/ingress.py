@@ -150,6 +150,14 @@ def _raise_failed(gen: GenerationRequest) -> None:
     raise RequestError(500, _finish_text(gen), err_type="server_error")
 
 
+def _usage(prompt: int, completion: int, gens: list[GenerationRequest]) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache held computed (the
+    first choice's, at its admission)."""
+    cached = gens[0].cached_tokens if gens else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
 def _finish_text(gen: GenerationRequest) -> str | None:
     """The finish_reason a client sees: OpenAI's, or "error: <why>" for a failed choice."""
     if gen.finish_reason is FinishReason.ERROR:
@@ -452,8 +460,7 @@ class Ingress:
                                 "finish_reason": finish, "logprobs": lp})
         completion = sum(len(g.produced) for g in gens)
         return {**head, "object": kind, "choices": choices,
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                          "total_tokens": len(ids) + completion}}
+                "usage": _usage(len(ids), completion, gens)}
 
     async def _collect(self, gen: GenerationRequest, stops: list[str]) -> tuple[str, str | None]:
         """One choice's whole text and finish reason; a stop sequence ends it ("stop", the stop
@@ -528,7 +535,7 @@ class Ingress:
                 yield event(i, text, [tok], None, lp)
             if req.include_usage:
                 completion = len(prefix) + sum(len(g.produced) for g in gens)
-                yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': {'prompt_tokens': prompt, 'completion_tokens': completion, 'total_tokens': prompt + completion}})}\n\n"
+                yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': _usage(prompt, completion, gens)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
@@ -631,6 +638,7 @@ class Ingress:
                 "prefix_caching": m.prefix_caching, "prefix_queried_tokens": kv.prefix_queried_tokens,
                 "prefix_hit_tokens": kv.prefix_hit_tokens, "prefix_cached_blocks": len(m.pool.cached),
                 "preemptions": kv.preemptions, "chunked_prefills": kv.chunked_prefills,
-                "max_num_batched_tokens": self.engine.max_num_batched_tokens}
+                "max_num_batched_tokens": self.engine.max_num_batched_tokens,
+                "weights": self._weights}
 
 
