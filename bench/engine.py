@@ -16,9 +16,9 @@ caching, chunked prefill, absorbed latent attention (in process, real engine, ra
 - itl: inter-token p99 of 8 running streams while a 4k-token prompt arrives, chunked
   (maxNumBatchedTokens 512) over unchunked.
 - attention: one decode step's attention read through block tables at Mixtral-8x7B's KV dims (32 query
-  heads, 8 KV heads of 128, batch 16, 1k / 4k context, pool blocks shuffled): gather + SDPA (the
-  CPU path) and FlexAttention over the pool (the CUDA path) against SDPA on contiguous keys (the
-  raw operation, no paging).
+  heads, 8 KV heads of 128, batch 16, 1k / 4k context, pool blocks shuffled): gather + the grouped
+  matmuls (the CPU path), gather + SDPA, and FlexAttention over the pool (the CUDA path) against
+  torch's SDPA on contiguous keys (the raw operation, no paging).
 - mla: one decode step of a DeepSeek-V3 attention layer (hidden 7168, 128 heads, q_lora 1536,
   kv_lora 512, nope 128, rope 64, v 128) at 1k / 4k / 16k context, absorbed over expanded.
 Also prints what the published configs' KV budgets hold (the same sizing code the Ingress uses).
@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "workers"))
 
 from moe_workers.model.checkpoint import Checkpoint  # noqa: E402
 from moe_workers.model.config import MoEConfig  # noqa: E402
-from moe_workers.model.dense import Chunk, DenseModel, StepBatch  # noqa: E402
+from moe_workers.model.dense import Chunk, DenseModel, StepBatch, decode_attention  # noqa: E402
 from moe_workers.model.experts import LocalExperts  # noqa: E402
 from moe_workers.model.kv_blocks import budget_blocks, sequence_blocks, token_numel  # noqa: E402
 from moe_workers.model.kv_cache import PagedKVCache  # noqa: E402
@@ -322,13 +322,25 @@ def bench_attention(args) -> tuple[dict, dict]:
         kc, vc = kc.contiguous(), vc.contiguous()
         mask = plans["gather"][0].decode_mask
 
-        def gather():
+        def gather():  # what a decode step runs on the CPU
+            k, v = cache["gather"].gather(0, plans["gather"][0].decode_blocks)
+            return decode_attention(q, k, v, mask, cfg.head_dim ** -0.5)
+
+        def gather_sdpa():
             k, v = cache["gather"].gather(0, plans["gather"][0].decode_blocks)
             return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
 
         def flex():
             plans["flex"][0].flex_mask = None  # the mask is made once a step: count it
             return cache["flex"].flex_decode(0, q, plans["flex"], cfg.head_dim ** -0.5)
+
+        slot_k = torch.randn(1, b, cfg.num_kv_heads, ctx, cfg.head_dim, generator=g)  # the slot cache, before
+        slot_v = torch.randn(1, b, cfg.num_kv_heads, ctx, cfg.head_dim, generator=g)
+        slots = torch.arange(b)
+
+        def slot_cache():  # the slot cache's read: each running slot's keys up to the longest, then SDPA
+            k, v = slot_k[0][slots, :, :ctx], slot_v[0][slots, :, :ctx]
+            return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
 
         def contiguous():
             return F.scaled_dot_product_attention(q[:, :, None], kc, vc, attn_mask=mask, enable_gqa=True)[:, :, 0]
@@ -337,7 +349,8 @@ def bench_attention(args) -> tuple[dict, dict]:
             flex()  # compile
             if cache["flex"].attention != "flex":
                 print(f"attention: flex unavailable here ({cache['flex'].flex_error[:200]})")
-            ways = {"gather": gather, "contiguous": contiguous}
+            ways = {"gather": gather, "gather-sdpa": gather_sdpa, "slot-cache": slot_cache, "contiguous": contiguous}
+            torch.testing.assert_close(gather(), contiguous(), atol=1e-4, rtol=1e-4)
             if cache["flex"].attention == "flex":
                 torch.testing.assert_close(flex(), gather(), atol=1e-4, rtol=1e-4)
                 ways["flex"] = flex
@@ -349,11 +362,13 @@ def bench_attention(args) -> tuple[dict, dict]:
                         fn()
                     times.setdefault(name, []).append((time.perf_counter() - t0) / 5)
         best = {k: min(v) for k, v in times.items()}
-        print(f"attention: batch {b} x {ctx} tokens, Mixtral KV dims: gather+SDPA {best['gather'] * 1e3:.1f} ms, "
+        print(f"attention: batch {b} x {ctx} tokens, Mixtral KV dims: gather + grouped matmuls {best['gather'] * 1e3:.1f} ms "
+              f"(gather + SDPA {best['gather-sdpa'] * 1e3:.1f}), "
               + (f"flex {best['flex'] * 1e3:.1f} ms, " if "flex" in best else "")
-              + f"contiguous SDPA {best['contiguous'] * 1e3:.1f} ms")
+              + f"the slot cache's read {best['slot-cache'] * 1e3:.1f} ms, contiguous SDPA {best['contiguous'] * 1e3:.1f} ms")
         results[ctx] = best
         figures[f"paged-gather-over-contiguous-{ctx // 1024}k"] = best["gather"] / best["contiguous"]
+        figures[f"paged-gather-over-slot-cache-{ctx // 1024}k"] = best["gather"] / best["slot-cache"]
         if "flex" in best:
             figures[f"paged-flex-over-gather-{ctx // 1024}k"] = best["flex"] / best["gather"]
     return results, figures

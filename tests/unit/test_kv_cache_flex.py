@@ -55,7 +55,7 @@ def test_a_failing_flex_path_falls_back_to_gather_and_says_why(tmp_path, monkeyp
     """(Seen on this CPU: inductor's C++ code for some shapes does not compile.)"""
     import moe_workers.model.kv_cache as kv_cache
 
-    def broken():
+    def broken(dynamic=False):
         raise RuntimeError("no kernel for this device")
 
     monkeypatch.setattr(kv_cache, "_flex", broken)

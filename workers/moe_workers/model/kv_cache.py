@@ -3,8 +3,8 @@
 `kv_groups` splits a model's layers into groups of one attention kind and equal size (full
 attention; a sliding window), so that one block of the pool holds one group's layers for
 `block_size` tokens and every group draws from the same pool (`kv_blocks.KVCacheManager` keeps
-the tables). Layer `l` is index `i` of its group; its keys are `k[i]`, of shape (blocks,
-block_size, heads, dim), whatever group it is in.
+the tables). Layer `l` is index `i` of its group; its keys are `k[i]`, of shape (heads,
+blocks, block_size, dim), whatever group it is in.
 
 `plan(batch)` turns a step's chunks into the index tensors attention uses (once a step, not
 once a layer): where each new token's keys go (`slots`), and for each group the blocks each
@@ -14,6 +14,7 @@ blocks as one padded (B, blocks) table.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -80,11 +81,15 @@ class PagedKVCache:
         self.layer_slot = {layer: (g, i) for g, grp in enumerate(self.groups) for i, layer in enumerate(grp.layers)}
         (kh, kd), (vh, vd) = kv_layout(cfg)
         per_group = len(self.groups[0].layers)
-        # zeros, not empty: padded reads are masked, and a masked NaN would still poison softmax
-        self.k = [torch.zeros((num_blocks, block_size, kh, kd), dtype=dtype, device=device) for _ in range(per_group)]
-        self.v = [torch.zeros((num_blocks, block_size, vh, vd), dtype=dtype, device=device) for _ in range(per_group)]
+        # head-major (heads, blocks, block_size, dim): a gather of a sequence's blocks is one
+        # index_select of whole block rows per head, and lands as (heads, B, L, dim), what the
+        # attention matmuls read without another copy. Zeros, not empty: padded reads are
+        # masked, and a masked NaN would still poison softmax
+        self.k = [torch.zeros((kh, num_blocks, block_size, kd), dtype=dtype, device=device) for _ in range(per_group)]
+        self.v = [torch.zeros((vh, num_blocks, block_size, vd), dtype=dtype, device=device) for _ in range(per_group)]
         self.manager = KVCacheManager(num_blocks, block_size, [g.window for g in self.groups], prefix_caching)
         self._next_seq = 0
+        self._local = threading.local()  # gather buffers, one pair per thread (micro-batches run in threads)
 
     @classmethod
     def for_budget(cls, cfg: MoEConfig, budget_bytes: int, max_len: int, block_size: int = DEFAULT_BLOCK_SIZE,
@@ -164,16 +169,35 @@ class PagedKVCache:
         """This step's (N, heads, dim) keys and values of `layer` into their blocks."""
         g, i = self.layer_slot[layer]
         slots = plan[g].slots
-        self.k[i].view(-1, *self.k[i].shape[2:]).index_copy_(0, slots, k.to(self.k[i].dtype))
-        self.v[i].view(-1, *self.v[i].shape[2:]).index_copy_(0, slots, v.to(self.v[i].dtype))
+        for pool, new in ((self.k[i], k), (self.v[i], v)):
+            pool.view(pool.shape[0], -1, pool.shape[3]).index_copy_(1, slots, new.transpose(0, 1).to(pool.dtype))
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of `blocks` ((B, n) block ids) as (B, heads, n * block_size, dim)."""
+        """Keys and values of `blocks` ((B, n) block ids) as (B, heads, n * block_size, dim):
+        a view of one (heads, B, L, dim) copy (index_select of whole blocks: a memcpy per block
+        and head, where advanced indexing ran 5x slower here)."""
         _, i = self.layer_slot[layer]
         b, n = blocks.shape
-        k, v = self.k[i][blocks], self.v[i][blocks]  # (B, n, bs, heads, dim)
-        return (k.view(b, n * self.block_size, *k.shape[3:]).transpose(1, 2),
-                v.view(b, n * self.block_size, *v.shape[3:]).transpose(1, 2))
+        flat = blocks.reshape(-1)
+        out = []
+        for which, pool in enumerate((self.k[i], self.v[i])):
+            heads, _, bs, dim = pool.shape
+            dest = self._workspace(which, heads * b * n * bs * dim, pool).view(heads, b * n, bs * dim)
+            torch.index_select(pool.view(heads, self.num_blocks, bs * dim), 1, flat, out=dest)
+            out.append(dest.view(heads, b, n * bs, dim).transpose(0, 1))
+        return out[0], out[1]
+
+    def _workspace(self, which: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """This thread's gather buffer for keys (0) or values (1), kept between layers and steps:
+        a fresh one a layer cost 3x the copy itself in page faults here. Valid until this
+        thread's next gather (attention reads it at once)."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = [None, None]
+        buf = bufs[which]
+        if buf is None or buf.numel() < numel:
+            buf = bufs[which] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel]
 
     def group_of(self, layer: int) -> int:
         return self.layer_slot[layer][0]
@@ -192,9 +216,9 @@ class PagedKVCache:
                 gp.flex_mask = _flex_block_mask(gp.decode_tables, gp.decode_qpos, self.groups[g].window,
                                                 self.num_blocks, self.block_size, q.device)
             k, v = self.k[i], self.v[i]
-            kf = k.view(1, -1, *k.shape[2:]).transpose(1, 2)  # (1, KVH, blocks * bs, d): the pool as one sequence
-            vf = v.view(1, -1, *v.shape[2:]).transpose(1, 2)
-            out = _flex()(q.transpose(0, 1).unsqueeze(0), kf, vf, block_mask=gp.flex_mask, scale=scale,
+            kf = k.view(1, k.shape[0], -1, k.shape[3])  # (1, KVH, blocks * bs, d): the pool as one sequence
+            vf = v.view(1, v.shape[0], -1, v.shape[3])
+            out = _flex(q.device.type == "cuda")(q.transpose(0, 1).unsqueeze(0), kf, vf, block_mask=gp.flex_mask, scale=scale,
                           enable_gqa=True)
             return out[0].transpose(0, 1)
         except Exception as err:  # noqa: BLE001 - an unsupported build or device: gather from now on
@@ -202,15 +226,17 @@ class PagedKVCache:
             return None
 
 
-_FLEX = None
+_FLEX: dict[bool, object] = {}
 
 
-def _flex():
-    global _FLEX
-    if _FLEX is None:
+def _flex(dynamic: bool = False):
+    """flex_attention compiled (once per process): with dynamic shapes on CUDA, where a step's
+    batch changes every step; static on the CPU, where inductor's C++ code for dynamic flex
+    shapes did not compile here (torch 2.13)."""
+    if dynamic not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
-        _FLEX = torch.compile(flex_attention, dynamic=True)
-    return _FLEX
+        _FLEX[dynamic] = torch.compile(flex_attention, dynamic=dynamic)
+    return _FLEX[dynamic]
 
 
 def _flex_block_mask(tables: list[list[int]], qpos: list[int], window: int | None, num_blocks: int,
