@@ -70,6 +70,8 @@ def parse_args():
     p.add_argument("--realtime-priority", type=int, default=None,
                    help="default shape: the served app's realtime_priority (default: the app's; 0: decode steps in "
                         "the fair class)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default shape: the served app's step token budget (default: the app's; prefill chunks)")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
     return p.parse_args()
@@ -203,7 +205,8 @@ def _concurrent(url: str, bodies: list[dict]) -> float:
 
 @contextlib.contextmanager
 def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_layers: int, num_experts: int,
-               micro_batches: int, serve_env: dict[str, str], max_batch: int, realtime_priority: int | None = None):
+               micro_batches: int, serve_env: dict[str, str], max_batch: int, realtime_priority: int | None = None,
+               max_num_batched_tokens: int | None = None):
     """The bench app on a fresh local Ray head: (url, stats()) with stats() the ingress' engine
     figures and each shard's status."""
     from moe_operator.backends.ray_rest import RayServeClient
@@ -220,8 +223,12 @@ def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_la
         sparse = MoEConfig.from_dir(path).sparse_layers  # dense MLP layers have no experts to place
         placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in sparse for e in range(num_experts)
                                           if e % groups == g] for g in range(groups)}
+        # prefix caching off: the in-process side computes every prompt, and the prefill runs repeat
+        # their prompts (bench/engine.py measures the cache itself)
         args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=groups, max_batch_size=max_batch,
                        kv_cache_budget_bytes=2 * 2**30, max_queued_requests=256, max_model_len=512,
+                       prefix_caching=False,
+                       **({} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}),
                        ingress_num_cpus=1, shard_num_cpus=1, torch_threads=shard_threads,
                        ingress_torch_threads=threads, micro_batches=micro_batches,
                        **({} if realtime_priority is None else {"realtime_priority": realtime_priority}))
@@ -257,10 +264,11 @@ def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_la
 
 
 def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads: int, vocab: int, num_layers: int,
-               num_experts: int, micro_batches: int, serve_env: dict[str, str], realtime_priority: int | None = None) -> dict:
+               num_experts: int, micro_batches: int, serve_env: dict[str, str], realtime_priority: int | None = None,
+               max_num_batched_tokens: int | None = None) -> dict:
     batch = max([work["prefill_n"], *work["decode_batches"]])
     with served_app(path, groups, threads, shard_threads, num_layers, num_experts, micro_batches, serve_env,
-                    batch, realtime_priority) as (url, stats):
+                    batch, realtime_priority, max_num_batched_tokens) as (url, stats):
         out = {}
         ps = prompts(work["prefill_n"], work["prefill_len"], vocab, 1)
         runs = []
@@ -502,7 +510,7 @@ def main() -> int:
     before = run_inprocess(path, work, a.threads)
     served = run_served(path, work, a.groups, ingress_threads, a.shard_threads, shape["vocab_size"], shape["num_layers"],
                         shape["num_experts"], a.micro_batches,
-                        dict(kv.split("=", 1) for kv in a.serve_env), a.realtime_priority)
+                        dict(kv.split("=", 1) for kv in a.serve_env), a.realtime_priority, a.max_num_batched_tokens)
     after = run_inprocess(path, work, a.threads)
     rates = [k for k, v in before.items() if k.endswith("_tps") and isinstance(v, float)]
     local = {**before, "before": {k: before[k] for k in rates},

@@ -1,5 +1,9 @@
 """Ingress: the HTTP API, continuous batching and the dense part of the model.
 
+What every request passes first (API key, body size) is `http_gate`; how answers are spelt
+(usage, logprobs, finish reasons) `openai_render`; the request schema `protocol`; the engine's
+scheduling and KV cache `engine` and `model.kv_cache`.
+
 Per layer the ingress groups the step's tokens by expert, picks a copy of each expert by the
 placement in its user_config (ExpertRouter) and exchanges the rows with every shard group at
 once on the expert channel (`moe_workers.transport`); membership of the channel comes from the
@@ -19,7 +23,6 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.datastructures import Headers
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -34,15 +37,16 @@ from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest, Ov
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
 from moe_workers.serve.migration import RESUME_HEADER, Resume, parse_resume
-from moe_workers.serve.auth import authorized
 from moe_workers.serve.chat import ChatTemplate
+from moe_workers.serve.http_gate import Gate, read_body
+from moe_workers.serve.openai_render import Renderer, finish_text, raise_failed, usage
 from moe_workers.serve.protocol import RequestError, decode_body, parse_chat, parse_completion
-from moe_workers.serve.proxy_gate import RETRY_AFTER_S, admission_header
+from moe_workers.serve.proxy_gate import RETRY_AFTER_S
 from moe_workers.serve.textstream import TextStream
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.serve.node import ray_placement
-from moe_workers.transport import ExpertChannel, ExpertsUnavailable, Member, Part
+from moe_workers.transport import ExpertChannel, Member, Part
 from moe_workers.transport.realtime import Realtime
 
 fastapi_app = FastAPI(title="moe-operator", docs_url=None, redoc_url=None)
@@ -54,115 +58,7 @@ async def _request_error(_: Request, err: RequestError):
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-class _Gate:
-    """What every request passes before a route, as plain ASGI: the API key, then the announced
-    body size. A refusal is answered here; anything else goes through untouched. (Starlette's
-    `@app.middleware("http")` would wrap every response, and each streamed token, in an extra
-    task and memory stream per middleware: work that competes with the engine for the GIL.)"""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            refusal = self._refusal(scope)
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
-            capacity = getattr(scope["app"].state, "admission_capacity", None)
-            if capacity:
-                # tell the proxy's admission gate (moe_workers.serve.proxy_gate) what this app holds
-                header = admission_header(capacity, scope.get("root_path", ""))
-
-                async def send_admission(message):
-                    if message["type"] == "http.response.start":
-                        message = {**message, "headers": [*message.get("headers", []), header]}
-                    await send(message)
-                await self.app(scope, receive, send_admission)
-                return
-        await self.app(scope, receive, send)
-
-    @staticmethod
-    def _refusal(scope) -> JSONResponse | None:
-        state = scope["app"].state
-        headers = Headers(scope=scope)
-        # /v1/* needs `Authorization: Bearer <key>` when keys are configured (user_config);
-        # /moe/v1/status stays open, for in-cluster use (the operator, moectl)
-        keys = getattr(state, "api_keys_sha256", None)
-        path, root = scope["path"], scope.get("root_path", "").rstrip("/")
-        if root and path.startswith(root):
-            path = path[len(root):]
-        if keys and path.startswith("/v1/") and not authorized(headers.get("authorization"), keys):
-            err = RequestError(401, "missing or wrong API key: send Authorization: Bearer <key>",
-                               err_type="invalid_request_error")
-            body = err.body()
-            body["error"]["code"] = "invalid_api_key"
-            metrics = getattr(state, "metrics", None)
-            if metrics is not None:
-                metrics.reject(401)
-            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        # every route: a body announced larger than the limit is refused before it is read
-        limit = getattr(state, "max_request_bytes", None)
-        length = headers.get("content-length")
-        if limit is not None and length is not None:
-            if not length.isdigit():
-                return JSONResponse(RequestError(400, "Content-Length is not a number").body(), status_code=400)
-            if int(length) > limit:
-                return JSONResponse(_too_large(limit).body(), status_code=413)
-        return None
-
-
-fastapi_app.add_middleware(_Gate)
-
-
-def _too_large(limit: int) -> RequestError:
-    return RequestError(413, f"request body is larger than {limit} bytes (spec.ingress.maxRequestBytes)",
-                        err_type="request_too_large")
-
-
-async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, read up to `limit` bytes (a chunked body has no Content-Length to check first)
-    and within `timeout_s` (a client sending it a byte at a time does not hold the replica)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    chunks = request.stream().__aiter__()
-    parts, size = [], 0
-    while True:
-        try:
-            chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - loop.time()))
-        except StopAsyncIteration:
-            break
-        except asyncio.TimeoutError:
-            raise RequestError(408, f"request body not received within {timeout_s:g} s", err_type="request_timeout")
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-def _raise_failed(gen: GenerationRequest) -> None:
-    """A choice that ended in an error answers 503 (experts unavailable: retry) or 500."""
-    if gen.finish_reason is not FinishReason.ERROR:
-        return
-    if isinstance(gen.error, ExpertsUnavailable):
-        raise RequestError(503, f"experts unavailable: {gen.error}; retry later", err_type="unavailable")
-    raise RequestError(500, _finish_text(gen), err_type="server_error")
-
-
-def _usage(prompt: int, completion: int, gens: list[GenerationRequest]) -> dict:
-    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache held computed (the
-    first choice's, at its admission)."""
-    cached = gens[0].cached_tokens if gens else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _finish_text(gen: GenerationRequest) -> str | None:
-    """The finish_reason a client sees: OpenAI's, or "error: <why>" for a failed choice."""
-    if gen.finish_reason is FinishReason.ERROR:
-        return f"error: {gen.error}"
-    return None if gen.finish_reason is None else str(gen.finish_reason)
+fastapi_app.add_middleware(Gate)
 
 
 @serve.deployment
@@ -210,6 +106,7 @@ class Ingress:
         if tok_file.is_file():
             from tokenizers import Tokenizer
             self.tokenizer = Tokenizer.from_file(str(tok_file))
+        self.render = Renderer(self.tokenizer)
         # a text of more than max_len x the longest token's characters cannot fit: refused untokenized
         self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
         self.chat_template = ChatTemplate.from_checkpoint(self.args.model_path)
@@ -371,7 +268,7 @@ class Ingress:
                                    resume=self._resume(request, req, new_tokens))
 
     async def _body(self, request: Request) -> bytes:
-        return await _read_body(request, self.args.max_request_bytes, self.args.request_body_timeout_s)
+        return await read_body(request, self.args.max_request_bytes, self.args.request_body_timeout_s)
 
     def _resume(self, request: Request, req, new_tokens: int) -> Resume | None:
         """Where a stream migrated from a failed replica goes on (moe_workers.serve.migration)."""
@@ -416,7 +313,7 @@ class Ingress:
                                f"spec.ingress.kvCacheBudget)", param=param)
         prefix = resume.token_ids if resume is not None else []
         # the choices' text streams; a resumed one holds the text its client has, and what is held back
-        streams = [TextStream(self._decode, req.stops) for _ in range(req.n)]
+        streams = [TextStream(self.render.decode, req.stops) for _ in range(req.n)]
         for tok in prefix:
             streams[0].push(tok)
         finish = self._resumed_finish(resume, ids, new_tokens, streams[0]) if resume is not None else None
@@ -448,10 +345,10 @@ class Ingress:
                 self.engine.cancel(gen)
             raise
         for gen in gens:
-            _raise_failed(gen)
+            raise_failed(gen)
         choices = []
         for i, (gen, (text, finish)) in enumerate(zip(gens, done)):
-            lp = self._logprobs(gen, chat) if logprobs is not None else None
+            lp = self.render.logprobs(gen, chat) if logprobs is not None else None
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
                                 "token_ids": gen.produced, "finish_reason": finish, "logprobs": lp})
@@ -460,7 +357,7 @@ class Ingress:
                                 "finish_reason": finish, "logprobs": lp})
         completion = sum(len(g.produced) for g in gens)
         return {**head, "object": kind, "choices": choices,
-                "usage": _usage(len(ids), completion, gens)}
+                "usage": usage(len(ids), completion, gens)}
 
     async def _collect(self, gen: GenerationRequest, stops: list[str]) -> tuple[str, str | None]:
         """One choice's whole text and finish reason; a stop sequence ends it ("stop", the stop
@@ -468,15 +365,15 @@ class Ingress:
         if not stops:  # nothing to watch for: decode once at the end (the engine hands over the end only)
             while await gen.out.get() is not None:
                 pass
-            return self._decode(gen.produced), _finish_text(gen)
-        stream = TextStream(self._decode, stops)
+            return self.render.decode(gen.produced), finish_text(gen)
+        stream = TextStream(self.render.decode, stops)
         while (tok := await gen.out.get()) is not None:
             stream.push(tok)
             if stream.stopped:
                 self._stopped(gen)
                 break
         stream.finish()
-        return stream.text, "stop" if stream.stopped else _finish_text(gen)
+        return stream.text, "stop" if stream.stopped else finish_text(gen)
 
     def _stopped(self, gen: GenerationRequest) -> None:
         self.engine.cancel(gen, FinishReason.STOP)
@@ -522,50 +419,24 @@ class Ingress:
                 gen, stream = gens[i], streams[i]
                 if tok is None:
                     open_choices -= 1  # (a failed choice ends with finish_reason "error: ...")
-                    yield event(i, stream.finish(), [], "stop" if stream.stopped else _finish_text(gen))
+                    yield event(i, stream.finish(), [], "stop" if stream.stopped else finish_text(gen))
                     continue
                 if stream.stopped:
                     continue
                 text = stream.push(tok)
                 k = len(stream.tokens) - 1 - len(prefix)  # this token's index in this replica's part
-                lp = (self._logprobs(gen, chat, since=k, upto=k + 1, prefix=prefix)
+                lp = (self.render.logprobs(gen, chat, since=k, upto=k + 1, prefix=prefix)
                       if gen.logprobs is not None else None)
                 if stream.stopped:
                     self._stopped(gen)
                 yield event(i, text, [tok], None, lp)
             if req.include_usage:
                 completion = len(prefix) + sum(len(g.produced) for g in gens)
-                yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': _usage(prompt, completion, gens)})}\n\n"
+                yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': usage(prompt, completion, gens)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
                 t.cancel()
-
-    def _token_text(self, token: int) -> str:
-        """A token as the vocabulary spells it (unique per id, unlike its decoded text, which is
-        U+FFFD for every part of a split character)."""
-        text = self.tokenizer.id_to_token(token) if self.tokenizer is not None else None
-        return text if text is not None else f"token_id:{token}"
-
-    def _token_bytes(self, token: int) -> list[int] | None:
-        text = self.tokenizer.decode([token]) if self.tokenizer is not None else ""
-        return list(text.encode("utf-8")) if text and "\ufffd" not in text else None
-
-    def _logprobs(self, gen: GenerationRequest, chat: bool, since: int = 0, upto: int | None = None,
-                  prefix: list[int] = ()) -> dict:
-        """OpenAI's logprobs object for gen's tokens [since, upto) (after `prefix`, a resumed
-        stream's tokens generated elsewhere)."""
-        entries = list(zip(gen.produced[since:upto], gen.token_logprobs[since:upto]))
-        if chat:
-            def item(tok, lp):
-                return {"token": self._token_text(tok), "logprob": lp, "bytes": self._token_bytes(tok)}
-            return {"content": [{**item(tok, lp), "top_logprobs": [item(t, v) for t, v in alts]}
-                                for tok, (lp, alts) in entries]}
-        tokens = [self._token_text(tok) for tok, _ in entries]
-        offsets = [len(self._decode([*prefix, *gen.produced[:k]])) for k in range(since, since + len(entries))]
-        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in entries],
-                "top_logprobs": [{self._token_text(t): v for t, v in alts} for _, (_, alts) in entries],
-                "text_offset": offsets}
 
     def _prompt_ids(self, prompt: str | list[int], param: str = "prompt", special_tokens: bool = True) -> list[int]:
         vocab = self.dense.cfg.vocab_size
@@ -582,9 +453,6 @@ class Ingress:
         if bad:
             raise RequestError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
         return list(prompt)
-
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
 
     @fastapi_app.get("/moe/v1/status")
     async def moe_status(self):
