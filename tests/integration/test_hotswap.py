@@ -306,7 +306,8 @@ def test_expert_load_through_a_real_prometheus(setup, ray_head, tmp_path):
         exprs = [t["expr"] for p in json.loads(dashboard.read_text())["panels"] for t in p["targets"]]
         for expr in exprs:
             prom.query(expr)  # asserts the query is accepted
-            if any(m in expr for m in ("expert_tokens", "tier_bytes", "tier_hits", "routing_entropy", "activation_rate")):
+            if any(m in expr for m in ("expert_tokens", "tier_bytes", "tier_hits", "routing_entropy", "activation_rate",
+                                       "kv_cache_blocks_used")):
                 wait_for(lambda: prom.query(expr), timeout_s=60, what=f"series for the dashboard's {expr}")
     finally:
         prom.stop()

@@ -19,7 +19,7 @@ from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.serve.engine import Engine, GenerationRequest
 
 
-def _engine(path, blocks=None, block_size=4, max_batch=8, budget=512, prefix_caching=True):
+def _engine(path, blocks=None, block_size=4, max_batch=8, budget=512, prefix_caching=True, prefill_only_factor=1):
     ckpt = Checkpoint(path)
     cfg = ckpt.config
     dense = DenseModel(cfg, ckpt.dense_state())
@@ -28,7 +28,7 @@ def _engine(path, blocks=None, block_size=4, max_batch=8, budget=512, prefix_cac
         blocks = max_batch * sequence_blocks(cfg, block_size, cfg.max_position_embeddings) + 1
     cache = PagedKVCache(cfg, blocks, block_size, cfg.dtype, prefix_caching=prefix_caching)
     return Engine(dense, cache, lambda layer, x, i, w: experts.moe(layer, x, i, w), max_batch, 64,
-                  max_num_batched_tokens=budget)
+                  max_num_batched_tokens=budget, prefill_only_factor=prefill_only_factor)
 
 
 async def _run(engine, prompts, max_tokens, gap=0.0, **kw):
@@ -137,3 +137,19 @@ def test_decode_tokens_run_beside_a_long_prompt_prefilled_in_chunks(tmp_path):
     assert steps >= 200 // 23  # the prompt took about 9 steps ...
     assert produced >= 200 // 23  # ... and the stream had a token in each of them
     assert engine.timings.computed_tokens <= engine.timings.steps * 24 + 30
+
+
+def test_a_step_with_nothing_decoding_takes_more_prefill(tmp_path):
+    """Prompts arriving together with no stream running are prefilled in larger steps (nothing
+    waits on them); once a stream decodes, the budget holds."""
+    make_family(tmp_path, "mixtral")
+    prompts = [_prompt(40, 20 + i) for i in range(4)]
+
+    async def main(factor):
+        engine = _engine(tmp_path, budget=16, prefill_only_factor=factor)
+        await _run(engine, prompts, 1)
+        return engine.timings.steps, engine.kv.chunked_prefills
+
+    assert asyncio.run(main(16)) == (1, 0)  # 160 tokens in one step of up to 256
+    steps, chunked = asyncio.run(main(1))
+    assert steps == 10 and chunked == 4
