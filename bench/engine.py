@@ -3,7 +3,8 @@ caching, chunked prefill, absorbed latent attention (in process, real engine, ra
 
     python bench/engine.py            # every part
     python bench/engine.py --quick    # smaller loads, for a smoke run
-    python bench/engine.py --only capacity|prefix|itl|mla
+    python bench/engine.py --only capacity|prefix|itl|attention|mla
+    python bench/engine.py --shape mixtral-kv --only capacity   # one layer at Mixtral-8x7B's attention dims
 
 - capacity: a lognormal length mix (prompts and completions, mean ~600 tokens together, capped at
   8k; maxModelLen 8192) submitted at once against a KV budget of --budget-tokens tokens. The
@@ -70,6 +71,9 @@ def parse_args():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=["capacity", "prefix", "itl", "attention", "mla"], default=None)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--shape", choices=["bench", "mixtral-kv"], default="bench",
+                   help="capacity, prefix, itl: the bench's small models, or one layer at Mixtral-8x7B's attention "
+                        "dims (hidden 4096, 32 heads, 8 KV heads of 128)")
     p.add_argument("--budget-tokens", type=int, default=16384, help="capacity: the KV budget, in tokens")
     p.add_argument("--requests", type=int, default=96, help="capacity: requests in the length mix")
     p.add_argument("--out", default=str(REPO / "bench/results/engine.json"))
@@ -167,9 +171,11 @@ def run_mix(path: Path, blocks: int, max_batch: int, mix: list[tuple[int, int]])
 
 
 def bench_capacity(args, tmp: Path) -> tuple[dict, dict]:
-    path = write_random_checkpoint(tmp / "cap", "mixtral", vocab_size=512, hidden_size=128, intermediate_size=256,
-                                   num_layers=2, num_heads=4, num_kv_heads=2, num_experts=8, top_k=2,
-                                   max_position_embeddings=8192)
+    dims = (dict(hidden_size=4096, num_layers=1, num_heads=32, num_kv_heads=8, intermediate_size=256)
+            if args.shape == "mixtral-kv" else dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                                                    intermediate_size=256))
+    path = write_random_checkpoint(tmp / "cap", "mixtral", vocab_size=512, num_experts=8, top_k=2,
+                                   max_position_embeddings=8192, **dims)
     n = 40 if args.quick else args.requests
     budget_tokens = 8192 if args.quick else args.budget_tokens
     mix = length_mix(n)
@@ -193,10 +199,12 @@ def bench_capacity(args, tmp: Path) -> tuple[dict, dict]:
 
 # -- prefix and ITL ---------------------------------------------------------------------------
 
-def serving_model(tmp: Path) -> Path:
-    return write_random_checkpoint(tmp / "srv", "mixtral", vocab_size=512, hidden_size=512, intermediate_size=1024,
-                                   num_layers=4, num_heads=8, num_kv_heads=2, num_experts=8, top_k=2,
-                                   max_position_embeddings=8192)
+def serving_model(tmp: Path, shape: str) -> Path:
+    dims = (dict(hidden_size=4096, num_layers=1, num_heads=32, num_kv_heads=8, intermediate_size=1024)
+            if shape == "mixtral-kv" else dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2,
+                                               intermediate_size=1024))
+    return write_random_checkpoint(tmp / "srv", "mixtral", vocab_size=512, num_experts=8, top_k=2,
+                                   max_position_embeddings=8192, **dims)
 
 
 def bench_prefix(args, path: Path) -> tuple[dict, dict]:
@@ -426,7 +434,7 @@ def main() -> int:
             results["capacity"], f = bench_capacity(args, tmp)
             figures.update(f)
         if args.only in (None, "prefix", "itl"):
-            path = serving_model(tmp)
+            path = serving_model(tmp, args.shape)
             if args.only in (None, "prefix"):
                 results["prefix"], f = bench_prefix(args, path)
                 figures.update(f)

@@ -114,6 +114,19 @@ def test_upgrade_in_progress_is_progressing_not_ready():
     assert "kr-9fz2q" in s.message and "DEPLOYING" in s.message
 
 
+def test_a_pending_cluster_whose_app_failed_is_a_failed_deploy_not_an_upgrade():
+    """A first deploy runs on a pending cluster too: its failure must surface (Warning, retried
+    slowly) with Serve's message, not read as an upgrade in progress."""
+    msg = "Failed to import: ModuleNotFoundError: No module named 'moe_workers'"
+    for conditions in ([ready("False", "Initializing"), upgrade("True", "BothActivePendingClustersExist")],
+                       [ready("False", "Initializing"), upgrade("False", "Initializing")]):
+        status = running_status(conditions=conditions, activeServiceStatus={},
+                                pendingServiceStatus=active("DEPLOY_FAILED", {}, msg, cluster="kr-9fz2q"))
+        s = service_state(rs(status), APP)
+        assert not s.ready and s.reason == cond.DEPLOY_FAILED and not s.progressing, s
+        assert "kr-9fz2q" in s.message and "ModuleNotFoundError" in s.message
+
+
 def test_pending_cluster_without_the_condition_is_an_upgrade_too():
     status = running_status(pendingServiceStatus={"rayClusterName": "kr-9fz2q"})
     assert service_state(rs(status), APP).reason == cond.UPGRADING

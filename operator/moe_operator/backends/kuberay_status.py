@@ -77,6 +77,11 @@ def service_state(rayservice: dict, app: str) -> ServiceState:
     active = _app(status.get("activeServiceStatus"), app)
     if upgrade.get("status") == "True" or pending.get("rayClusterName") or pending.get("applicationStatuses"):
         pending_app = _app(pending, app) or {}
+        if pending_app.get("status") == "DEPLOY_FAILED":  # the new cluster cannot run it: not an upgrade
+            unhealthy = _unhealthy(pending_app)
+            return ServiceState(False, cond.DEPLOY_FAILED, f"application {app} DEPLOY_FAILED on the new Ray cluster "
+                                f"{pending.get('rayClusterName') or ''}".rstrip() +
+                                f": {pending_app.get('message') or 'no message'}", degraded="; ".join(unhealthy))
         return ServiceState(False, cond.UPGRADING, f"KubeRay is moving RayService {name} to a new Ray cluster "
                             f"{pending.get('rayClusterName') or ''}".rstrip() +
                             (f"; pending application {pending_app['status']}" if pending_app.get("status") else "") +
