@@ -27,6 +27,21 @@ def test_depth_counts_brackets_outside_strings_only():
     decode_body(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH)  # at the limit: fine
 
 
+@pytest.mark.parametrize("raw,param,message", [
+    (b'{"prompt":[1],"max_tokens":' + b"1" * 31 + b"}", "max_tokens", "max_tokens: an integer of 31 digits"),
+    (b'{"prompt":[1, ' + b"1" * 25 + b"]}", "prompt", "prompt[1]: an integer of 25 digits"),
+    (b'{"prompt":[1],"temperature":NaN}', "temperature", "temperature: NaN is not a JSON number"),
+    (b'{"prompt":[1],"temperature":Infinity}', "temperature", "temperature: Infinity is not a JSON number"),
+    (b'{"prompt":[1],"model":"a\\"[[[","user":' + b"[" * 50_000 + b"]" * 50_000 + b"}", "user",
+     "user: nests arrays or objects more than 32 deep"),
+    (b"[" * 40 + b"]" * 40, None, "request body nests arrays or objects more than 32 deep"),
+    (b"NaN", None, "request body is not valid JSON: NaN is not a JSON number"),
+])
+def test_values_json_decoding_refuses_name_their_field(raw, param, message):
+    err = _error(raw)
+    assert (err.param, err.message[:len(message)]) == (param, message)
+
+
 def test_types_are_exact():
     assert _error(b'{"prompt":[1],"max_tokens":true}').param == "max_tokens"
     assert _error(b'{"prompt":[1],"max_tokens":2.0}').param == "max_tokens"

@@ -4,7 +4,8 @@ that name the field (pure; no Ray, no HTTP server here).
 Limits (each a 4xx with a JSON reason, before any work is spent on the request):
 - the body: at most the app's `max_request_bytes` (413), JSON nested at most `MAX_JSON_DEPTH`
   deep, integers of at most `MAX_INT_DIGITS` digits, no NaN / Infinity, valid Unicode (a lone
-  surrogate such as "\\ud800" is refused: it cannot be tokenized or echoed back);
+  surrogate such as "\\ud800" is refused: it cannot be tokenized or echoed back); each named by
+  the field it is in (`param`), found while decoding and reported once the field is known;
 - the fields: exact JSON types (no coercion: `true` is not a number, `"5"` is not a token id,
   `0` is not a boolean), and sampling parameters in ranges that cannot make sampling fail.
 """
@@ -147,34 +148,66 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
 
 
-def _json_depth(raw: bytes) -> int:
-    """How deeply arrays and objects nest in `raw` (brackets inside strings do not count)."""
+def _json_depth(raw: bytes) -> tuple[int, str | None]:
+    """How deeply arrays and objects nest in `raw` (brackets inside strings do not count), and the
+    top-level key under which nesting first went past MAX_JSON_DEPTH (the last string read at
+    depth 1 before it: a key, since a value that nests comes right after its key)."""
     depth = deepest = 0
     in_string = False
+    start = 0
+    key, deep_key = None, None
     for m in _STRUCTURE.finditer(raw):
         tok = m.group()
         if tok[:1] == b"\\":
             continue
         if tok == b'"':
+            if not in_string:
+                start = m.end()
+            elif depth == 1:
+                key = raw[start:m.start()]
             in_string = not in_string
         elif not in_string:
             if tok in (b"[", b"{"):
                 depth += 1
                 deepest = max(deepest, depth)
+                if depth > MAX_JSON_DEPTH and deep_key is None and key is not None and raw.lstrip()[:1] == b"{":
+                    deep_key = key.decode("utf-8", "replace")
             else:
                 depth -= 1
-    return deepest
+    return deepest, deep_key
 
 
-def _int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise RequestError(400, f"request body has an integer of {len(text.lstrip('-'))} digits; at most "
-                           f"{MAX_INT_DIGITS} are accepted")
+class _Hostile:
+    """A value JSON decoding refused (a huge integer, NaN): reported once its field is known."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _int(text: str):
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        return _Hostile(f"an integer of {digits} digits; at most {MAX_INT_DIGITS} are accepted")
     return int(text)
 
 
 def _constant(name: str):
-    raise RequestError(400, f"request body is not valid JSON: {name} is not a JSON number")
+    return _Hostile(f"{name} is not a JSON number")
+
+
+def _first_hostile(value: object, path: str = "") -> tuple[str, str] | None:
+    """(path, message) of the first value decoding refused, or None."""
+    if isinstance(value, _Hostile):
+        return path, value.message
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            if (got := _first_hostile(v, f"{path}[{i}]")) is not None:
+                return got
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if (got := _first_hostile(v, f"{path}.{k}" if path else k)) is not None:
+                return got
+    return None
 
 
 def _bad_unicode(value: object, path: str = "") -> str | None:
@@ -199,14 +232,20 @@ def _bad_unicode(value: object, path: str = "") -> str | None:
 
 def decode_body(raw: bytes) -> object:
     """The JSON value of a request body, or a RequestError saying what is wrong with it."""
-    if _json_depth(raw) > MAX_JSON_DEPTH:
-        raise RequestError(400, f"request body nests arrays or objects more than {MAX_JSON_DEPTH} deep")
+    deepest, deep_key = _json_depth(raw)
+    if deepest > MAX_JSON_DEPTH:
+        where = f"{deep_key}: " if deep_key else "request body "
+        raise RequestError(400, f"{where}nests arrays or objects more than {MAX_JSON_DEPTH} deep", param=deep_key)
     try:
         body = json.loads(raw, parse_int=_int, parse_constant=_constant)
-    except RequestError:
-        raise
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise RequestError(400, f"request body is not valid JSON: {err}") from None
+    hostile = _first_hostile(body)
+    if hostile is not None:
+        path, message = hostile
+        field = path.split("[")[0].split(".")[0] if isinstance(body, dict) else None
+        raise RequestError(400, f"{path}: {message}" if path else f"request body is not valid JSON: {message}",
+                           param=field or None)
     bad = _bad_unicode(body)
     if bad is not None:
         param = bad.split("[")[0].split(".")[0] if bad != "body" else None
