@@ -153,3 +153,12 @@ def test_a_step_with_nothing_decoding_takes_more_prefill(tmp_path):
     assert asyncio.run(main(16)) == (1, 0)  # 160 tokens in one step of up to 256
     steps, chunked = asyncio.run(main(1))
     assert steps == 10 and chunked == 4
+
+
+def test_the_longest_sequence_a_request_may_ask_for_is_what_the_cache_holds(tmp_path):
+    make_family(tmp_path / "full", "mixtral", max_position_embeddings=128)
+    make_family(tmp_path / "window", "gpt_oss", max_position_embeddings=128, num_layers=4)  # 2 full, 2 window (32)
+    assert _engine(tmp_path / "full", blocks=128 // 4 + 1).max_sequence_tokens() == 128
+    assert _engine(tmp_path / "full", blocks=20 + 1).max_sequence_tokens() == 80  # 20 blocks of 4 tokens
+    # a windowed group keeps its window's blocks (9 of 4 tokens), the full group the rest
+    assert _engine(tmp_path / "window", blocks=9 + 20 + 1).max_sequence_tokens() == 80
