@@ -4,6 +4,8 @@ invalid edits reported without losing the running app, clean shutdown on SIGTERM
 
 from __future__ import annotations
 
+import copy
+
 import json
 import os
 import signal
@@ -136,6 +138,29 @@ def test_moectl_up_serves_reconciles_and_stops(tmp_path):
         assert "InvalidSpec" in _moectl("get", "tiny", "--local", "-o", "wide", env=env).stdout
         assert requests.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
                              timeout=60).status_code == 200
+
+        # badly shaped edits (a scalar where a mapping belongs; a bad name) are each InvalidSpec
+        # naming the path, and the app keeps serving (they used to end `moectl up`)
+        for where, value, named in ((("spec", "experts", "tiers"), -1, "spec.experts.tiers"),
+                                    (("spec", "model"), "/path", "spec.model"),
+                                    (("spec", "experts", "overrides"), [5], "spec.experts.overrides[0]"),
+                                    (("metadata", "name"), "Tiny", "metadata.name")):
+            bad_doc = copy.deepcopy(manifest)
+            node = bad_doc
+            for key in where[:-1]:
+                node = node[key]
+            node[where[-1]] = value
+            f.write_text(yaml.safe_dump(bad_doc))
+
+            def refused(named=named):
+                s = _status(env)
+                ready = next(c for c in s["status"]["conditions"] if c["type"] == "Ready")
+                return ready["reason"] == "InvalidSpec" and named in ready["message"] and s
+
+            wait_for(refused, what=f"the edit of {named} refused")
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()[-2000:]
+            assert requests.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
+                                 timeout=60).status_code == 200
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=120)

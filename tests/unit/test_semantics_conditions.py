@@ -116,6 +116,37 @@ def test_load_manifest_resolves_relative_paths_and_reports_errors(tmp_path):
     assert "expected exactly one MoEDeployment" in load_manifest(f).problems[0]
 
 
+@pytest.mark.parametrize("where,value,problem", [
+    (("spec",), "/path", "spec: must be of type object, got str"),
+    (("spec", "model"), "/path", "spec.model: must be of type object, got string"),
+    (("spec", "experts"), 3, "spec.experts: must be of type object, got integer"),
+    (("spec", "experts", "tiers"), -1, "spec.experts.tiers: must be of type object, got integer"),
+    (("spec", "experts", "tiers", "cold"), "x", "spec.experts.tiers.cold: must be of type object, got string"),
+    (("spec", "experts", "overrides"), {"a": 1}, "spec.experts.overrides: must be of type array, got object"),
+    (("spec", "experts", "overrides", 0), 7, "spec.experts.overrides[0]: must be of type object, got integer"),
+    (("spec", "experts", "overrides", 0, "weights"), [], "spec.experts.overrides[0].weights: must be of type object, "
+                                                        "got array"),
+    (("spec", "experts", "groups"), True, "spec.experts.groups: must be of type integer, got boolean"),
+    (("metadata", "name"), "Fuzz", "metadata.name: 'Fuzz' is not a valid name"),
+    (("metadata", "name"), "a/b", "metadata.name: 'a/b' is not a valid name"),
+    (("metadata", "name"), "a\x00b", "metadata.name: 'a\\x00b' is not a valid name"),
+    (("metadata",), "m", "metadata: must be of type object, got str"),
+])
+def test_a_badly_shaped_manifest_is_refused_naming_the_path_before_any_field_is_read(tmp_path, where, value, problem):
+    """`moectl up` used to resolve relative paths before checking types: a scalar where a mapping
+    belongs was an AttributeError and a traceback (and ended a running `moectl up`)."""
+    doc = copy.deepcopy(VALID)
+    doc["metadata"] = {"name": "m"}
+    node = doc
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    f = tmp_path / "m.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    m = load_manifest(f)
+    assert m.spec is None and len(m.problems) == 1 and m.problems[0].startswith(problem), m.problems
+
+
 def test_standalone_examples_load(tmp_path):
     """examples/standalone/*.yaml are for `moectl up` (relative paths allowed): its parser accepts them."""
     import glob

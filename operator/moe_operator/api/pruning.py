@@ -41,6 +41,45 @@ def prune(value: Any, schema: dict, path: str = "") -> tuple[Any, list[str]]:
     return value, dropped
 
 
+_TYPES = {"object": (dict,), "array": (list,), "string": (str,), "integer": (int,), "number": (int, float),
+          "boolean": (bool,)}
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def type_problems(value: Any, schema: dict, path: str = "") -> list[str]:
+    """Each place where `value` is not of the JSON type its structural schema says, as the
+    apiserver refuses it ("spec.experts.tiers: must be of type object, got integer"), before any
+    field of it is read (pruned first: unknown fields are not looked at)."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if schema.get("x-kubernetes-int-or-string"):
+        ok = isinstance(value, (int, str)) and not isinstance(value, bool)
+        return [] if ok else [f"{path}: must be an integer or a string, got {_type_name(value)}"]
+    kind = schema.get("type")
+    if kind in _TYPES:
+        ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
+        if value is None and schema.get("nullable"):
+            return []
+        if not ok:
+            return [f"{path}: must be of type {kind}, got {_type_name(value)}"]
+    out: list[str] = []
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        for k, v in value.items():
+            sub = props.get(k) if k in props else (extra if isinstance(extra, dict) else None)
+            if sub is not None:
+                out += type_problems(v, sub, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(value):
+            out += type_problems(v, schema["items"], f"{path}[{i}]")
+    return out
+
+
 def spec_schema() -> dict:
     """The CRD's schema of `spec`."""
     from moe_operator.api.crd import build_crd

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ import yaml
 from moe_operator.api import conditions as cond
 from moe_operator.api.models import API_VERSION, KIND, MoEDeploymentSpec
 from moe_operator.api.semantics import validate_semantics
-from moe_operator.api.pruning import prune, spec_schema
+from moe_operator.api.pruning import prune, spec_schema, type_problems
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
 from moe_operator.backends.serve_backend import ServeBackend
@@ -75,6 +76,9 @@ class Manifest:
     dropped: list[str] = field(default_factory=list)  # what the apiserver would have pruned too
 
 
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
 def load_manifest(path: Path) -> Manifest:
     """Parse a MoEDeployment file. Relative paths in spec.model.path and override weights resolve
     against the file's directory (standalone convenience; the CRD requires absolute paths)."""
@@ -87,10 +91,24 @@ def load_manifest(path: Path) -> Manifest:
         return Manifest("", "default", None, [f"{path}: expected exactly one MoEDeployment, found {len(docs)}"], {})
     doc = docs[0]
     meta = doc.get("metadata") or {}
+    if not isinstance(meta, dict):
+        return Manifest("", "default", None, [f"metadata: must be of type object, got {type(meta).__name__}"], doc)
     name, namespace = meta.get("name", ""), meta.get("namespace", "default")
     if not name:
-        return Manifest("", namespace, None, ["metadata.name: required field is missing"], doc)
-    spec_raw, dropped = prune(json.loads(json.dumps(doc.get("spec") or {})), spec_schema(), "spec")
+        return Manifest("", "default", None, ["metadata.name: required field is missing"], doc)
+    for field_name, value in (("name", name), ("namespace", namespace)):
+        if not isinstance(value, str) or len(value) > 253 or not _DNS_SUBDOMAIN.fullmatch(value):
+            return Manifest("", "default", None, [
+                f"metadata.{field_name}: {value!r} is not a valid name: a lowercase RFC 1123 subdomain (lower case "
+                "letters, digits, '-' and '.', starting and ending with a letter or digit, at most 253 characters), "
+                "as the apiserver requires"], doc)
+    spec_in = doc.get("spec")
+    if spec_in is not None and not isinstance(spec_in, dict):
+        return Manifest(name, namespace, None, [f"spec: must be of type object, got {type(spec_in).__name__}"], doc)
+    spec_raw, dropped = prune(json.loads(json.dumps(spec_in or {})), spec_schema(), "spec")
+    shape = type_problems(spec_raw, spec_schema(), "spec")  # before any field is read: every shape error named
+    if shape:
+        return Manifest(name, namespace, None, shape, doc)
     base = path.resolve().parent
     model = spec_raw.get("model") or {}
     if isinstance(model.get("path"), str) and not model["path"].startswith("/"):
@@ -166,6 +184,9 @@ class StandaloneRunner:
         m = load_manifest(self.manifest_path)
         if m.raw_spec is None:  # the file itself is unusable: nothing to reconcile
             message = "; ".join(m.problems)
+            if not m.name and self._last_manifest is not None and self._last_manifest.name:
+                # no usable name in the file: the object this `moectl up` serves gets the condition
+                m = Manifest(self._last_manifest.name, self._last_manifest.namespace, None, m.problems, m.raw)
             self.status["conditions"] = cond.set_condition(self.status.get("conditions", []), cond.READY, False,
                                                            cond.INVALID_SPEC, message, self.generation)
             self.status["observedGeneration"] = self.generation
