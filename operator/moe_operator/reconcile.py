@@ -19,7 +19,7 @@ from moe_operator.api.models import GroupStatus, MoEDeploymentSpec
 from moe_operator.api.semantics import validate_semantics
 from moe_operator.api.status import FIELDS as STATUS_FIELDS, checked, dump
 from moe_operator.api.validation import SpecError, parse_spec
-from moe_operator.backends.ray_rest import RayServeError, Unschedulable
+from moe_operator.backends.ray_rest import RayServeError, ReplicaStartFailed, Unschedulable
 from moe_operator.backends.serve_backend import ServeBackend
 from moe_operator.metrics import RAY_APPLY_SECONDS
 from moe_operator.observe import fetch_app_status, summarise, swap_transitions
@@ -173,6 +173,20 @@ def remove_application(client: ServeBackend, name: str, port: int, wait_s: float
 UNRENDERABLE = (ValueError, TypeError, ArithmeticError)
 
 
+START_RETRY_S = (30, 300)  # a spec whose replicas cannot start: the first retry, the longest wait
+
+
+def start_retry_s(conditions: list[dict], now: float) -> int:
+    """How long to wait before deploying a spec whose replicas failed to start again: 30 s the
+    first time, then as long as Ready has been False (so the waits about double), at most 300 s."""
+    first, longest = START_RETRY_S
+    ready = next((c for c in conditions if c.get("type") == cond.READY), None)
+    if not ready or ready.get("reason") != cond.REPLICA_START_FAILED:
+        return first
+    since = parse_rfc3339(ready.get("lastTransitionTime"))
+    return first if since is None else int(min(longest, max(first, now - since)))
+
+
 class _Outcome:
     """Builds a pass's Result: Ready/Progressing written through the pure condition helper."""
 
@@ -314,6 +328,9 @@ def reconcile(obj: ObjectRef, raw_spec: dict | None, status: dict, client: Serve
         return result(False, cond.INVALID_SPEC, str(err), "Warning")
     except Unschedulable as err:  # the cluster may grow (autoscaler) or the spec change: look again soon
         return result(False, cond.UNSCHEDULABLE, str(err), "Warning", retry=15)
+    except ReplicaStartFailed as err:  # the same spec fails the same way: back off (a spec change retries at once)
+        delay = start_retry_s(result.conditions, time.time())
+        return result(False, cond.REPLICA_START_FAILED, f"{err}; retrying in {delay} s", "Warning", retry=delay)
     except (RayServeError, OSError) as err:
         return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
     status["endpoint"] = base_url + "/v1"
@@ -428,7 +445,7 @@ def reconcile_kuberay(obj: ObjectRef, raw_spec: dict | None, status: dict, kuber
     result.set(cond.DEGRADED, bool(state.degraded), cond.DEPLOYMENT_UNHEALTHY if state.degraded else cond.ALL_REPLICAS_READY,
                state.degraded or "no deployment reported unhealthy")
     if not state.ready:
-        warn = state.reason in (cond.DEPLOY_FAILED, cond.UNHEALTHY)
+        warn = state.reason in (cond.DEPLOY_FAILED, cond.REPLICA_START_FAILED, cond.UNHEALTHY)
         res = result(False, state.reason, f"RayService {namespace}/{name}: {state.message}",
                      "Warning" if warn else "Normal", retry=None if state.terminal else (30 if warn else 5),
                      placement=step.ingress)

@@ -208,3 +208,52 @@ def test_placement_group_bundles_are_summed_and_unreadable_figures_count_as_shor
     assert short_of_resources(words('{"CPU": 1.0, "GPU": 1.0}', '{"CPU": 8.0}'))  # no GPU at all
     assert short_of_resources(words("UNKNOWN", "UNKNOWN"))
     assert short_of_resources("has 1 replicas that have taken more than 5s to be scheduled")
+
+
+# Serve's message for a deployment whose replicas raise in their constructor (ray 2.60's wording)
+START_FAILED = ("The deployment failed to start 3 times in a row. This may be due to a problem with its constructor "
+                "or initial health check failing. See controller logs for details. Error:\n"
+                "ray::ServeReplica:default.kr:Ingress.initialize_and_get_metadata() (pid=4123, ip=10.0.0.5)\n"
+                '  File "/app/moe_workers/serve/ingress.py", line 120, in __init__\n'
+                "    self.cache = PagedKVCache.for_budget(cfg, ...)\n"
+                "moe_workers.model.family.CheckpointError: KV cache budget 67108864 bytes holds 15 blocks of 16 tokens "
+                "(4096 bytes each); one sequence of 32768 tokens needs 2048 (8392704 bytes with the null block); "
+                "raise kvCacheBudget or lower maxModelLen")
+
+
+def test_a_replica_that_cannot_start_names_the_deployment_and_its_exception():
+    status = running_status(conditions=[ready("False", "Initializing"), upgrade("False", "Initializing")],
+                            activeServiceStatus=active("DEPLOY_FAILED", {**HEALTHY, "Ingress": {
+                                "status": "DEPLOY_FAILED", "message": START_FAILED}},
+                                "Failed to update the deployments ['Ingress']."))
+    s = service_state(rs(status), APP)
+    assert not s.ready and s.reason == cond.REPLICA_START_FAILED
+    assert s.message == (f"application {APP} DEPLOY_FAILED: replicas of {APP} fail in their constructor: Ingress: "
+                         "CheckpointError: KV cache budget 67108864 bytes holds 15 blocks of 16 tokens (4096 bytes "
+                         "each); one sequence of 32768 tokens needs 2048 (8392704 bytes with the null block); raise "
+                         "kvCacheBudget or lower maxModelLen")
+
+
+def test_the_exception_line_of_a_traceback():
+    from moe_operator.backends.serve_status import exception_line
+
+    assert exception_line("Traceback...\n  File x\nModuleNotFoundError: No module named 'moe_workers'\n") \
+        == "ModuleNotFoundError: No module named 'moe_workers'"
+    assert exception_line("a\nb.c.OutOfMemoryError\n") == "OutOfMemoryError"
+    assert exception_line("ValueError: first\nDuring handling...\nRuntimeError: second") == "RuntimeError: second"
+    assert exception_line("no exception here\nlast words") == "last words"
+    assert exception_line("RuntimeError: Traceback (most recent call last):\n  File x\n"
+                          "Exception: expected ident at line 1 column 2") == "Exception: expected ident at line 1 column 2"
+
+
+def test_start_failures_back_off_from_30_to_300_seconds():
+    from moe_operator.api.conditions import set_condition
+    from moe_operator.reconcile import start_retry_s
+    from moe_workers.rfc3339 import format_rfc3339
+
+    assert start_retry_s([], 1000.0) == 30
+    deploying = set_condition([], cond.READY, False, cond.DEPLOYING, "x", 1, now=format_rfc3339(1000))
+    assert start_retry_s(deploying, 1100.0) == 30  # the first start failure
+    failed = set_condition(deploying, cond.READY, False, cond.REPLICA_START_FAILED, "y", 1, now=format_rfc3339(1100))
+    assert failed[0]["lastTransitionTime"] == format_rfc3339(1000)  # still False since then
+    assert [start_retry_s(failed, t) for t in (1010.0, 1090.0, 1500.0, 9000.0)] == [30, 90, 300, 300]

@@ -15,6 +15,7 @@ REBALANCING = "Rebalancing"  # Progressing: a make-before-break placement change
 REPLICAS_NOT_READY = "ReplicasNotReady"  # Degraded: a group has fewer ready replicas than it asks for
 ALL_REPLICAS_READY = "AllReplicasReady"  # Degraded=False: every replica serves
 DEPLOY_FAILED = "DeployFailed"
+REPLICA_START_FAILED = "ReplicaStartFailed"  # a deployment's replicas raise in their constructor: its exception
 RAY_UNREACHABLE = "RayUnreachable"
 RECONCILED = "Reconciled"
 SECRET_UNAVAILABLE = "SecretUnavailable"  # a Secret the spec names is missing, unreadable or lacks the key

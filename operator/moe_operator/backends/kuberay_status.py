@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from moe_operator.api import conditions as cond
 
-from .serve_status import unschedulable_message
+from .serve_status import start_failure_message, unschedulable_message
 
 # KubeRay's Ready reasons after which it stops trying (until the RayService changes)
 TERMINAL_REASONS = ("InitializingTimeout", "ValidationFailed")
@@ -79,9 +79,11 @@ def service_state(rayservice: dict, app: str) -> ServiceState:
         pending_app = _app(pending, app) or {}
         if pending_app.get("status") == "DEPLOY_FAILED":  # the new cluster cannot run it: not an upgrade
             unhealthy = _unhealthy(pending_app)
-            return ServiceState(False, cond.DEPLOY_FAILED, f"application {app} DEPLOY_FAILED on the new Ray cluster "
+            start = start_failure_message(app, {"deployments": pending_app.get("serveDeploymentStatuses") or {}})
+            return ServiceState(False, cond.REPLICA_START_FAILED if start else cond.DEPLOY_FAILED,
+                                f"application {app} DEPLOY_FAILED on the new Ray cluster "
                                 f"{pending.get('rayClusterName') or ''}".rstrip() +
-                                f": {pending_app.get('message') or 'no message'}", degraded="; ".join(unhealthy))
+                                f": {start or pending_app.get('message') or 'no message'}", degraded="; ".join(unhealthy))
         return ServiceState(False, cond.UPGRADING, f"KubeRay is moving RayService {name} to a new Ray cluster "
                             f"{pending.get('rayClusterName') or ''}".rstrip() +
                             (f"; pending application {pending_app['status']}" if pending_app.get("status") else "") +
@@ -93,7 +95,9 @@ def service_state(rayservice: dict, app: str) -> ServiceState:
     state, message = active.get("status") or "", active.get("message") or ""
     unhealthy = _unhealthy(active)
     if state == "DEPLOY_FAILED":
-        return ServiceState(False, cond.DEPLOY_FAILED, f"application {app} DEPLOY_FAILED: {message or 'no message'}",
+        start = start_failure_message(app, {"deployments": active.get("serveDeploymentStatuses") or {}})
+        return ServiceState(False, cond.REPLICA_START_FAILED if start else cond.DEPLOY_FAILED,
+                            f"application {app} DEPLOY_FAILED: {start or message or 'no message'}",
                             degraded="; ".join(unhealthy))
     if state == "UNHEALTHY" or unhealthy:
         return ServiceState(False, cond.UNHEALTHY, f"application {app} {state}"

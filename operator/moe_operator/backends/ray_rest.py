@@ -12,11 +12,16 @@ from dataclasses import dataclass, field
 
 import requests
 
-from .serve_status import unschedulable_message
+from .serve_status import start_failure_message, unschedulable_message
 
 
 class RayServeError(RuntimeError):
     pass
+
+
+class ReplicaStartFailed(RayServeError):
+    """Replicas of the application raise in their constructor (the message names the deployment
+    and the exception)."""
 
 
 class Unschedulable(RayServeError):
@@ -74,6 +79,9 @@ class RayServeClient:
             apps = status.get("applications", {})
             states = {n: apps.get(n, {}).get("status") for n in names}
             failed = {n: apps[n].get("message", "") for n, s in states.items() if s == "DEPLOY_FAILED"}
+            starts = [m for n in failed if (m := start_failure_message(n, apps[n]))]
+            if starts:
+                raise ReplicaStartFailed("; ".join(starts))
             if failed:
                 raise RayServeError(f"deploy failed: {failed}")
             stuck = [m for n in names if (m := unschedulable_message(n, apps.get(n) or {}))]

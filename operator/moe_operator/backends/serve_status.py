@@ -1,5 +1,10 @@
 """What Ray Serve's application status says about why an app is not running (pure).
 
+A replica whose constructor raises (a bad checkpoint file, the KV cache budget, out of memory, a
+missing module) is retried by Serve and then reported in the deployment's message only: "The
+deployment failed to start 3 times in a row. ... Error:\n<traceback>". `start_failure_message`
+picks the exception out of it, so the condition says what to fix.
+
 Serve reports a replica that its scheduler cannot place only in the deployment's message, after
 RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s by default): "... has N replicas that have taken more than
 30s to be scheduled ... Resources required for each replica: {...}, total resources available:
@@ -60,3 +65,40 @@ def unschedulable_message(app_name: str, app: dict) -> str | None:
         parts.append(f"{name}: {resources}")
     return (f"Ray cannot place every replica of {app_name}: " + "; ".join(parts)
             + " (lower numCpus/numGpus, fewer groups or replicas, or add Ray nodes)")
+
+
+_START_FAILED = "failed to start"
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*)(?::\s*(.*))?$")
+_EXCEPTION_NAMES = ("Error", "Exception", "Exit", "Interrupt", "Failure")
+
+
+def exception_line(text: str) -> str:
+    """The last exception of a traceback as `Name: message` (its module path dropped), or the
+    last non-empty line when none is recognised."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        m = _EXCEPTION.match(line)
+        if m and m.group(1).endswith(_EXCEPTION_NAMES):
+            return m.group(1) + (f": {m.group(2)}" if m.group(2) else "")
+    return lines[-1] if lines else ""
+
+
+def start_failures(app: dict) -> list[tuple[str, str]]:
+    """(deployment, the exception that stopped its replicas) for each deployment of `app` (one
+    entry of GET /api/serve/applications/ `applications`, or KubeRay's serveDeploymentStatuses
+    as {"deployments": ...}) whose replicas failed to start."""
+    out = []
+    for name, d in sorted((app.get("deployments") or {}).items()):
+        message = d.get("message") or ""
+        if d.get("status") != "HEALTHY" and _START_FAILED in message:
+            out.append((name, exception_line(message.split("Error:", 1)[1] if "Error:" in message else message)))
+    return out
+
+
+def start_failure_message(app_name: str, app: dict) -> str | None:
+    """One line naming each deployment that cannot start and why, or None."""
+    found = start_failures(app)
+    if not found:
+        return None
+    return (f"replicas of {app_name} fail in their constructor: "
+            + "; ".join(f"{name}: {error}" for name, error in found))
