@@ -147,6 +147,21 @@ def test_a_badly_shaped_manifest_is_refused_naming_the_path_before_any_field_is_
     assert m.spec is None and len(m.problems) == 1 and m.problems[0].startswith(problem), m.problems
 
 
+def test_empty_paths_and_yaml_numbers_read_as_kubectl_reads_them(tmp_path):
+    doc = copy.deepcopy(VALID)
+    doc["metadata"] = {"name": "m"}
+    doc["spec"]["experts"]["tiers"]["cold"] = {"path": ""}
+    f = tmp_path / "m.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    assert [p.split(":")[0] for p in load_manifest(f).problems] == ["spec.experts.tiers.cold.path"]
+    doc["spec"]["experts"]["tiers"]["cold"] = {"path": "/cache"}
+    text = yaml.safe_dump(doc).replace("groups: 2", "groups: 2e+0")
+    assert "groups: 2e+0" in text
+    f.write_text(text)
+    # a number (YAML 1.2 and go-yaml read it so), not the string PyYAML made of it
+    assert load_manifest(f).problems == ["spec.experts.groups: must be of type integer, got number"]
+
+
 def test_standalone_examples_load(tmp_path):
     """examples/standalone/*.yaml are for `moectl up` (relative paths allowed): its parser accepts them."""
     import glob

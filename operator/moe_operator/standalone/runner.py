@@ -76,14 +76,22 @@ class Manifest:
     dropped: list[str] = field(default_factory=list)  # what the apiserver would have pruned too
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as kubectl reads it: `1e+308` is a number (YAML 1.2 and go-yaml), not a string (PyYAML)."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+    r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$"), list("-+0123456789."))
+
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 def load_manifest(path: Path) -> Manifest:
     """Parse a MoEDeployment file. Relative paths in spec.model.path and override weights resolve
-    against the file's directory (standalone convenience; the CRD requires absolute paths)."""
+    against the file's directory (standalone convenience; the CRD requires absolute paths); an
+    empty one stays empty (refused, as the apiserver refuses it)."""
     try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        docs = [d for d in yaml.load_all(path.read_text(), Loader=_Loader) if d]
     except (OSError, yaml.YAMLError) as err:
         return Manifest("", "default", None, [f"{path}: cannot read YAML: {err}"], {})
     docs = [d for d in docs if isinstance(d, dict) and d.get("kind") == "MoEDeployment"]
@@ -111,14 +119,14 @@ def load_manifest(path: Path) -> Manifest:
         return Manifest(name, namespace, None, shape, doc)
     base = path.resolve().parent
     model = spec_raw.get("model") or {}
-    if isinstance(model.get("path"), str) and not model["path"].startswith("/"):
+    if isinstance(model.get("path"), str) and model["path"] and not model["path"].startswith("/"):
         model["path"] = str((base / model["path"]).resolve())
     cold = ((spec_raw.get("experts") or {}).get("tiers") or {}).get("cold") or {}
-    if isinstance(cold.get("path"), str) and not cold["path"].startswith("/"):
+    if isinstance(cold.get("path"), str) and cold["path"] and not cold["path"].startswith("/"):
         cold["path"] = str((base / cold["path"]).resolve())
     for o in (spec_raw.get("experts") or {}).get("overrides") or []:
         w = o.get("weights") or {}
-        if isinstance(w.get("path"), str) and not w["path"].startswith("/"):
+        if isinstance(w.get("path"), str) and w["path"] and not w["path"].startswith("/"):
             w["path"] = str((base / w["path"]).resolve())
     try:
         return Manifest(name, namespace, parse_spec(spec_raw), [], doc, spec_raw, dropped)
