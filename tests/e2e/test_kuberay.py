@@ -180,6 +180,19 @@ def test_operator_owns_a_rayservice_and_maps_its_status(crd_installed, tmp_path)
                      app=app_status("DEPLOY_FAILED", HEALTHY, "Deploying ExpertShard-2 failed: ModuleNotFoundError"))
         _, ready = wait_for(reason_is(k8s, "kr", "DeployFailed"), what="DeployFailed")
         assert "ModuleNotFoundError" in ready["message"]
+        # a new (pending) cluster whose replicas raise in their constructor: the exception, not "Upgrading"
+        start_failed = ("The deployment failed to start 3 times in a row. This may be due to a problem with its "
+                        "constructor or initial health check failing. See controller logs for details. Error:\n"
+                        "Traceback (most recent call last):\n  File \"ingress.py\", line 120, in __init__\n"
+                        "moe_workers.model.family.CheckpointError: KV cache budget 64 bytes holds 0 blocks")
+        pending = app_status("DEPLOY_FAILED", {**HEALTHY, "Ingress": ("DEPLOY_FAILED", start_failed)},
+                             "Failed to update the deployments ['Ingress'].")
+        play_kuberay(k8s, "kr", 2, ("True", "NonZeroServeEndpoints", "Number of serve endpoints is greater than 0"),
+                     app=app_status("RUNNING", HEALTHY), upgrade=("True", "BothActivePendingClustersExist"),
+                     pending={**pending, "rayClusterName": "kr-9fz2q"})
+        _, ready = wait_for(reason_is(k8s, "kr", "ReplicaStartFailed"), what="ReplicaStartFailed on the pending cluster")
+        assert "kr-9fz2q" in ready["message"]
+        assert "Ingress: CheckpointError: KV cache budget 64 bytes holds 0 blocks" in ready["message"]
         # KubeRay gives up (its initializing timeout): reported as terminal
         play_kuberay(k8s, "kr", 2, ("False", "InitializingTimeout", "RayService failed to become ready within the "
                                     "configured timeout of 10m0s"))
