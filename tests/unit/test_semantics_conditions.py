@@ -127,6 +127,7 @@ def test_load_manifest_resolves_relative_paths_and_reports_errors(tmp_path):
     (("spec", "experts", "overrides", 0, "weights"), [], "spec.experts.overrides[0].weights: must be of type object, "
                                                         "got array"),
     (("spec", "experts", "groups"), True, "spec.experts.groups: must be of type integer, got boolean"),
+    (("spec", "experts", "overrides", 0), None, "spec.experts.overrides[0]: must be of type object, got null"),
     (("metadata", "name"), "Fuzz", "metadata.name: 'Fuzz' is not a valid name"),
     (("metadata", "name"), "a/b", "metadata.name: 'a/b' is not a valid name"),
     (("metadata", "name"), "a\x00b", "metadata.name: 'a\\x00b' is not a valid name"),

@@ -1,6 +1,6 @@
 """What the apiserver does to an object before validating it, done the same way for standalone
 mode (pure): fields the CRD's structural schema does not know are dropped, and so are nulls of
-fields that are not nullable. So one file means the same under `kubectl apply` and `moectl up`
+fields that are not nullable (a null item of a list is not dropped: the apiserver refuses it). So one file means the same under `kubectl apply` and `moectl up`
 (`replicas_per_group` under spec.experts is not replicasPerGroup in either).
 """
 
@@ -30,10 +30,7 @@ def prune(value: Any, schema: dict, path: str = "") -> tuple[Any, list[str]]:
         return out, dropped
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         out_list = []
-        for i, v in enumerate(value):
-            if v is None and not schema["items"].get("nullable"):
-                dropped.append(f"{path}[{i}]: null")
-                continue
+        for i, v in enumerate(value):  # a null item is kept: the apiserver refuses it (type_problems names it)
             item, more = prune(v, schema["items"], f"{path}[{i}]")
             out_list.append(item)
             dropped += more
