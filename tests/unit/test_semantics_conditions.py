@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from invalid_manifests import VALID
 from moe_operator.api import conditions as cond
@@ -314,3 +316,42 @@ def test_the_composed_chain_gives_the_first_reason_and_every_message_in_order(mo
                                         "allowed weight roots"])
     _, problems, reason = validate_semantics(spec, [str(model_dir)])
     assert (reason, problems) == expected
+
+
+_SHAPES = (st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats(-1e3, 1e3, allow_nan=False)
+           | st.text(max_size=8) | st.lists(st.integers(0, 3) | st.none() | st.text(max_size=3), max_size=2)
+           | st.dictionaries(st.sampled_from(["path", "budget", "x"]), st.sampled_from(["1Gi", "/p", 3, None]),
+                             max_size=2))
+_WHERE = [("spec",), ("spec", "model"), ("spec", "model", "path"), ("spec", "experts"), ("spec", "experts", "tiers"),
+          ("spec", "experts", "tiers", "cold"), ("spec", "experts", "tiers", "cold", "path"),
+          ("spec", "experts", "overrides"), ("spec", "experts", "overrides", 0),
+          ("spec", "experts", "overrides", 0, "weights"), ("spec", "experts", "overrides", 0, "weights", "path"),
+          ("spec", "ingress"), ("spec", "ingress", "kvCacheBudget"), ("spec", "ray"), ("metadata",),
+          ("metadata", "name"), ("metadata", "namespace")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(edits=st.lists(st.tuples(st.sampled_from(_WHERE), _SHAPES), min_size=1, max_size=3))
+def test_generated_shapes_never_raise_and_each_problem_names_a_path(tmp_path_factory, edits):
+    """What `moectl up` reads: any shape at any of these places is a spec or a list of problems,
+    each starting with the path it is about, never an exception."""
+    doc = copy.deepcopy(VALID)
+    doc["metadata"] = {"name": "m"}
+    for where, value in edits:
+        node = doc
+        for key in where[:-1]:
+            child = node[key] if isinstance(node, list) and isinstance(key, int) and key < len(node) else (
+                node.get(key) if isinstance(node, dict) else None)
+            if not isinstance(child, (dict, list)) or (isinstance(child, list) and not child):
+                break
+            node = child
+        else:
+            last = where[-1]
+            if isinstance(node, dict) or (isinstance(node, list) and isinstance(last, int) and last < len(node)):
+                node[last] = value
+    f = tmp_path_factory.mktemp("fuzz") / "m.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    m = load_manifest(f)
+    assert (m.spec is None) == bool(m.problems)
+    for p in m.problems:
+        assert p.split(":")[0].split("[")[0].split(".")[0] in ("spec", "metadata"), p
