@@ -205,7 +205,11 @@ def test_a_committed_swap_invalidates_cached_prefixes(setup):
     setup["apply"]({EID: {"path": str(setup["swap_file"]), "sha256": file_sha256(setup["swap_file"])}})
     wait_for(lambda: setup["status"]()["swaps"].get(EID, {}).get("outcome") == "Serving", timeout_s=120,
              what="swap serving")
-    wait_for(lambda: weights() != before, timeout_s=30, what="the Ingress to see the new expert version")
+    try:
+        wait_for(lambda: weights() != before, timeout_s=60, what="the Ingress to see the new expert version")
+    except AssertionError:
+        channel = requests.get(url + "/moe/v1/status", timeout=30).json()["channel"]
+        raise AssertionError(f"the Ingress did not see the swap; its channel: {channel}") from None
     want = new.generate([long], 4, stop_at_eos=True)[0]
     assert ask() == (want, 0)
     assert ask() == (want, 32)

@@ -37,6 +37,7 @@ from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest, Ov
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
 from moe_workers.serve.migration import RESUME_HEADER, Resume, parse_resume
+from moe_workers.serve.board import weights_digest
 from moe_workers.serve.chat import ChatTemplate
 from moe_workers.serve.http_gate import Gate, read_body
 from moe_workers.serve.openai_render import Renderer, finish_text, raise_failed, usage
@@ -138,13 +139,19 @@ class Ingress:
     def _members(self) -> tuple[list[Member], str]:
         """The channel's membership, from the StatusBoard (called by the channel's poller thread)."""
         got = self.board.members.remote().result(timeout_s=10)
-        weights = got.get("weights")
-        if weights != self._weights:  # a hot-swap committed (or rolled back): cached prefixes are stale
-            engine = getattr(self, "engine", None)
-            if self._weights is not None and engine is not None:
-                engine.reset_prefix_cache()
-            self._weights = weights
+        self._see_weights(got.get("weights"))
         return [Member.from_report(m) for m in got["members"]], got["token"]
+
+    def _see_weights(self, digest: str | None) -> None:
+        """The expert versions the shard replicas serve now (the StatusBoard's digest, from the
+        channel's membership poll and from each status read): when they change (a hot-swap
+        committed or rolled back), what the prefix cache holds was computed by other weights."""
+        if digest is None or digest == self._weights:
+            return
+        engine = getattr(self, "engine", None)
+        if self._weights is not None and engine is not None:
+            engine.reset_prefix_cache()
+        self._weights = digest
 
     def _forget(self, member: Member) -> None:
         """A shard replica whose channel port refused us is dead: off the board now (the
@@ -459,6 +466,8 @@ class Ingress:
         """Every shard replica's experts (version digest, tier, tokens), tiers, swaps; this
         ingress replica's engine. What the operator and moectl read."""
         replicas = await self.board.snapshot.remote() if self.board is not None else []
+        if self.board is not None:
+            self._see_weights(weights_digest([r for r in replicas if r.get("endpoint")]))
         spares = await self.board.spares.remote() if self.board is not None else {}
         return {"model": self.args.served_model_name, "placement": self.router.placement if self.router else {},
                 "prefetch_lookahead": self.prefetch_lookahead, "ingress": self.engine_stats(), "replicas": replicas,
