@@ -40,7 +40,7 @@ from moe_workers.serve.migration import RESUME_HEADER, Resume, parse_resume
 from moe_workers.serve.board import weights_digest
 from moe_workers.serve.chat import ChatTemplate
 from moe_workers.serve.http_gate import Gate, read_body
-from moe_workers.serve.openai_render import Renderer, finish_text, raise_failed, usage
+from moe_workers.serve.openai_render import Renderer, finish_text, raise_failed, usage_object
 from moe_workers.serve.protocol import RequestError, decode_body, parse_chat, parse_completion
 from moe_workers.serve.proxy_gate import RETRY_AFTER_S
 from moe_workers.serve.textstream import TextStream
@@ -364,7 +364,7 @@ class Ingress:
                                 "finish_reason": finish, "logprobs": lp})
         completion = sum(len(g.produced) for g in gens)
         return {**head, "object": kind, "choices": choices,
-                "usage": usage(len(ids), completion, gens)}
+                "usage": usage_object(len(ids), completion, gens)}
 
     async def _collect(self, gen: GenerationRequest, stops: list[str]) -> tuple[str, str | None]:
         """One choice's whole text and finish reason; a stop sequence ends it ("stop", the stop
@@ -439,7 +439,7 @@ class Ingress:
                 yield event(i, text, [tok], None, lp)
             if req.include_usage:
                 completion = len(prefix) + sum(len(g.produced) for g in gens)
-                yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': usage(prompt, completion, gens)})}\n\n"
+                yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': usage_object(prompt, completion, gens)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:

@@ -17,7 +17,7 @@ def raise_failed(gen: GenerationRequest) -> None:
     raise RequestError(500, finish_text(gen), err_type="server_error")
 
 
-def usage(prompt: int, completion: int, gens: list[GenerationRequest]) -> dict:
+def usage_object(prompt: int, completion: int, gens: list[GenerationRequest]) -> dict:
     """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache held computed (the
     first choice's, at its admission)."""
     cached = gens[0].cached_tokens if gens else 0
