@@ -162,3 +162,37 @@ def test_the_longest_sequence_a_request_may_ask_for_is_what_the_cache_holds(tmp_
     assert _engine(tmp_path / "full", blocks=20 + 1).max_sequence_tokens() == 80  # 20 blocks of 4 tokens
     # a windowed group keeps its window's blocks (9 of 4 tokens), the full group the rest
     assert _engine(tmp_path / "window", blocks=9 + 20 + 1).max_sequence_tokens() == 80
+
+
+def test_a_request_cancelled_while_it_is_admitted_ends_and_the_next_one_runs(tmp_path):
+    """cancel() runs on the event loop while the engine thread admits: the request it removes
+    from the queue must not take the next one's place (that one would never run)."""
+    make_family(tmp_path, "mixtral")
+
+    async def main():
+        engine = _engine(tmp_path)
+        first = GenerationRequest(prompt=_prompt(20, 1), max_tokens=2, stop_at_eos=False)
+        second = GenerationRequest(prompt=_prompt(20, 2), max_tokens=2, stop_at_eos=False)
+        admit = engine.manager.admit
+
+        def admit_while_cancelled(seq, tokens, chunk):
+            if tokens[:20] == first.prompt:  # the client of `first` goes away just now
+                engine.cancel(first)
+            return admit(seq, tokens, chunk)
+
+        engine.manager.admit = admit_while_cancelled
+        for r in (first, second):
+            engine.submit(r)
+        results = await asyncio.wait_for(asyncio.gather(*(_collect(r) for r in (first, second))), 60)
+        return first, second, results, engine
+
+    first, second, results, engine = asyncio.run(main())
+    assert first.finish_reason == "cancelled" and results[0] == []
+    assert second.finish_reason == "length" and len(results[1]) == 2
+    assert engine.manager.num_used == 0 and not engine.manager.seqs
+
+
+async def _collect(req):
+    while await req.out.get() is not None:
+        pass
+    return req.produced

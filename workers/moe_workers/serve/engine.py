@@ -338,7 +338,13 @@ class Engine:
                 self._slots.append(slot)
                 break
             with self._work:
-                self.waiting.popleft()
+                still_queued = bool(self.waiting) and self.waiting[0] is req
+                if still_queued:
+                    self.waiting.popleft()
+            if not still_queued:  # cancelled meanwhile (on the event loop): it has ended already
+                self.manager.free(slot)
+                self._slots.append(slot)
+                continue
             req.slot, req.phase, req.num_computed_tokens = slot, Phase.PREFILL, computed
             req.cached_tokens = computed
             self.kv.prefix_queried_tokens += len(tokens)
