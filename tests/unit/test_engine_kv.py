@@ -32,11 +32,17 @@ def _engine(path, blocks=None, block_size=4, max_batch=8, budget=512, prefix_cac
 
 
 async def _run(engine, prompts, max_tokens, gap=0.0, **kw):
-    reqs = []
-    for p in prompts:
-        reqs.append(engine.submit(GenerationRequest(prompt=list(p), max_tokens=max_tokens, stop_at_eos=False, **kw)))
-        if gap:
+    def submit(p):
+        return engine.submit(GenerationRequest(prompt=list(p), max_tokens=max_tokens, stop_at_eos=False, **kw))
+
+    if gap:
+        reqs = []
+        for p in prompts:
+            reqs.append(submit(p))
             await asyncio.sleep(gap)
+    else:
+        with engine._work:  # the engine thread finds them all queued at its next step
+            reqs = [submit(p) for p in prompts]
 
     async def collect(r):
         while await r.out.get() is not None:
