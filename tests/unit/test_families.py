@@ -147,8 +147,12 @@ def test_contradicting_or_unsupported_checkpoints_are_refused_naming_file_and_te
     _edit_config(tmp_path, num_hidden_layers=2, model_type="llama4")
     with pytest.raises(UnsupportedModel, match="model_type 'llama4' is not supported .supported: mixtral, qwen3_moe"):
         Checkpoint(tmp_path)
-    _edit_config(tmp_path, model_type="gpt_oss", quantization_config={"quant_method": "mxfp4"})
-    with pytest.raises(UnsupportedModel, match="quant_method mxfp4"):
+    for method, name in (("gptq", "GPTQ"), ("awq", "AWQ"), ("compressed-tensors", "compressed-tensors")):
+        _edit_config(tmp_path, model_type="mixtral", quantization_config={"quant_method": method, "bits": 4})
+        with pytest.raises(UnsupportedModel, match=f"{name} checkpoints .quant_method {method}. are not supported"):
+            Checkpoint(tmp_path)
+    _edit_config(tmp_path, model_type="mixtral", quantization_config={"quant_method": "mxfp4"})
+    with pytest.raises(UnsupportedModel, match="mxfp4 is read for gpt_oss checkpoints only"):
         Checkpoint(tmp_path)
 
 

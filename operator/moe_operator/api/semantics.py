@@ -15,8 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from moe_workers.model.dtypes import BYTES as _DTYPE_BYTES
 from moe_workers.model.family import Arch, CheckpointError, UnsupportedModel, parse
 from moe_workers.model.index import read_index
+from moe_workers.model.quantization import QuantizationError, check_scale_values
 from moe_workers.model.kv_blocks import budget_problem
 from moe_workers.paths import within_roots
 
@@ -25,7 +27,6 @@ from . import conditions as cond
 from .models import MoEDeploymentSpec
 from .types import ExpertId, quantity_bytes
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 SHAPE_FIELDS = ("num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size", "dtype")
@@ -79,6 +80,11 @@ def read_model_facts(model_dir: str, family: str | None = None) -> ModelFacts:
     arch = parse(raw, str(config_file), family)
     index = read_index(model_dir)
     arch.check_tensors({n: (str(t.file), t.dtype, t.shape) for n, t in index.items()}, model_dir)
+    if arch.quant is not None:
+        try:
+            check_scale_values(index)
+        except QuantizationError as err:
+            raise CheckpointError(str(err)) from None
     return ModelFacts(num_layers=arch.num_layers, num_experts=arch.num_experts, top_k=arch.top_k,
                       hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size, dtype=arch.dtype_name,
                       family=arch.family, sparse_layers=arch.sparse_layers, expert_numel=arch.expert_numel(),

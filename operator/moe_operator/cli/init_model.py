@@ -25,18 +25,26 @@ def init_model(
     max_len: int = typer.Option(512, "--max-len", min=16, help="max_position_embeddings."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     seed: int = typer.Option(0, help="Random seed."),
+    quantize: str = typer.Option("", "--quantize", help="Write the layout a quantized release ships: fp8 "
+                                 "(block-scaled F8_E4M3, as DeepSeek-V3 and Qwen3 -FP8) or mxfp4 (gpt_oss experts)."),
+    block_size: int = typer.Option(128, "--block-size", min=1, help="fp8: weight_block_size (square blocks)."),
+    scale_dtype: str = typer.Option("float32", "--scale-dtype", help="fp8: the scales' dtype (DeepSeek float32, "
+                                    "Qwen3 bfloat16)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing checkpoint."),
 ):
     """Write a small random MoE checkpoint of a family (config.json, safetensors in the layout
-    transformers writes, byte-level tokenizer.json, tokenizer_config.json with a simple chat template)."""
+    transformers writes, byte-level tokenizer.json, tokenizer_config.json with a simple chat template);
+    with --quantize, in the layout of the family's quantized release."""
     import torch
 
+    from moe_workers.model.dtypes import COMPUTE
     from moe_workers.model.family import SUPPORTED
-    from moe_workers.model.random_init import write_random_checkpoint
+    from moe_workers.model.quantization import FP8, MXFP4, MXFP4_GROUP
+    from moe_workers.model.random_init import quantize_checkpoint, write_random_checkpoint
     from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
     from moe_workers.serve.chat import write_tokenizer_config
 
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtypes = {name: getattr(torch, name) for name in COMPUTE}
     if dtype not in dtypes:
         fail(f"--dtype {dtype!r} is not one of {', '.join(dtypes)}", 2)
     if family not in SUPPORTED:
@@ -45,6 +53,14 @@ def init_model(
         fail(f"--top-k {top_k} is larger than --experts {experts}", 2)
     if hidden % heads or heads % kv_heads:
         fail("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads", 2)
+    if quantize not in ("", FP8, MXFP4):
+        fail(f"--quantize {quantize!r} is not one of {FP8}, {MXFP4}", 2)
+    if quantize == MXFP4 and family != "gpt_oss":
+        fail(f"--quantize mxfp4 is the gpt_oss format (--family {family}: use fp8)", 2)
+    if quantize == MXFP4 and (hidden % MXFP4_GROUP or intermediate % MXFP4_GROUP):
+        fail(f"--quantize mxfp4 needs --hidden and --intermediate multiples of {MXFP4_GROUP}", 2)
+    if scale_dtype not in dtypes:
+        fail(f"--scale-dtype {scale_dtype!r} is not one of {', '.join(dtypes)}", 2)
     if (directory / "config.json").exists() and not force:
         out.print(f"{directory} already holds a checkpoint (use --force to overwrite)")
         return
@@ -56,7 +72,11 @@ def init_model(
                                 num_kv_heads=kv_heads, num_experts=experts, top_k=top_k,
                                 max_position_embeddings=max_len, dtype=dtypes[dtype], seed=seed, router_scale=10.0,
                                 progress=lambda done, total: progress.update(task, completed=done))
+    if quantize:
+        quantize_checkpoint(directory, quantize, block=(block_size, block_size), scale_dtype=dtypes[scale_dtype])
     write_byte_tokenizer(directory)
     write_tokenizer_config(directory)
     size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-    out.print(f"wrote {directory} ({family}, {layers} layers x {experts} experts, top-{top_k}, {size / 2**20:.1f} MiB)")
+    form = f", {quantize}" if quantize else ""
+    out.print(f"wrote {directory} ({family}{form}, {layers} layers x {experts} experts, top-{top_k}, "
+              f"{size / 2**20:.1f} MiB)")

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
+from .dtypes import COMPUTE
 from .family import Arch, CheckpointError, UnsupportedModel, parse
 
 __all__ = ["CheckpointError", "MoEConfig", "UnsupportedModel"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in COMPUTE}
 
 
 @dataclass(frozen=True)

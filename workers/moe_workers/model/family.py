@@ -16,9 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .dtypes import BYTES, COMPUTE, FLOAT_SAFETENSORS
+from .quantization import (FP8, FP8_DTYPE, SCALE_DTYPES, U8, Quantization, QuantizationError,
+                           check_fp8_weight, mxfp4_shapes, parse_quantization, scale_name)
+
 SUPPORTED = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 class CheckpointError(ValueError):
@@ -75,6 +77,7 @@ class Arch:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_layout: str = "mixtral"  # mixtral | hf (mlp.experts.E.*_proj) | fused (gpt_oss)
+    quant: Quantization | None = None  # the checkpoint's quantization_config (None: plain weights)
 
     # -- what exists ---------------------------------------------------------------------------
 
@@ -113,10 +116,46 @@ class Arch:
         return sum(math.prod(shape) for _, shape in self.expert_parts())
 
     def expert_bytes(self, dtype_name: str | None = None) -> int:
-        return self.expert_numel() * DTYPE_BYTES[dtype_name or self.dtype_name]
+        return self.expert_numel() * BYTES[dtype_name or self.dtype_name]
+
+    def stored_parts(self, scale_dtype: str = "F32") -> tuple[tuple[str, str | None, tuple[int, ...]], ...]:
+        """One routed expert's tensors as the checkpoint stores them: (name, safetensors dtype or
+        None for the checkpoint's float dtype, shape), sorted by name. Unquantized: the compute
+        parts; fp8: each part F8_E4M3 and its `<part>.scale_inv` grid (`scale_dtype`, from the
+        header); mxfp4: gate_up / down as `_blocks` and `_scales` ([out, in/32, 16] and
+        [out, in/32] of the [out, in] matrix), biases as they are."""
+        if self.quant is None:
+            return tuple((name, None, shape) for name, shape in self.expert_parts())
+        out = []
+        for name, shape in self.expert_parts():
+            if self.quant.method == FP8:
+                out += [(name, FP8_DTYPE, shape), (name + ".scale_inv", scale_dtype, self.quant.grid(shape))]
+            elif name.endswith("_bias"):
+                out.append((name, None, shape))
+            else:  # compute layout is [in, out]; the blocks run along in
+                blocks, scales = mxfp4_shapes(shape[1], shape[0])
+                out += [(name + "_blocks", U8, blocks), (name + "_scales", U8, scales)]
+        return tuple(sorted(out))
+
+    def stored_sources(self, layer: int, expert: int) -> list[tuple[str, str, int | None]]:
+        """(stored part, checkpoint tensor, index into its first dimension or None) of one
+        expert, in `stored_parts()` order."""
+        sources = self.expert_sources(layer, expert)
+        if self.quant is None:
+            return sources
+        out = []
+        for part, name, index in sources:
+            if self.quant.method == FP8:
+                out += [(part, name, index), (part + ".scale_inv", scale_name(name), index)]
+            elif part.endswith("_bias"):
+                out.append((part, name, index))
+            else:
+                out += [(part + "_blocks", name + "_blocks", index), (part + "_scales", name + "_scales", index)]
+        return sorted(out)
 
     def expert_sources(self, layer: int, expert: int) -> list[tuple[str, str, int | None]]:
-        """(part, checkpoint tensor, index into its first dimension or None) of one expert."""
+        """(part, checkpoint tensor, index into its first dimension or None) of one expert, as
+        an unquantized checkpoint names it (`stored_sources`: as this one stores it)."""
         if self.expert_layout == "fused":
             p = f"model.layers.{layer}.mlp.experts."
             names = {"down": "down_proj", "down_bias": "down_proj_bias", "gate_up": "gate_up_proj",
@@ -128,6 +167,22 @@ class Arch:
                     ("w3", p + "up_proj.weight", None)]
         p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
         return [(w, p + f"{w}.weight", None) for w in ("w1", "w2", "w3")]
+
+    def stored_aliases(self) -> dict[str, tuple[str, ...]]:
+        """`swap_aliases` for each stored part of a quantized expert (w1.scale_inv:
+        gate_proj.weight_scale_inv, ...; gate_up_blocks: gate_up_proj_blocks)."""
+        plain = self.swap_aliases()
+        out = {}
+        for part, _, _ in self.stored_parts():
+            base, _, kind = part.partition(".")
+            if kind == "scale_inv":
+                out[part] = tuple(scale_name(a) for a in plain[base])
+            elif part.endswith(("_blocks", "_scales")):
+                base, suffix = part.rsplit("_", 1)
+                out[part] = tuple(f"{a}_{suffix}" for a in plain[base])
+            else:
+                out[part] = plain[part]
+        return out
 
     def swap_aliases(self) -> dict[str, tuple[str, ...]]:
         """Short tensor names a hot-swap file may use for each part (besides the checkpoint's)."""
@@ -172,6 +227,27 @@ class Arch:
                         out[name] = (self.num_experts, *shape) if index is not None else shape
             else:
                 out.update(_mlp_shapes(p + "mlp.", h, self.dense_intermediate_size))
+        return out
+
+    def stored_shapes(self) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        """Every tensor the checkpoint must hold as it is stored: name -> (shape, safetensors
+        dtype, or None for a float one). Dense weights of an fp8 checkpoint may be F8_E4M3 too
+        (with their scales): `check_tensors` reads that from the headers."""
+        out = {}
+        for name, shape in self.tensor_shapes().items():
+            out[name] = (shape, None)
+        if self.quant is None:
+            return out
+        stored = {part: (dtype, shape) for part, dtype, shape in self.stored_parts()}
+        for layer in self.sparse_layers:
+            for e in range(self.num_experts):
+                for _, name, _ in self.expert_sources(layer, e):
+                    out.pop(name, None)
+                for part, name, index in self.stored_sources(layer, e):
+                    dtype, shape = stored[part]
+                    if part.endswith(".scale_inv"):
+                        dtype = "scale"
+                    out[name] = ((self.num_experts, *shape) if index is not None else shape, dtype)
         return out
 
     def _attention_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -220,18 +296,36 @@ class Arch:
 
     def check_tensors(self, index: dict[str, tuple[str, str, tuple[int, ...]]], where: str) -> None:
         """Refuse a checkpoint whose tensors contradict this config. `index`: name -> (file,
-        safetensors dtype, shape), read from the headers only."""
-        for name, shape in self.tensor_shapes().items():
-            got = index.get(name)
-            if got is None:
-                raise CheckpointError(f"{where}: tensor {name} is missing (config.json describes a {self.family} "
-                                      f"model that needs it)")
-            file, dtype, actual = got
-            if tuple(actual) != tuple(shape):
-                raise CheckpointError(f"{file}: tensor {name} has shape {tuple(actual)}, config.json implies {tuple(shape)}")
-            if dtype not in SAFETENSORS_DTYPES:
-                raise UnsupportedModel(f"{file}: tensor {name} is {dtype}; only F32, BF16 and F16 weights are read "
-                                       f"(quantized checkpoints are not supported yet)")
+        safetensors dtype, shape), read from the headers only. Quantized tensors are checked
+        against their format (fp8: each F8_E4M3 weight with its scale grid; mxfp4: the experts'
+        blocks and scales as U8)."""
+        try:
+            for name, (shape, want) in self.stored_shapes().items():
+                got = index.get(name)
+                if got is None:
+                    raise CheckpointError(f"{where}: tensor {name} is missing (config.json describes a "
+                                          f"{self.family} model{_quant_words(self.quant)} that needs it)")
+                file, dtype, actual = got
+                if tuple(actual) != tuple(shape):
+                    raise CheckpointError(f"{file}: tensor {name} has shape {tuple(actual)}, config.json implies "
+                                          f"{tuple(shape)}")
+                if want == "scale":
+                    if dtype not in SCALE_DTYPES:
+                        raise CheckpointError(f"{file}: tensor {name} is {dtype}; fp8 scales are F32, BF16 or F16")
+                elif want is not None and dtype != want:
+                    raise CheckpointError(f"{file}: tensor {name} is {dtype}; a{_quant_words(self.quant)} "
+                                          f"checkpoint stores it as {want}")
+                elif want is None and dtype == FP8_DTYPE:
+                    check_fp8_weight(index, name, self.quant)
+                elif want is None and dtype not in FLOAT_SAFETENSORS:
+                    raise UnsupportedModel(f"{file}: tensor {name} is {dtype}; only F32, BF16 and F16 weights are "
+                                           f"read here (and fp8 / mxfp4 as their quantization_config declares)")
+        except QuantizationError as err:
+            raise CheckpointError(str(err)) from None
+
+
+def _quant_words(quant: Quantization | None) -> str:
+    return f" ({quant.method})" if quant is not None else ""
 
 
 def _mlp_shapes(prefix: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
@@ -257,13 +351,12 @@ def parse(raw: dict, source: str = "config.json", family: str | None = None) -> 
     if model_type not in SUPPORTED:
         raise UnsupportedModel(f"{source}: model_type {model_type!r} is not supported "
                                f"(supported: {', '.join(SUPPORTED)})")
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise UnsupportedModel(f"{source}: quantization_config (quant_method {method}) is not supported yet; "
-                               f"serve a {model_type} checkpoint in bfloat16, float16 or float32")
     try:
-        arch = _PARSERS[model_type](raw, _common(raw))
+        quant = parse_quantization(raw.get("quantization_config"), model_type, source)
+    except QuantizationError as err:
+        raise UnsupportedModel(str(err)) from None
+    try:
+        arch = _PARSERS[model_type](raw, {**_common(raw), "quant": quant})
     except KeyError as err:
         raise CheckpointError(f"{source}: missing {err.args[0]}") from None
     except (TypeError, ValueError) as err:
@@ -386,7 +479,7 @@ _PARSERS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_mo
 
 
 def _check(a: Arch, raw: dict, source: str) -> None:
-    if a.dtype_name not in DTYPE_BYTES:
+    if a.dtype_name not in COMPUTE:
         raise CheckpointError(f"{source}: dtype {a.dtype_name!r} is not supported (float32, bfloat16, float16)")
     if not 1 <= a.top_k <= a.num_experts:
         raise CheckpointError(f"{source}: num_experts_per_tok ({a.top_k}) must be between 1 and the number of "
@@ -402,6 +495,11 @@ def _check(a: Arch, raw: dict, source: str) -> None:
     if a.router in ("sigmoid_group", "softmax_group") and (a.num_experts % a.n_group or a.topk_group > a.n_group):
         raise CheckpointError(f"{source}: n_routed_experts ({a.num_experts}) must divide into n_group ({a.n_group}) "
                               f"groups, with topk_group ({a.topk_group}) <= n_group")
+    if a.quant is not None:
+        try:
+            a.stored_parts()
+        except QuantizationError as err:
+            raise CheckpointError(f"{source}: {err}") from None
     rope_type = a.rope_params.get("rope_type", "default")
     if rope_type not in ("default", "yarn"):
         raise UnsupportedModel(f"{source}: rope_type {rope_type!r} is not supported (supported: default, yarn)")

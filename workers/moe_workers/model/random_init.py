@@ -17,9 +17,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .dtypes import torch_name
 from .family import SUPPORTED, parse
+from .index import read_index
+from .quantization import FP8, MXFP4
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# what the published checkpoints leave unquantized: mxfp4 (gpt-oss) quantizes the routed experts
+# only; fp8 (DeepSeek-V3, Qwen3 -FP8) every linear projection but the routers and lm_head
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
 _ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                   "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
@@ -39,7 +45,7 @@ def random_config(family: str, *, vocab_size: int, hidden_size: int, intermediat
          "num_key_value_heads": num_kv_heads, "num_experts_per_tok": top_k, "hidden_act": "silu",
          "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-6,
          "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "tie_word_embeddings": False,
-         "bos_token_id": 1, "eos_token_id": 2, "dtype": _DTYPE_NAMES[dtype]}
+         "bos_token_id": 1, "eos_token_id": 2, "dtype": torch_name(dtype)}
     if family == "mixtral":
         c.update(intermediate_size=intermediate_size, num_local_experts=num_experts, head_dim=head_dim,
                  rms_norm_eps=1e-5, rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
@@ -152,3 +158,57 @@ def write_random_checkpoint(path: str | Path, family: str = "mixtral", *, vocab_
 
 def write_random_mixtral(path: str | Path, **kwargs) -> Path:
     return write_random_checkpoint(path, "mixtral", **kwargs)
+
+
+def _fp8_quantized(name: str) -> bool:
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight")) or name.rsplit(".", 2)[-2] in ("w1", "w2", "w3")
+
+
+def quantize_checkpoint(path: str | Path, method: str, *, block: tuple[int, int] = (128, 128),
+                        scale_dtype: torch.dtype = torch.float32) -> Path:
+    """Rewrite a float checkpoint directory in place into the layout the quantized releases
+    ship: fp8 (`weight_block_size` blocks, `*.weight_scale_inv` in `scale_dtype`: DeepSeek
+    stores F32, Qwen3 -FP8 BF16) or mxfp4 (gpt_oss experts as `*_blocks` / `*_scales`)."""
+    from safetensors import safe_open
+
+    from .dequant import pack_mxfp4, quantize_fp8
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    if method == FP8:
+        config["quantization_config"] = {"quant_method": FP8, "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": list(block)}
+    elif method == MXFP4:
+        if config.get("model_type") != "gpt_oss":
+            raise ValueError(f"mxfp4 is the gpt_oss format (this checkpoint is {config.get('model_type')})")
+        config["quantization_config"] = {"quant_method": MXFP4, "modules_to_not_convert": MXFP4_NOT_CONVERTED}
+    else:
+        raise ValueError(f"quantize: {method!r} is not one of fp8, mxfp4")
+    files = sorted({t.file for t in read_index(path).values()})
+    weight_map = {}
+    for file in files:
+        out = {}
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if method == FP8 and t.dim() == 2 and _fp8_quantized(name):
+                    out[name], out[name + "_scale_inv"] = quantize_fp8(t, block, scale_dtype)
+                elif method == MXFP4 and name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                    packed = [pack_mxfp4(t[e].t()) for e in range(t.shape[0])]  # stored [out, in]
+                    out[name + "_blocks"] = torch.stack([b for b, _ in packed])
+                    out[name + "_scales"] = torch.stack([s for _, s in packed])
+                else:
+                    out[name] = t
+        save_file(out, str(file), metadata={"format": "pt"})
+        weight_map.update({n: file.name for n in out})
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        raw = json.loads(index.read_text())
+        raw["weight_map"] = weight_map
+        index.write_text(json.dumps(raw, indent=2))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in files:
+        f.chmod(0o666 & ~umask)
+    return path

@@ -132,7 +132,7 @@ class ExpertShard:
         t0 = time.perf_counter()
         try:
             if override is None:
-                version = self.store.swap(key, lambda: self.ckpt.expert(*key), CHECKPOINT)
+                version = self.store.swap(key, lambda: self.ckpt.expert_stored(*key), CHECKPOINT)
                 record["outcome"] = "RolledBack"
             else:
                 version = self.store.swap(key, lambda: load_expert_file(

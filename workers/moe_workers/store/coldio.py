@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moe_workers.model.dtypes import SAFETENSORS_NAME, TORCH_NAME, torch_name
+from moe_workers.model.quantization import FP8, MXFP4, read_scales, scale_problem
 from moe_workers.model.index import safetensors_header as _safetensors_header
 
 from .config import TierConfigError
@@ -22,8 +24,6 @@ from .entry import Key
 from .fileread import TruncatedFile, read_ranges
 from .versions import CHECKPOINT, SwapError, Version, match_parts
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 class ColdIO:
@@ -51,7 +51,9 @@ class ColdIO:
                 head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as safetensors writes it
                 out.write(len(head).to_bytes(8, "little") + head)
             for part, t in ranges:
-                h.update(f"{part}|{_DTYPE_NAMES[t.dtype]}|{tuple(t.shape)}|".encode())
+                if self.model.quant is not None and part.endswith((".scale_inv", "_scales")):
+                    self._check_scales(key, part, t)  # tiny: read twice rather than parsed from the stream
+                h.update(f"{part}|{TORCH_NAME[t.dtype]}|{tuple(t.shape)}|".encode())
                 with open(t.file, "rb", buffering=0) as f:
                     f.seek(t.offset)
                     left = t.nbytes
@@ -75,6 +77,12 @@ class ColdIO:
                 out.close()
             if tmp is not None and tmp.exists():
                 tmp.unlink()
+
+    def _check_scales(self, key: Key, part: str, t) -> None:
+        values = read_scales(t.file, t.dtype, t.shape, t.offset, t.nbytes)
+        problem = scale_problem(values, MXFP4 if part.endswith("_scales") else FP8)
+        if problem:
+            raise TierConfigError(f"{t.file}: expert {key[0]}.{key[1]} ({part}) has {problem}")
 
     def _read_cold(self, key: Key, version: Version, target: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Read from the cold file, else from the version's source (filling the cold cache)."""
@@ -109,7 +117,7 @@ class ColdIO:
             fd = f.fileno()
             want = {name for name, _ in self.model.expert_parts()}
             if set(header) - {"__metadata__"} != want or any(
-                    header[w]["dtype"] != _SAFETENSORS_DTYPES.get(self.dtype) for w in want):
+                    header[w]["dtype"] != SAFETENSORS_NAME.get(torch_name(self.dtype)) for w in want):
                 with safe_open(path, framework="pt") as g:
                     return self._fill(tier, {k: g.get_tensor(k) for k in g.keys()})
             with self._cv:
@@ -141,9 +149,13 @@ class ColdIO:
 
     def _read_source(self, key: Key, version: Version) -> dict[str, torch.Tensor]:
         if version.source == CHECKPOINT:
-            return self.ckpt.expert(*key)
+            return self.ckpt.expert_stored(*key)
         with safe_open(version.source, framework="pt") as f:  # validated when the swap was accepted
-            return {part: f.get_tensor(name) for part, name in match_parts(self.model, *key, list(f.keys())).items()}
+            names = list(f.keys())
+            stored = match_parts(self.model, *key, names, stored=True) if self.model.quant is not None else {}
+            if len(stored) == len(self.model.stored_parts()):  # the quantized form
+                return {part: f.get_tensor(name) for part, name in stored.items()}
+            return {part: f.get_tensor(name) for part, name in match_parts(self.model, *key, names).items()}
 
     def _write_cold_if_current(self, key: Key, version: Version, raw: dict[str, torch.Tensor]) -> None:
         with self._cv:

@@ -26,6 +26,7 @@ import torch
 from moe_workers.device import DeviceOps, ops_for
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.config import MoEConfig
+from moe_workers.model.dequant import decode
 
 from .cold import ColdCache
 from .coldio import ColdIO
@@ -61,6 +62,7 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         self.ckpt = checkpoint
         self.model: MoEConfig = checkpoint.config
         self.dtype = compute_dtype
+        self._part_names = [name for name, _ in self.model.expert_parts()]
         self.config = config or TierConfig()
         self.ops = ops or ops_for(device, pinned=self.config.pinned)
         self.device = self.ops.device
@@ -170,6 +172,8 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         the copy completes with). The copy waits for the slot's last readers and for `after`
         (the source's own copy); nothing here blocks the host on the device. A dtype conversion
         happens on the source's side first, so a DMA never allocates a converted temporary."""
+        if self.model.quant is not None and set(src) != set(self._part_names):  # the stored form: decode
+            src = decode(self.model.quant, src, self.dtype)
         with self._cv:
             buf, slot_after = self.pools[tier].take()
         try:

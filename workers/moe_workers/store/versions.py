@@ -56,13 +56,15 @@ def check_allowed(path: str | Path, allowed_roots: list[str]) -> Path:
     raise SwapError(f"{path}: outside the allowed weight roots ({', '.join(allowed_roots) or 'none configured'})")
 
 
-def match_parts(cfg: MoEConfig, layer: int, expert: int, names: list[str]) -> dict[str, str]:
+def match_parts(cfg: MoEConfig, layer: int, expert: int, names: list[str], stored: bool = False) -> dict[str, str]:
     """{part: tensor name} for the parts of one expert found among `names`: the checkpoint's own
     per-expert name, a short alias (`cfg.swap_aliases()`, e.g. w1.weight or gate_proj.weight), or
-    the part's own name (w1, gate_up: what the store's files use)."""
-    own = {part: name for part, name, index in cfg.expert_sources(layer, expert) if index is None}
+    the part's own name (w1, gate_up: what the store's files use). `stored`: the parts of a
+    quantized checkpoint's form instead (w1 and w1.scale_inv, gate_up_blocks, ...)."""
+    sources = cfg.stored_sources(layer, expert) if stored else cfg.expert_sources(layer, expert)
+    own = {part: name for part, name, index in sources if index is None}
     found = {}
-    for part, aliases in cfg.swap_aliases().items():
+    for part, aliases in (cfg.stored_aliases() if stored else cfg.swap_aliases()).items():
         for candidate in ((own[part],) if part in own else ()) + aliases + (part,):
             if candidate in names:
                 found[part] = candidate
@@ -95,7 +97,13 @@ def load_expert_file(path: str | Path, layer: int, expert: int, cfg: MoEConfig, 
             names = list(f.keys())
             found = match_parts(cfg, layer, expert, names)
             aliases = cfg.swap_aliases()
-            missing = [aliases[p][0] for p, _ in cfg.expert_parts() if p not in found]
+            parts = [p for p, _ in cfg.expert_parts()]
+            quantized = cfg.quant is not None and _is_stored_form(cfg, layer, expert, names)
+            if quantized:  # the checkpoint's own quantized form, scales included
+                found = match_parts(cfg, layer, expert, names, stored=True)
+                aliases = cfg.stored_aliases()
+                parts = [p for p, _, _ in cfg.stored_parts()]
+            missing = [aliases[p][0] for p in parts if p not in found]
             if missing:
                 raise SwapError(f"{path}: missing tensor(s) {', '.join(missing)} for expert "
                                 f"{layer}.{expert} (found {', '.join(sorted(names)[:6]) or 'none'})")
@@ -107,6 +115,8 @@ def load_expert_file(path: str | Path, layer: int, expert: int, cfg: MoEConfig, 
         raise SwapError(f"{path}: not a valid safetensors file ({err})") from None
     except OSError as err:
         raise SwapError(f"{path}: cannot read ({err.strerror or err})") from None
+    if quantized:
+        return _check_stored(path, cfg, tensors)
     shapes = dict(cfg.expert_parts())
     for w, t in tensors.items():
         if tuple(t.shape) != shapes[w]:
@@ -116,4 +126,45 @@ def load_expert_file(path: str | Path, layer: int, expert: int, cfg: MoEConfig, 
                             f"{str(cfg.dtype).removeprefix('torch.')}")
         if not torch.isfinite(t).all():
             raise SwapError(f"{path}: {w} has non-finite values (NaN or inf)")
+    return tensors
+
+
+def _is_stored_form(cfg: MoEConfig, layer: int, expert: int, names: list[str]) -> bool:
+    """A file holds an expert in its quantized form when any name is one only that form has
+    (a scale, blocks): a partial one is then refused naming what it lacks."""
+    plain = set(match_parts(cfg, layer, expert, names).values())
+    stored = set(match_parts(cfg, layer, expert, names, stored=True).values())
+    return bool(stored - plain)
+
+
+def _check_stored(path, cfg: MoEConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An expert in the quantized form: shapes and dtypes as the format says, scales usable
+    (fp8: finite and > 0; E8M0: no 255), and decoded weights finite (E4M3 has NaN codes)."""
+    from moe_workers.model.dequant import decode
+    from moe_workers.model.dtypes import TORCH_NAME
+    from moe_workers.model.quantization import FP8, MXFP4, SCALE_DTYPES, scale_problem
+
+    for part, dtype, shape in cfg.stored_parts():
+        t = tensors[part]
+        if tuple(t.shape) != tuple(shape):
+            raise SwapError(f"{path}: {part} has shape {tuple(t.shape)}, the model's {cfg.quant.method} form needs "
+                            f"{tuple(shape)}")
+        got = str(t.dtype).removeprefix("torch.")
+        if part.endswith(".scale_inv"):
+            allowed = [TORCH_NAME[d] for d in SCALE_DTYPES]
+        elif dtype is None:
+            allowed = [str(cfg.dtype).removeprefix("torch.")]
+        else:
+            allowed = [TORCH_NAME[dtype]]
+        if got not in allowed:
+            raise SwapError(f"{path}: {part} is {got}; the model's {cfg.quant.method} form stores it as "
+                            f"{' or '.join(allowed)}")
+        if part.endswith((".scale_inv", "_scales")):
+            values = t.to(torch.float32).numpy() if t.is_floating_point() else t.numpy()
+            problem = scale_problem(values, MXFP4 if part.endswith("_scales") else FP8)
+            if problem:
+                raise SwapError(f"{path}: {part} has {problem}")
+    for part, t in decode(cfg.quant, tensors, torch.float32).items():
+        if not torch.isfinite(t).all():
+            raise SwapError(f"{path}: {part} decodes to non-finite values (NaN or inf codes)")
     return tensors

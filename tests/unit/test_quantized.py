@@ -1,0 +1,275 @@
+"""Quantized checkpoints as they ship (fp8 block scales, mxfp4 experts): read exactly as
+transformers dequantizes them, kept in their stored form in the cold tier, hot-swapped in either
+form, and refused naming the file and tensor when a part is wrong. No Ray, no cluster.
+
+The checkpoints are transformers' own (`make_family`), rewritten by our quantizer into the
+published layouts (`quantize_checkpoint`, what `moectl init-model --quantize` runs: nothing on
+CPU writes these formats). transformers (>= 5 with accelerate) dequantizes both on CPU; it
+mis-reads grids whose dimensions are not multiples of the block, so ragged grids are checked
+against the published formula instead."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from checkpoints import make_family, reference_greedy
+from moe_operator.api.semantics import read_model_facts
+from moe_workers.model.checkpoint import Checkpoint
+from moe_workers.model.config import CheckpointError, UnsupportedModel
+from moe_workers.model.dequant import decode, decode_mxfp4, dequantize_fp8, pack_mxfp4, quantize_fp8
+from moe_workers.model.index import read_index
+from moe_workers.model.inprocess import InProcessModel
+from moe_workers.model.random_init import quantize_checkpoint
+from moe_workers.store.store import TierConfig, TieredExpertStore
+from moe_workers.store.versions import SwapError, load_expert_file
+
+# block 8: every dimension of these tiny models is a whole number of blocks (transformers' oracle holds)
+CASES = {"deepseek_v3-fp8": ("deepseek_v3", "fp8", torch.float32), "qwen3_moe-fp8": ("qwen3_moe", "fp8", torch.bfloat16),
+         "gpt_oss-mxfp4": ("gpt_oss", "mxfp4", None), "deepseek_v2-fp8": ("deepseek_v2", "fp8", torch.float16)}
+
+
+def _prompt(n, seed=1):
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _quantized(path: Path, family: str, method: str, scale_dtype=torch.float32, block=(8, 8), **dims):
+    make_family(path, family, hidden_size=64, intermediate_size=32, **dims)
+    quantize_checkpoint(path, method, block=block, scale_dtype=scale_dtype or torch.float32)
+    return path
+
+
+def _rewrite(path: Path, edit) -> None:
+    """Apply edit(tensors) to the checkpoint's one safetensors file."""
+    f = path / "model.safetensors"
+    with safe_open(f, framework="pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys()}
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_quantized_checkpoint_serves_what_transformers_computes_from_it(tmp_path, case):
+    from transformers import AutoModelForCausalLM
+
+    family, method, scale_dtype = CASES[case]
+    _quantized(tmp_path, family, method, scale_dtype)
+    stored = {t.dtype for n, t in read_index(tmp_path).items() if ".experts." in n}
+    assert stored >= ({"F8_E4M3"} if method == "fp8" else {"U8"})  # the experts really are stored quantized
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = InProcessModel(tmp_path)
+    assert ours.cfg.quant.method == method
+    prompt = _prompt(37)
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours.prompt_logits(prompt), want, atol=1e-4, rtol=1e-4)
+    assert ours.generate([prompt], max_tokens=8) == [reference_greedy(ref, prompt, 8)]
+
+
+def _formula(q, s, block):
+    """The published fp8 formula, element by element: W[i, j] = q[i, j] * S[i // b0, j // b1]."""
+    i = torch.arange(q.shape[0])[:, None] // block[0]
+    j = torch.arange(q.shape[1])[None, :] // block[1]
+    return q.to(torch.float32) * s.to(torch.float32)[i, j]
+
+
+def test_ragged_fp8_grids_follow_the_published_formula(tmp_path):
+    # DeepSeek-V3's kv_a_proj_with_mqa: 576 x 7168 in blocks of 128, a 5 x 56 grid with a half last row
+    w = torch.randn(576, 7168) * 0.02
+    q, s = quantize_fp8(w, (128, 128))
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 56)
+    torch.testing.assert_close(dequantize_fp8(q, s, (128, 128), torch.float32), _formula(q, s, (128, 128)),
+                               atol=0, rtol=0)
+    assert (dequantize_fp8(q, s, (128, 128), torch.float32) - w).abs().max() <= w.abs().max() / 16  # E4M3: 3 bits
+    # a whole model whose weights are ragged in blocks of 128 (hidden 160, experts 96 wide): every
+    # dense weight and expert read back by the formula from the stored bytes
+    make_family(tmp_path, "deepseek_v3", hidden_size=160, intermediate_size=96, num_heads=4, num_kv_heads=4)
+    quantize_checkpoint(tmp_path, "fp8", block=(128, 128))
+    ckpt = Checkpoint(tmp_path)
+    raw = {n: ckpt.tensor(n) for n in ckpt.names()}
+    ragged = [n for n, t in raw.items() if t.dtype == torch.float8_e4m3fn and (t.shape[0] % 128 or t.shape[1] % 128)]
+    assert any("kv_a_proj_with_mqa" in n for n in ragged) and any(".experts." in n for n in ragged)
+    for name, t in ckpt.dense_state().items():
+        if raw[name].dtype == torch.float8_e4m3fn:
+            torch.testing.assert_close(t, _formula(raw[name], raw[name + "_scale_inv"], (128, 128)), atol=0, rtol=0)
+    p = "model.layers.1.mlp.experts.3."
+    for part, name in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
+        want = _formula(raw[p + name + ".weight"], raw[p + name + ".weight_scale_inv"], (128, 128))
+        torch.testing.assert_close(ckpt.expert(1, 3)[part], want, atol=0, rtol=0)
+    assert len(InProcessModel(tmp_path).generate([_prompt(9)], max_tokens=3)[0]) == 3
+
+
+def test_mxfp4_codes_decode_as_the_format_says():
+    # low nibble first; codes 0-7 -> 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign; scale 2 ** (byte - 127)
+    blocks = torch.zeros(1, 1, 16, dtype=torch.uint8)
+    blocks[0, 0, 0] = 0x0 | (0x7 << 4)  # elements 0, 1: 0 and 6
+    blocks[0, 0, 1] = 0x9 | (0x3 << 4)  # elements 2, 3: -0.5 and 1.5
+    scales = torch.tensor([[128]], dtype=torch.uint8)  # x 2
+    got = decode_mxfp4(blocks, scales, torch.float32)[0]
+    assert got[:4].tolist() == [0.0, 12.0, -1.0, 3.0] and not got[4:].any()
+    w = torch.randn(8, 64)
+    b, s = pack_mxfp4(w)
+    assert b.shape == (8, 2, 16) and s.shape == (8, 2) and b.dtype == s.dtype == torch.uint8
+    back = decode_mxfp4(b, s, torch.float32)
+    assert ((back - w).abs() <= w.abs().reshape(8, 2, 32).amax(-1).repeat_interleave(32, 1) / 4 + 1e-6).all()
+
+
+def test_the_cold_tier_keeps_the_stored_form_and_the_hot_tier_serves_it_decoded(tmp_path):
+    model = _quantized(tmp_path / "m", "qwen3_moe", "fp8", torch.bfloat16)
+    ckpt = Checkpoint(model)
+    store = TieredExpertStore(ckpt, torch.float32, TierConfig(cold_dir=str(tmp_path / "cold")))
+    keys = [(1, e) for e in range(8)]
+    store.configure(keys)
+    stored_bytes = sum(t.nbytes for _, t in ckpt.expert_ranges(1, 0))
+    assert stored_bytes < store.expert_bytes / 3  # fp8 + bf16 scales against fp32
+    assert store.residency()["cold"] == {"experts": 8, "bytes": 8 * stored_bytes}
+    f = next(store.cold.dir.glob("1.0-*.safetensors"))
+    with safe_open(f, framework="pt") as h:
+        assert {k: h.get_slice(k).get_dtype() for k in h.keys()} == {
+            "w1": "F8_E4M3", "w1.scale_inv": "BF16", "w2": "F8_E4M3", "w2.scale_inv": "BF16",
+            "w3": "F8_E4M3", "w3.scale_inv": "BF16"}
+    for k in keys:
+        store.demote(k)
+        store.demote(k)
+    with store.use(keys) as weights:  # read back from the cold files, decoded into hot slots
+        for k in keys:
+            for part, t in ckpt.expert(*k).items():
+                assert torch.equal(weights[k][part], t)
+
+
+def test_hot_swap_takes_the_quantized_form_or_the_compute_dtype_and_refuses_bad_scales(tmp_path):
+    model = _quantized(tmp_path / "m", "deepseek_v3", "fp8")
+    ckpt = Checkpoint(model)
+    cfg = ckpt.config
+    store = TieredExpertStore(ckpt, torch.float32, TierConfig(cold_dir=str(tmp_path / "cold")))
+    key = (1, 2)
+    store.configure([key])
+    roots = [str(tmp_path)]
+    new = {k: v * 0.5 for k, v in ckpt.expert(1, 5).items()}
+    stored = {}
+    for part, name in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
+        stored[f"{name}.weight"], stored[f"{name}.weight_scale_inv"] = quantize_fp8(new[part], (8, 8))
+    save_file(stored, str(tmp_path / "q.safetensors"))
+    raw = load_expert_file(tmp_path / "q.safetensors", *key, cfg, roots)
+    assert set(raw) == {"w1", "w1.scale_inv", "w2", "w2.scale_inv", "w3", "w3.scale_inv"}
+    store.swap(key, lambda: raw, str(tmp_path / "q.safetensors"))
+    with store.use([key]) as w:
+        assert torch.equal(w[key]["w1"], decode(cfg.quant, raw, torch.float32)["w1"])
+    save_file({f"{n}.weight": new[p] for p, n in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))},
+              str(tmp_path / "plain.safetensors"))
+    plain = load_expert_file(tmp_path / "plain.safetensors", *key, cfg, roots)
+    store.swap(key, lambda: plain, str(tmp_path / "plain.safetensors"))
+    with store.use([key]) as w:
+        assert torch.equal(w[key]["w2"], new["w2"])
+    serving = store.experts()["1.2"]["digest"]
+    bad_cases = {
+        "zero": (lambda d: d["down_proj.weight_scale_inv"].zero_(), "down_proj.weight_scale_inv|w2.scale_inv has a scale <= 0"),
+        "nan": (lambda d: d["up_proj.weight_scale_inv"].fill_(float("nan")), "has a non-finite scale"),
+        "grid": (lambda d: d.update({"gate_proj.weight_scale_inv": torch.ones(2, 2)}), r"w1.scale_inv has shape \(2, 2\), the model's fp8 form needs \(4, 8\)"),
+        "missing": (lambda d: d.pop("gate_proj.weight_scale_inv"), "missing tensor.s. gate_proj.weight_scale_inv"),
+        "nan-code": (lambda d: d["gate_proj.weight"].view(torch.uint8).fill_(0x7F), "decodes to non-finite"),
+    }
+    for name, (edit, message) in bad_cases.items():
+        d = {k: v.clone() for k, v in stored.items()}
+        edit(d)
+        save_file(d, str(tmp_path / f"{name}.safetensors"))
+        with pytest.raises(SwapError, match=message):
+            load_expert_file(tmp_path / f"{name}.safetensors", *key, cfg, roots)
+    assert store.experts()["1.2"]["digest"] == serving  # nothing committed
+
+
+def _expect_refused(path, message, cls=CheckpointError):
+    with pytest.raises(cls, match=message):
+        read_model_facts(str(path))  # the operator's check before deploying
+    with pytest.raises(cls, match=message):
+        Checkpoint(path).expert(1, 0)  # a replica's
+
+
+BAD_FP8 = {
+    "scale-missing": (lambda t: t.pop("model.layers.1.mlp.experts.0.up_proj.weight_scale_inv"),
+                      "tensor model.layers.1.mlp.experts.0.up_proj.weight_scale_inv is missing"),
+    "scale-grid": (lambda t: t.update({"model.layers.0.self_attn.o_proj.weight_scale_inv": torch.ones(3, 3)}),
+                   r"o_proj.weight_scale_inv has shape \(3, 3\); a \(64, 64\) weight in blocks of \[8, 8\] needs a \(8, 8\)"),
+    "scale-dtype": (lambda t: t.update({"model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv":
+                                        t["model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv"].to(torch.int32)}),
+                    "gate_proj.weight_scale_inv is I32; fp8 scales are F32, BF16 or F16"),
+    "scale-nan": (lambda t: t["model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"].view(-1)[3].fill_(float("nan")),
+                  "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv has a non-finite scale"),
+    "scale-zero": (lambda t: t["model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"].view(-1)[0].fill_(0.0),
+                   "down_proj.weight_scale_inv has a scale <= 0"),
+    "scale-negative": (lambda t: t["model.layers.1.mlp.experts.0.up_proj.weight_scale_inv"].view(-1)[1].fill_(-1.0),
+                       r"up_proj.weight_scale_inv has a scale <= 0 \(-1.0\)"),
+    "expert-not-fp8": (lambda t: t.update({"model.layers.1.mlp.experts.0.up_proj.weight":
+                                           t["model.layers.1.mlp.experts.0.up_proj.weight"].to(torch.float32)}),
+                       r"up_proj.weight is F32; a \(fp8\) checkpoint stores it as F8_E4M3"),
+    "dense-fp8-without-scale": (lambda t: t.pop("model.layers.0.self_attn.o_proj.weight_scale_inv"),
+                                "o_proj.weight is F8_E4M3 without its scale"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FP8))
+def test_a_broken_fp8_checkpoint_is_refused_naming_the_file_and_tensor(tmp_path, case):
+    _quantized(tmp_path, "qwen3_moe", "fp8")
+    edit, message = BAD_FP8[case]
+    _rewrite(tmp_path, edit)
+    _expect_refused(tmp_path, message)
+
+
+BAD_MXFP4 = {
+    "blocks-shape": (lambda t: t.update({"model.layers.1.mlp.experts.down_proj_blocks":
+                                         t["model.layers.1.mlp.experts.down_proj_blocks"][..., :8].contiguous()}),
+                     r"down_proj_blocks has shape \(8, 64, 1, 8\), config.json implies \(8, 64, 1, 16\)"),
+    "scales-dtype": (lambda t: t.update({"model.layers.1.mlp.experts.gate_up_proj_scales":
+                                         t["model.layers.1.mlp.experts.gate_up_proj_scales"].to(torch.float32)}),
+                     r"gate_up_proj_scales is F32; a \(mxfp4\) checkpoint stores it as U8"),
+    "e8m0-nan": (lambda t: t["model.layers.1.mlp.experts.gate_up_proj_scales"].view(-1)[0].fill_(255),
+                 "gate_up_proj_scales has E8M0 byte 255"),
+    "scales-missing": (lambda t: t.pop("model.layers.0.mlp.experts.down_proj_scales"),
+                       "model.layers.0.mlp.experts.down_proj_scales is missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MXFP4))
+def test_a_broken_mxfp4_checkpoint_is_refused_naming_the_file_and_tensor(tmp_path, case):
+    _quantized(tmp_path, "gpt_oss", "mxfp4")
+    edit, message = BAD_MXFP4[case]
+    _rewrite(tmp_path, edit)
+    _expect_refused(tmp_path, message)
+
+
+@pytest.mark.parametrize("quant,message", [
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt 'e5m2' is not supported"),
+    ({"quant_method": "fp8", "fmt": "e4m3"}, "no weight_block_size: per-tensor fp8 is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "weight_block_size .128, 0. must be two positive"),
+    ({"quant_method": "gptq", "bits": 4}, "GPTQ checkpoints .quant_method gptq. are not supported"),
+    ({"quant_method": "awq"}, "AWQ checkpoints"),
+    ({"quant_method": "compressed-tensors"}, "compressed-tensors checkpoints"),
+    ({"quant_method": "mystery"}, "quant_method 'mystery' are not supported"),
+])
+def test_quantization_configs_we_do_not_read_are_refused_naming_them(tmp_path, quant, message):
+    _quantized(tmp_path, "deepseek_v3", "fp8")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = quant
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _expect_refused_config(tmp_path, message)
+
+
+def _expect_refused_config(path, message):
+    with pytest.raises(UnsupportedModel, match=message):
+        read_model_facts(str(path))
+    with pytest.raises(UnsupportedModel, match=message):
+        Checkpoint(path)
+
+
+def test_an_fp8_tensor_in_a_checkpoint_without_quantization_config_is_refused(tmp_path):
+    _quantized(tmp_path, "deepseek_v3", "fp8")
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="is F8_E4M3, but config.json has no fp8 quantization_config"):
+        Checkpoint(tmp_path)
