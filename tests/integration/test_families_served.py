@@ -24,19 +24,31 @@ from waiting import wait_for
 pytestmark = pytest.mark.ray
 
 FAMILIES = [f for f in SUPPORTED if f != "mixtral"]  # Mixtral: test_serving, test_hotswap
+# quantized as the releases ship (blocks of 8: whole blocks at these dims, where transformers' dequant holds)
+QUANTIZED = {"deepseek_v3-fp8": ("deepseek_v3", "fp8"), "gpt_oss-mxfp4": ("gpt_oss", "mxfp4")}
 SHORT_NAMES = {"w1": "gate_proj.weight", "w2": "down_proj.weight", "w3": "up_proj.weight",
                "gate_up": "gate_up_proj", "gate_up_bias": "gate_up_proj_bias", "down": "down_proj",
                "down_bias": "down_proj_bias"}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + list(QUANTIZED))
 def served(request, ray_head, tmp_path_factory):
-    family = request.param
-    ray = ray_head.connect_driver(namespace=f"family-{family}")
+    family, quantize = QUANTIZED.get(request.param, (request.param, None))
+    ray = ray_head.connect_driver(namespace=f"family-{request.param}")
     from ray import serve
 
-    root = tmp_path_factory.mktemp(family)
-    hf = make_family(root / "model", family, num_layers=3, num_experts=8, max_position_embeddings=96)
+    root = tmp_path_factory.mktemp(request.param)
+    if quantize is None:
+        hf = make_family(root / "model", family, num_layers=3, num_experts=8, max_position_embeddings=96)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from moe_workers.model.random_init import quantize_checkpoint
+
+        make_family(root / "model", family, num_layers=3, num_experts=8, max_position_embeddings=96, hidden_size=64,
+                    intermediate_size=32)
+        quantize_checkpoint(root / "model", quantize, block=(8, 8))
+        hf = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
     ours = InProcessModel(root / "model")
     cfg = ours.cfg
     placement = initial_placement(cfg.sparse_layers, cfg.num_experts, 2)
@@ -158,10 +170,14 @@ def test_moectl_up_serves_every_family_init_model_writes(tmp_path):
     from moectl_proc import MoectlUp, moectl
 
     env = {**os.environ, "MOE_STATE_DIR": str(tmp_path / "state")}
-    for family in SUPPORTED:
-        out = moectl("init-model", str(tmp_path / "models" / family), "--family", family, "--layers", "3",
-                     "--experts", "4", "--hidden", "32", "--intermediate", "32", "--max-len", "128", env=env).stdout
-        assert f"({family}, 3 layers x 4 experts" in out
+    # and the two quantized layouts (fp8 in blocks of 4: whole blocks at these dims, as transformers needs)
+    models = [(f, f, ()) for f in SUPPORTED] + [("deepseek_v3-fp8", "deepseek_v3", ("--quantize", "fp8", "--block-size", "4")),
+                                                ("gpt_oss-mxfp4", "gpt_oss", ("--quantize", "mxfp4"))]
+    for name, family, extra in models:
+        out = moectl("init-model", str(tmp_path / "models" / name), "--family", family, "--layers", "3",
+                     "--experts", "4", "--hidden", "32", "--intermediate", "32", "--max-len", "128", *extra,
+                     env=env).stdout
+        assert f"({family}{', ' + extra[1] if extra else ''}, 3 layers x 4 experts" in out
     manifest = {"apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "fam"},
                 "spec": {"model": {"path": "models/mixtral"}, "ingress": {"numCpus": 0.25, "kvCacheBudget": "16Mi"},
                          "experts": {"groups": 2, "numCpus": 0.25,
@@ -181,7 +197,7 @@ def test_moectl_up_serves_every_family_init_model_writes(tmp_path):
         up.wait_serving()
         url = f"http://127.0.0.1:{port}"
         prompt = [40, 41, 42, 43, 44]
-        for generation, family in enumerate(SUPPORTED, 1):
+        for generation, (family, _, _) in enumerate(models, 1):
             if generation > 1:
                 manifest["spec"]["model"]["path"] = f"models/{family}"
                 f.write_text(yaml.safe_dump(manifest))
@@ -191,7 +207,7 @@ def test_moectl_up_serves_every_family_init_model_writes(tmp_path):
             want, _ = _reference(hf, prompt, 6)
             got = _complete(url, prompt, 6)["token_ids"]
             assert got == want, family
-        cfg_file = tmp_path / "models" / "gpt_oss" / "config.json"
+        cfg_file = tmp_path / "models" / models[-1][0] / "config.json"  # the one served now
         cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "model_type": "jamba"}))
         f.write_text(yaml.safe_dump({**manifest, "metadata": {"name": "fam", "labels": {"edit": "1"}}}))
         refused = wait_for(lambda: (s := status()) and ready(s)["reason"] == "UnsupportedModel" and s,
