@@ -212,14 +212,6 @@ BAD_FP8 = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_FP8))
-def test_a_broken_fp8_checkpoint_is_refused_naming_the_file_and_tensor(tmp_path, case):
-    _quantized(tmp_path, "qwen3_moe", "fp8")
-    edit, message = BAD_FP8[case]
-    _rewrite(tmp_path, edit)
-    _expect_refused(tmp_path, message)
-
-
 BAD_MXFP4 = {
     "blocks-shape": (lambda t: t.update({"model.layers.1.mlp.experts.down_proj_blocks":
                                          t["model.layers.1.mlp.experts.down_proj_blocks"][..., :8].contiguous()}),
@@ -234,10 +226,14 @@ BAD_MXFP4 = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_MXFP4))
-def test_a_broken_mxfp4_checkpoint_is_refused_naming_the_file_and_tensor(tmp_path, case):
-    _quantized(tmp_path, "gpt_oss", "mxfp4")
-    edit, message = BAD_MXFP4[case]
+BROKEN = {**{f"fp8-{k}": ("qwen3_moe", "fp8", v) for k, v in BAD_FP8.items()},
+          **{f"mxfp4-{k}": ("gpt_oss", "mxfp4", v) for k, v in BAD_MXFP4.items()}}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_broken_quantized_checkpoint_is_refused_naming_the_file_and_tensor(tmp_path, case):
+    family, method, (edit, message) = BROKEN[case]
+    _quantized(tmp_path, family, method)
     _rewrite(tmp_path, edit)
     _expect_refused(tmp_path, message)
 

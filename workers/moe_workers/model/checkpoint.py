@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 
 from .config import CheckpointError, MoEConfig
-from .dequant import decode, dequantize_fp8
+from .dequant import decode, dequantize_fp8, tensor_scale_problem
 from .index import TensorInfo, read_index
-from .quantization import FP8, FP8_DTYPE, MXFP4, is_scale, scale_name, scale_problem
+from .quantization import FP8_DTYPE, is_scale, scale_name
 
 
 class Checkpoint:
@@ -120,8 +120,7 @@ class Checkpoint:
         return t
 
     def _check_scale_values(self, name: str, t: torch.Tensor) -> None:
-        values = t.to(torch.float32).numpy() if t.is_floating_point() else t.numpy()
-        problem = scale_problem(values, MXFP4 if name.endswith("_scales") else FP8)
+        problem = tensor_scale_problem(name, t)
         if problem:
             raise CheckpointError(f"{self.file_of(name)}: tensor {name} has {problem}")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantization import E8M0_MAX, FP8, FP8_MAX, MXFP4_GROUP, Quantization
+from .quantization import E8M0_MAX, FP8, FP8_MAX, MXFP4_GROUP, Quantization, scale_problem
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; bit 3 is the sign
 _LUT = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
@@ -61,6 +61,11 @@ def decode(quant: Quantization | None, stored: dict[str, torch.Tensor], dtype: t
         else:
             out[name] = t if t.dtype == dtype else t.to(dtype)
     return out
+
+
+def tensor_scale_problem(name: str, t: torch.Tensor) -> str | None:
+    """`scale_problem` of a scale tensor already in memory."""
+    return scale_problem(t.to(torch.float32).numpy() if t.is_floating_point() else t.numpy(), name)
 
 
 # -- our quantizers ------------------------------------------------------------------------------

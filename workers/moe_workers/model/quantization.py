@@ -110,12 +110,12 @@ def check_fp8_weight(index: dict, name: str, quant: Quantization | None) -> None
                                 f"weight in blocks of {list(quant.block)} needs a {want} grid")
 
 
-def scale_problem(values, kind: str) -> str | None:
-    """Why a scale tensor's values cannot be used, or None. `values`: a numpy array (fp8: the
-    scales as floats; mxfp4: the E8M0 bytes)."""
+def scale_problem(values, name: str) -> str | None:
+    """Why the values of scale tensor `name` cannot be used, or None. `values`: a numpy array
+    (fp8 `*_scale_inv`: the scales as floats; mxfp4 `*_scales`: the E8M0 bytes)."""
     import numpy as np
 
-    if kind == MXFP4:
+    if name.endswith("_scales"):
         bad = np.flatnonzero(values.reshape(-1) > E8M0_MAX)
         return f"E8M0 byte 255 (NaN) at flat index {int(bad[0])}" if bad.size else None
     flat = values.reshape(-1).astype(np.float64)
@@ -159,7 +159,7 @@ def check_scale_values(index: dict, limit_bytes: int | None = 256 << 20) -> int:
         if limit_bytes is not None and done + t.nbytes > limit_bytes:
             break
         values = read_scales(t.file, t.dtype, t.shape, t.offset, t.nbytes)
-        problem = scale_problem(values, MXFP4 if name.endswith("_scales") else FP8)
+        problem = scale_problem(values, name)
         if problem:
             raise QuantizationError(f"{t.file}: tensor {name} has {problem}")
         done += t.nbytes

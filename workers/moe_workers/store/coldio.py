@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from moe_workers.model.dtypes import SAFETENSORS_NAME, TORCH_NAME, torch_name
-from moe_workers.model.quantization import FP8, MXFP4, read_scales, scale_problem
+from moe_workers.model.quantization import read_scales, scale_problem
 from moe_workers.model.index import safetensors_header as _safetensors_header
 
 from .config import TierConfigError
@@ -80,7 +80,7 @@ class ColdIO:
 
     def _check_scales(self, key: Key, part: str, t) -> None:
         values = read_scales(t.file, t.dtype, t.shape, t.offset, t.nbytes)
-        problem = scale_problem(values, MXFP4 if part.endswith("_scales") else FP8)
+        problem = scale_problem(values, part)
         if problem:
             raise TierConfigError(f"{t.file}: expert {key[0]}.{key[1]} ({part}) has {problem}")
 

@@ -140,9 +140,9 @@ def _is_stored_form(cfg: MoEConfig, layer: int, expert: int, names: list[str]) -
 def _check_stored(path, cfg: MoEConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """An expert in the quantized form: shapes and dtypes as the format says, scales usable
     (fp8: finite and > 0; E8M0: no 255), and decoded weights finite (E4M3 has NaN codes)."""
-    from moe_workers.model.dequant import decode
+    from moe_workers.model.dequant import decode, tensor_scale_problem
     from moe_workers.model.dtypes import TORCH_NAME
-    from moe_workers.model.quantization import FP8, MXFP4, SCALE_DTYPES, scale_problem
+    from moe_workers.model.quantization import SCALE_DTYPES
 
     for part, dtype, shape in cfg.stored_parts():
         t = tensors[part]
@@ -160,8 +160,7 @@ def _check_stored(path, cfg: MoEConfig, tensors: dict[str, torch.Tensor]) -> dic
             raise SwapError(f"{path}: {part} is {got}; the model's {cfg.quant.method} form stores it as "
                             f"{' or '.join(allowed)}")
         if part.endswith((".scale_inv", "_scales")):
-            values = t.to(torch.float32).numpy() if t.is_floating_point() else t.numpy()
-            problem = scale_problem(values, MXFP4 if part.endswith("_scales") else FP8)
+            problem = tensor_scale_problem(part, t)
             if problem:
                 raise SwapError(f"{path}: {part} has {problem}")
     for part, t in decode(cfg.quant, tensors, torch.float32).items():
