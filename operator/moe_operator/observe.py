@@ -9,7 +9,7 @@ import json
 import urllib.error
 import urllib.request
 
-from moe_operator.api.models import KVCacheStatus, MoEDeploymentSpec
+from moe_operator.api.models import KVCacheStatus, MoEDeploymentSpec, TierSummary
 
 MAX_SWAPS = 20
 CHECKPOINT = "checkpoint"
@@ -25,13 +25,18 @@ def fetch_app_status(base_url: str, timeout_s: float = 5.0) -> dict | None:
 
 
 def tier_summary(replicas: list[dict]) -> dict[str, dict]:
-    out = {t: {"experts": 0, "bytes": 0} for t in ("hot", "warm", "cold")}
+    """Residency per tier summed over replicas, with one expert's bytes in the tier's form and
+    their ratio to the compute dtype (the same on every replica of an app)."""
+    out = {t: TierSummary() for t in ("hot", "warm", "cold")}
     for r in replicas:
         for tier, v in (r.get("tiers") or {}).items():
             if tier in out:
-                out[tier]["experts"] += int(v.get("experts", 0))
-                out[tier]["bytes"] += int(v.get("bytes", 0))
-    return out
+                out[tier].experts += int(v.get("experts", 0))
+                out[tier].bytes += int(v.get("bytes", 0))
+                if v.get("expert_bytes") is not None:
+                    out[tier].form, out[tier].expert_bytes = v.get("form"), int(v["expert_bytes"])
+                    out[tier].vs_compute = float(v.get("vs_compute", 1.0))
+    return {t: s.model_dump(by_alias=True, exclude_none=True) for t, s in out.items()}
 
 
 def swap_records(spec: MoEDeploymentSpec, replicas: list[dict], previous: list[dict]) -> list[dict]:

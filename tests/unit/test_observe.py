@@ -95,3 +95,14 @@ def test_the_ingress_kv_cache_is_summarised_into_status_and_moectl_get():
     none_queried = summarise(spec(), {"replicas": [], "ingress": {"kv": {**kv, "prefix_queried_tokens": 0}}}, {})
     assert "prefixHitRate" not in none_queried["kvCache"] and kv_columns(none_queried["kvCache"])[1] == ""
     assert "kvCache" not in summarise(spec(), {"replicas": []}, {}) and kv_columns(None) == ["", "", ""]
+
+
+def test_tiers_carry_one_experts_bytes_in_each_tiers_form():
+    """A quantized app's warm and cold tiers hold the stored form: status says its bytes and the
+    ratio to the compute dtype, as the replicas report them."""
+    rep = replica("a", "ExpertShard-0", {"1.2": v()})
+    for tier, form, n, ratio in (("hot", "compute", 1000, 1.0), ("warm", "stored", 265, 0.265), ("cold", "stored", 264, 0.264)):
+        rep["tiers"][tier].update(form=form, expert_bytes=n, vs_compute=ratio)
+    tiers = summarise(spec(), {"replicas": [rep, replica("b", "ExpertShard-1", {})]}, {})["tiers"]
+    assert tiers["warm"] == {"experts": 4, "bytes": 400, "form": "stored", "expertBytes": 265, "vsCompute": 0.265}
+    assert tiers["hot"]["form"] == "compute" and tiers["cold"]["vsCompute"] == 0.264

@@ -127,7 +127,9 @@ def test_the_cold_tier_keeps_the_stored_form_and_the_hot_tier_serves_it_decoded(
     store.configure(keys)
     stored_bytes = sum(t.nbytes for _, t in ckpt.expert_ranges(1, 0))
     assert stored_bytes < store.expert_bytes / 3  # fp8 + bf16 scales against fp32
-    assert store.residency()["cold"] == {"experts": 8, "bytes": 8 * stored_bytes}
+    cold = store.residency()["cold"]
+    assert (cold["experts"], cold["bytes"], cold["expert_bytes"], cold["form"]) == (8, 8 * stored_bytes, stored_bytes, "stored")
+    assert cold["vs_compute"] == round(stored_bytes / store.expert_bytes, 4)
     f = next(store.cold.dir.glob("1.0-*.safetensors"))
     with safe_open(f, framework="pt") as h:
         assert {k: h.get_slice(k).get_dtype() for k in h.keys()} == {
@@ -140,6 +142,75 @@ def test_the_cold_tier_keeps_the_stored_form_and_the_hot_tier_serves_it_decoded(
         for k in keys:
             for part, t in ckpt.expert(*k).items():
                 assert torch.equal(weights[k][part], t)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe-fp8", "gpt_oss-mxfp4"])
+def test_the_warm_tier_holds_quantized_experts_as_stored_and_counts_them_so(tmp_path, case):
+    """Warm slots are the stored form (fp8 + F32 scales, mxfp4 blocks + scales): a budget of N
+    stored experts holds N of them, where the compute dtype would hold N / ratio. A warm
+    expert is decoded into its hot slot on use; a hot one leaving hot goes to disk and is read
+    back into warm in its stored form (a refill), never as its decoded copy."""
+    family, method, scale_dtype = CASES[case]
+    model = _quantized(tmp_path / "m", family, method, scale_dtype)
+    ckpt = Checkpoint(model)
+    probe = TieredExpertStore(ckpt, torch.float32)
+    stored, compute = probe.forms.stored_bytes, probe.forms.compute_bytes
+    assert stored * (6 if method == "mxfp4" else 3.7) < compute  # against fp32 (tiny: F32 scales of blocks of 8, biases)
+    report = probe.forms.report()
+    assert report["hot"] == {"form": "compute", "bytes": compute, "vs_compute": 1.0}
+    assert report["warm"]["form"] == "stored" and report["warm"]["bytes"] == stored
+    keys = [(layer, e) for layer in (1, 2) for e in range(8)]
+    store = TieredExpertStore(ckpt, torch.float32, TierConfig(hot_budget=8 * compute, warm_budget=6 * stored,
+                                                              cold_dir=str(tmp_path / "cold")))
+    store.configure(keys)
+    res = store.residency()
+    assert (res["hot"]["experts"], res["warm"]["experts"]) == (8, 6)  # 6 in warm at its stored size
+    assert res["warm"]["bytes"] == 6 * stored <= 6 * compute // 3
+    assert store.pools["warm"].slot_bytes == stored
+    warm = [k for k, v in store.experts().items() if v["tier"] == "warm"]
+    k = tuple(int(x) for x in warm[0].split("."))
+    e = store.entries[k]
+    parts = {n: t.dtype for n, t in e.tensors.items()}
+    assert parts == ({"w1": torch.float8_e4m3fn, "w1.scale_inv": torch.float32, "w2": torch.float8_e4m3fn,
+                      "w2.scale_inv": torch.float32, "w3": torch.float8_e4m3fn, "w3.scale_inv": torch.float32}
+                     if method == "fp8" else
+                     {"down_blocks": torch.uint8, "down_scales": torch.uint8, "down_bias": ckpt.config.dtype,
+                      "gate_up_blocks": torch.uint8, "gate_up_scales": torch.uint8, "gate_up_bias": ckpt.config.dtype})
+    for round_ in range(3):  # every expert through hot: warm ones decoded, hot victims refilled into warm
+        for key in keys:
+            with store.use([key]) as w:
+                for part, t in ckpt.expert(*key).items():
+                    assert torch.equal(w[key][part], t.to(torch.float32)), (round_, key, part)
+            store.drain_prefetch()
+            res = store.residency()
+            assert res["hot"]["bytes"] <= 8 * compute and res["warm"]["bytes"] <= 6 * stored
+            assert store.ledger.used == {"hot": res["hot"]["bytes"], "warm": res["warm"]["bytes"]}
+            assert store.ledger.reserved == {"hot": 0, "warm": 0}
+    assert store.residency()["warm"]["experts"] == 6  # refilled: RAM still full of stored experts
+    assert store.stats.bytes_moved.get("cold->warm", 0) % stored == 0 and store.stats.bytes_moved["cold->warm"] > 0
+    assert store.stats.bytes_moved["warm->hot"] % compute == 0
+
+
+def test_a_compute_dtype_replacement_in_a_quantized_model_never_enters_the_warm_tier(tmp_path):
+    model = _quantized(tmp_path / "m", "deepseek_v3", "fp8")
+    ckpt = Checkpoint(model)
+    probe = TieredExpertStore(ckpt, torch.float32)
+    keys = [(layer, e) for layer in (1, 2) for e in range(2)]
+    store = TieredExpertStore(ckpt, torch.float32, TierConfig(hot_budget=2 * probe.forms.compute_bytes,
+                                                              warm_budget=8 * probe.forms.stored_bytes,
+                                                              cold_dir=str(tmp_path / "cold")))
+    store.configure(keys)
+    new = {k: v * 0.25 for k, v in ckpt.expert(1, 3).items()}
+    v = store.swap((1, 0), lambda: dict(new), "plain.safetensors")
+    assert v.compute_only and store.experts()["1.0"]["tier"] == "hot"  # staged decoded, in hot
+    for key in keys[1:]:  # push it out of hot
+        with store.use([key]):
+            pass
+    store.drain_prefetch()
+    store.promote((1, 0), "warm")
+    assert store.experts()["1.0"]["tier"] in ("cold", "source")  # never warm: warm holds the stored form
+    with store.use([(1, 0)]) as w:  # read back from its own cold file, in the compute dtype
+        assert torch.equal(w[(1, 0)]["w2"], new["w2"])
 
 
 def test_hot_swap_takes_the_quantized_form_or_the_compute_dtype_and_refuses_bad_scales(tmp_path):

@@ -43,12 +43,12 @@ def expert_bytes(store):
 
 def assert_within_budgets(store):
     for tier in (HOT, WARM):
-        budget = store._budget(tier)
+        budget = store.ledger.budgets[tier]
         if budget is not None:
-            assert store.used[tier] + store.reserved[tier] <= budget, tier
+            assert store.ledger.used[tier] + store.ledger.reserved[tier] <= budget, tier
     # accounting matches the entries
     for tier in (HOT, WARM):
-        assert store.used[tier] == sum(e.nbytes for e in store.entries.values() if e.tier == tier)
+        assert store.ledger.used[tier] == sum(store.forms.nbytes(tier) for e in store.entries.values() if e.tier == tier)
     if store.cold is not None and store.cold.budget is not None:
         assert store.cold.used() <= store.cold.budget
         on_disk = sum(p.stat().st_size for p in store.cold.dir.glob("*.safetensors"))
@@ -61,8 +61,8 @@ def test_configure_fills_hot_then_warm_then_cold(model_dir, tmp_path):
     s = make_store(model_dir, tmp_path, hot_budget=4 * n, warm_budget=2 * n)
     s.configure(ALL)
     res = s.residency()
-    assert res[HOT] == {"experts": 4, "bytes": 4 * n}
-    assert res[WARM] == {"experts": 2, "bytes": 2 * n}
+    assert res[HOT] == {"experts": 4, "bytes": 4 * n, "form": "compute", "expert_bytes": n, "vs_compute": 1.0}
+    assert res[WARM] == {"experts": 2, "bytes": 2 * n, "form": "compute", "expert_bytes": n, "vs_compute": 1.0}
     assert res[COLD]["experts"] == len(ALL)  # every expert has its cold file
     tiers = [v["tier"] for v in s.experts().values()]
     assert tiers.count(COLD) == len(ALL) - 6
@@ -360,7 +360,7 @@ def test_every_bad_swap_leaves_the_old_version_serving(model_dir, tmp_path):
         assert s.experts()["0.1"] == before, label
         with s.use([(0, 1)]) as w:
             assert torch.equal(w[(0, 1)]["w3"], ref["w3"]), label
-        assert s.reserved == {HOT: 0, WARM: 0}, label
+        assert s.ledger.reserved == {HOT: 0, WARM: 0}, label
     assert_within_budgets(s)
 
 
@@ -436,7 +436,7 @@ def test_slots_are_reused_so_memory_stays_at_the_budgets(model_dir, tmp_path):
     in_use = {id(e.slot) for e in s.entries.values() if e.slot is not None}
     assert len(in_use) == sum(1 for e in s.entries.values() if e.tier in (HOT, WARM))
     s.configure(ALL, TierConfig(hot_budget=EXPERTS * n, warm_budget=0, cold_dir=str(tmp_path / "cold")))
-    assert s.pools[WARM].allocated == 0 and s.used[WARM] == 0
+    assert s.pools[WARM].allocated == 0 and s.ledger.used[WARM] == 0
 
 
 def test_registration_streams_digest_and_cold_file(model_dir, tmp_path):
@@ -490,7 +490,7 @@ def test_a_batch_that_pinned_the_expert_never_waits_on_the_swap_staged_beside_it
     t_swap = threading.Thread(target=swap)
     t_swap.start()
     deadline = time.monotonic() + 10
-    while s.reserved[HOT] != n and time.monotonic() < deadline:  # staged beside, in hot
+    while s.ledger.reserved[HOT] != n and time.monotonic() < deadline:  # staged beside, in hot
         time.sleep(0.01)
     t_batch = threading.Thread(target=batch)
     t_batch.start()
@@ -504,8 +504,8 @@ def test_a_batch_that_pinned_the_expert_never_waits_on_the_swap_staged_beside_it
     assert torch.equal(used[0], ref["w1"])  # the batch that started before the swap used the old version
     with s.use([k]) as w:
         assert torch.equal(w[k]["w1"], ref["w1"] * 3)
-    assert s.staging == {HOT: 0, WARM: 0} and s.reserved == {HOT: 0, WARM: 0}
-    assert s.used[HOT] <= 2 * n  # back within the budget after the commit
+    assert s.ledger.staged == {HOT: 0, WARM: 0} and s.ledger.reserved == {HOT: 0, WARM: 0}
+    assert s.ledger.used[HOT] <= 2 * n  # back within the budget after the commit
 
 
 def test_a_swap_waits_for_room_while_every_expert_is_in_use(model_dir, tmp_path):

@@ -51,7 +51,7 @@ def accounting_holds(s: TieredExpertStore) -> None:
     with s._cv:
         live = list(s.entries.values()) + list(s._retiring)
         for tier in (HOT, WARM):
-            assert s.used[tier] == sum(e.nbytes for e in live if e.tier == tier), tier
+            assert s.ledger.used[tier] == sum(s.forms.nbytes(tier) for e in live if e.tier == tier), tier
             held = sum(1 for e in live if e.tier == tier and e.slot is not None)
             pool = s.pools[tier]
             assert pool.allocated == held + len(pool.free) + len(pool.dropping), tier
@@ -89,13 +89,13 @@ def test_release_under_a_running_batch_waits_for_its_last_unpin(model_dir, tmp_p
     s.configure([other, (0, 1)])  # k dropped, two others loaded: they need k's slot's room
     assert k not in s.entries
     accounting_holds(s)
-    assert s.used[HOT] + s.reserved[HOT] <= 2 * n
+    assert s.ledger.used[HOT] + s.ledger.reserved[HOT] <= 2 * n
     gate.release.set()
     t.join(BOUND_S)
     assert torch.equal(seen[0], ref["w1"])  # the batch kept the weights it pinned
     s.configure([other, (0, 1)])  # now there is room: both hot
     accounting_holds(s)
-    assert not s._retiring and s.used[HOT] == 2 * n
+    assert not s._retiring and s.ledger.used[HOT] == 2 * n
     s.close()
 
 
@@ -131,7 +131,7 @@ def test_release_during_a_prefetch_copy_waits_for_the_copy(model_dir, tmp_path, 
     monkeypatch.setattr(s, "_fill", real_fill)
     accounting_holds(s)
     assert set(s.entries) == {(2, 0), (2, 1)} and not s._retiring
-    assert s.used[HOT] + s.used[WARM] == 2 * n  # nothing counted for the expert that left
+    assert s.ledger.used[HOT] + s.ledger.used[WARM] == 2 * n  # nothing counted for the expert that left
     s.close()
 
 
@@ -222,14 +222,14 @@ def test_a_swap_of_an_expert_removed_meanwhile_is_refused_and_frees_its_stage(mo
     ts = threading.Thread(target=swap)
     ts.start()
     deadline = time.monotonic() + BOUND_S
-    while not s.staging[HOT] + s.staging[WARM] and time.monotonic() < deadline:
+    while not s.ledger.staged[HOT] + s.ledger.staged[WARM] and time.monotonic() < deadline:
         time.sleep(0.01)
     s.configure([(0, 1)])  # k removed while the swap waits for the batch
     gate.release.set()
     tb.join(BOUND_S)
     ts.join(BOUND_S)
     assert errors and "removed" in str(errors[0])
-    assert s.staging == {HOT: 0, WARM: 0} and s.reserved == {HOT: 0, WARM: 0}
+    assert s.ledger.staged == {HOT: 0, WARM: 0} and s.ledger.reserved == {HOT: 0, WARM: 0}
     accounting_holds(s)
     s.close()
 
@@ -357,10 +357,10 @@ class ConcurrentStore(RuleBasedStateMachine):
         assert not self.errors, self.errors
         s = self.store
         with s._cv:
-            assert s.used[HOT] + s.reserved[HOT] <= self.hot or s.staging[HOT]
-            assert s.used[WARM] + s.reserved[WARM] <= self.warm or s.staging[WARM]
+            assert s.ledger.used[HOT] + s.ledger.reserved[HOT] <= self.hot or s.ledger.staged[HOT]
+            assert s.ledger.used[WARM] + s.ledger.reserved[WARM] <= self.warm or s.ledger.staged[WARM]
             assert not any(e.pins or e.busy for e in s.entries.values())  # every call has finished
-            assert s.reserved == {HOT: 0, WARM: 0} and s.staging == {HOT: 0, WARM: 0}
+            assert s.ledger.reserved == {HOT: 0, WARM: 0} and s.ledger.staged == {HOT: 0, WARM: 0}
             assert not s._retiring
         accounting_holds(s)
 

@@ -503,6 +503,12 @@ class TierSummary(ApiModel):
 
     experts: int = Field(default=0, description="Expert copies resident.")
     bytes: int = Field(default=0, description="Bytes resident.")
+    form: str | None = Field(default=None, description="How the tier holds an expert: compute (the compute dtype "
+                             "the kernels read) or stored (a quantized checkpoint's own form: fp8 and its scales, "
+                             "mxfp4 blocks and scales).")
+    expert_bytes: int | None = Field(default=None, description="Bytes of one expert as this tier holds it.")
+    vs_compute: float | None = Field(default=None, description="expertBytes over one expert in the compute dtype "
+                                     "(0.5 for fp8 against bf16; about 0.27 for mxfp4).")
 
 
 class SwapRecord(ApiModel):

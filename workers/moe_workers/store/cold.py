@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-
 Key = tuple[int, int]  # (layer, expert)
 
 

@@ -16,14 +16,13 @@ import torch
 from safetensors import safe_open
 
 from moe_workers.model.dtypes import SAFETENSORS_NAME, TORCH_NAME, torch_name
-from moe_workers.model.quantization import read_scales, scale_problem
 from moe_workers.model.index import safetensors_header as _safetensors_header
+from moe_workers.model.quantization import read_scales, scale_problem
 
 from .config import TierConfigError
 from .entry import Key
 from .fileread import TruncatedFile, read_ranges
 from .versions import CHECKPOINT, SwapError, Version, match_parts
-
 
 
 class ColdIO:
@@ -115,16 +114,15 @@ class ColdIO:
         header_len, header = _safetensors_header(path)
         with open(path, "rb", buffering=0) as f:
             fd = f.fileno()
-            want = {name for name, _ in self.model.expert_parts()}
-            if set(header) - {"__metadata__"} != want or any(
-                    header[w]["dtype"] != SAFETENSORS_NAME.get(torch_name(self.dtype)) for w in want):
-                with safe_open(path, framework="pt") as g:
+            want = {name: SAFETENSORS_NAME.get(torch_name(dtype)) for name, dtype, _ in self._parts[self.forms.form(tier)]}
+            if set(header) - {"__metadata__"} != set(want) or any(header[w]["dtype"] != d for w, d in want.items()):
+                with safe_open(path, framework="pt") as g:  # another form or dtype: converted by _fill
                     return self._fill(tier, {k: g.get_tensor(k) for k in g.keys()})
             with self._cv:
                 buf, slot_after = self.pools[tier].take()
             try:
                 self.ops.host_wait(slot_after)  # (outside the lock) a DMA may still read this pinned slot
-                views = self._layout(buf)
+                views = self._layout(buf, tier)
                 ranges, offset = [], 0  # (file offset, slot offset, bytes) per tensor
                 for w, dst in views.items():
                     begin, end = header[w]["data_offsets"]

@@ -25,7 +25,6 @@ class StoreFull(RuntimeError):
 class Entry:
     key: Key
     version: Version
-    nbytes: int
     tier: str = COLD
     tensors: dict[str, torch.Tensor] | None = None  # hot or warm copy: views into `slot`
     slot: torch.Tensor | None = None

@@ -6,8 +6,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 
-from .entry import HOT, Key
+from .entry import HOT, WARM, Key
+
+
+@dataclass(frozen=True)
+class Refill:
+    """A quantized expert demoted from hot, to read back into warm in its stored form."""
+
+    key: Key
 
 
 class Prefetch:
@@ -22,13 +30,18 @@ class Prefetch:
         keys = [k for k in keys if k in self.entries]
         with self._cv:
             self.hints.hinted(keys)
-        if self._prefetch_thread is None:
-            self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch", daemon=True)
-            self._prefetch_thread.start()
         for k in keys:
             e = self.entries.get(k)
             if e is not None and e.tier != HOT:
-                self._prefetch_q.put(k)
+                self._queue(k)
+
+    def _queue(self, item) -> None:
+        """Work for the prefetch thread (started on first use): a key to promote to hot, a
+        Refill, an Event to set once what came before is done."""
+        if self._prefetch_thread is None:
+            self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch", daemon=True)
+            self._prefetch_thread.start()
+        self._prefetch_q.put(item)
 
     def _prefetch_loop(self) -> None:
         while (item := self._prefetch_q.get()) is not None:
@@ -36,9 +49,11 @@ class Prefetch:
                 item.set()
                 continue
             try:
-                if item in self.entries and self.entries[item].tier != HOT:
+                if isinstance(item, Refill):
+                    self._promote(item.key, WARM, mode="refill")
+                elif item in self.entries and self.entries[item].tier != HOT:
                     self._promote(item, HOT, mode="prefetch")
-            except Exception:  # a prefetch is a hint: failures only cost a later demand load
+            except Exception:  # a prefetch is a hint, a refill an optimisation: failures cost a later disk read
                 pass
 
     def drain_prefetch(self, timeout_s: float = 30.0) -> None:

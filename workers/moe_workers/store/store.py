@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,13 +28,26 @@ from moe_workers.device import DeviceOps, ops_for
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.config import MoEConfig
 from moe_workers.model.dequant import decode
+from moe_workers.model.dtypes import TORCH_NAME
 
 from .cold import ColdCache
 from .coldio import ColdIO
 from .config import TierConfig, TierConfigError
-from .entry import COLD, HOT, SOURCE, TIERS, WARM, Entry, Key, MoveHook, StoreFull, StoreStats
+from .entry import (
+    COLD,
+    HOT,
+    SOURCE,
+    TIERS,
+    WARM,
+    Entry,
+    Key,
+    MoveHook,
+    StoreFull,
+    StoreStats,
+)
+from .ledger import COMPUTE, STORED, Hold, Ledger, TierForms
 from .policy import HintTracker, Policy, make_policy
-from .prefetch import Prefetch
+from .prefetch import Prefetch, Refill
 from .slots import SlotPool
 from .swap import HotSwap
 from .versions import CHECKPOINT, Version
@@ -63,6 +77,11 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         self.model: MoEConfig = checkpoint.config
         self.dtype = compute_dtype
         self._part_names = [name for name, _ in self.model.expert_parts()]
+        self._parts = {COMPUTE: [(name, compute_dtype, shape) for name, shape in self.model.expert_parts()],
+                       STORED: [(name, getattr(torch, TORCH_NAME[st]) if st else self.model.dtype, shape)
+                                for name, st, shape in self.model.stored_parts()]}
+        self.forms = TierForms(compute_bytes=_bytes(self._parts[COMPUTE]), stored_bytes=_bytes(self._parts[STORED]),
+                               quantized=self.model.quant is not None)
         self.config = config or TierConfig()
         self.ops = ops or ops_for(device, pinned=self.config.pinned)
         self.device = self.ops.device
@@ -71,12 +90,10 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         self.cold = self._open_cold(self.config)
         self.on_move = on_move
         self.entries: dict[Key, Entry] = {}
-        self.pools = {HOT: SlotPool(self.expert_bytes, self.ops, self.device.type == "cpu", self._slots(self.config.hot_budget)),
-                      WARM: SlotPool(self.expert_bytes, self.ops, True, self._slots(self.config.warm_budget))}
-        self.used = {HOT: 0, WARM: 0}
-        self.reserved = {HOT: 0, WARM: 0}
-        # the part of `reserved` that holds hot-swaps' staged versions (each released at its commit)
-        self.staging = {HOT: 0, WARM: 0}
+        self.pools = {HOT: SlotPool(self.forms.nbytes(HOT), self.ops, self.device.type == "cpu",
+                                    self._slots(HOT, self.config.hot_budget)),
+                      WARM: SlotPool(self.forms.nbytes(WARM), self.ops, True, self._slots(WARM, self.config.warm_budget))}
+        self.ledger = Ledger(self._budgets(self.config))
         self.stats = StoreStats()
         self._cv = threading.Condition(threading.RLock())
         self._swap_locks: dict[Key, threading.Lock] = {}
@@ -96,7 +113,17 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
 
     @property
     def expert_bytes(self) -> int:
-        return self.model.expert_numel() * torch.tensor([], dtype=self.dtype).element_size()
+        """One expert in the compute dtype (what a hot slot holds)."""
+        return self.forms.compute_bytes
+
+    @staticmethod
+    def _budgets(cfg: TierConfig) -> dict[str, int | None]:
+        return {HOT: cfg.hot_budget, WARM: cfg.warm_budget}
+
+    def _warm_ok(self, e: Entry) -> bool:
+        """The warm tier holds a quantized model's experts in their stored form only: a version
+        swapped in the compute dtype moves between hot and disk."""
+        return not (self.forms.quantized and e.version.compute_only)
 
     def _open_cold(self, cfg: TierConfig) -> ColdCache | None:
         """The cache directory; an unusable one degrades to reading from the source (reported in
@@ -119,11 +146,12 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         if not per_layer or config.hot_budget is None:
             return
         layer, n = max(per_layer.items(), key=lambda kv: (kv[1], -kv[0]))
-        need = n * self.expert_bytes
+        one = self.forms.nbytes(HOT)
+        need = n * one
         if config.hot_budget < need:
             raise TierConfigError(
                 f"tiers.hot_budget: {config.hot_budget} bytes cannot hold one batch's working set: layer {layer} "
-                f"has {n} experts on this shard, {need} bytes ({self.expert_bytes} each); raise the hot budget to "
+                f"has {n} experts on this shard, {need} bytes ({one} each); raise the hot budget to "
                 f">= {need} or spread the experts over more groups")
 
     def configure(self, keys: list[Key], config: TierConfig | None = None) -> None:
@@ -140,9 +168,10 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
                 else:
                     self.cold = self._open_cold(config)
             self.config = config
+            self.ledger.budgets = self._budgets(config)
             wanted = set(keys)
-            self.pools[HOT].resize(self._slots(config.hot_budget))
-            self.pools[WARM].resize(self._slots(config.warm_budget))
+            self.pools[HOT].resize(self._slots(HOT, config.hot_budget))
+            self.pools[WARM].resize(self._slots(WARM, config.warm_budget))
             for key in [k for k in self.entries if k not in wanted]:
                 self._release(key)
         for key in keys:
@@ -155,15 +184,17 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         for key in keys:  # fill from the top while there is room that needs no eviction
             self._promote(key, HOT if self._fits(HOT) else WARM, mode="preload")
 
-    def _slots(self, budget: int | None) -> int | None:
-        return None if budget is None else budget // self.expert_bytes
+    def _slots(self, tier: str, budget: int | None) -> int | None:
+        return None if budget is None else budget // self.forms.nbytes(tier)
 
-    def _layout(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The expert's parts (w1, w2, w3 for SwiGLU experts) as views of one slot, in the compute dtype."""
+    def _layout(self, buf: torch.Tensor, tier: str) -> dict[str, torch.Tensor]:
+        """The expert's parts as views of one slot of `tier`, in the form it holds: the compute
+        parts (w1, w2, w3 for SwiGLU experts) in the compute dtype, or the stored parts (fp8
+        weights and F32 scales; mxfp4 blocks, scales and biases)."""
         out, offset = {}, 0
-        for name, shape in self.model.expert_parts():
-            n = math.prod(shape) * torch.tensor([], dtype=self.dtype).element_size()
-            out[name] = buf[offset:offset + n].view(self.dtype).view(shape)
+        for name, dtype, shape in self._parts[self.forms.form(tier)]:
+            n = math.prod(shape) * dtype.itemsize
+            out[name] = buf[offset:offset + n].view(dtype).view(shape)
             offset += n
         return out
 
@@ -172,12 +203,14 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         the copy completes with). The copy waits for the slot's last readers and for `after`
         (the source's own copy); nothing here blocks the host on the device. A dtype conversion
         happens on the source's side first, so a DMA never allocates a converted temporary."""
-        if self.model.quant is not None and set(src) != set(self._part_names):  # the stored form: decode
-            src = decode(self.model.quant, src, self.dtype)
+        if self.forms.form(tier) == COMPUTE and self.forms.quantized and set(src) != set(self._part_names):
+            src = decode(self.model.quant, src, self.dtype)  # the stored form, into a compute slot
+        elif self.forms.form(tier) == STORED and set(src) != {name for name, _, _ in self._parts[STORED]}:
+            raise ValueError(f"the {tier} tier holds experts in their stored form; got parts {', '.join(sorted(src))}")
         with self._cv:
             buf, slot_after = self.pools[tier].take()
         try:
-            views = self._layout(buf)
+            views = self._layout(buf, tier)
             waits = [*slot_after, after]
             ready = None
             for name, dst in views.items():
@@ -193,9 +226,9 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         return views, buf, ready
 
     def _same_memory(self) -> bool:
-        """Hot and warm are both plain host memory in the compute layout (no accelerator, no
-        pinning): moving between them is bookkeeping, and copying would only waste memory."""
-        return self.device.type == "cpu"
+        """Hot and warm are both plain host memory in the same layout (no accelerator, an
+        unquantized model): moving between them is bookkeeping, and copying would only waste memory."""
+        return self.device.type == "cpu" and self.forms.same_layout()
 
     def _move_slot(self, src: str, dst: str) -> None:
         """A slot changes pools with its expert (lock held); both stay within their budgets."""
@@ -215,11 +248,7 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         e.slot, e.tensors, e.read_done = None, None, None
 
     def _fits(self, tier: str) -> bool:
-        budget = self._budget(tier)
-        return budget is None or self.used[tier] + self.reserved[tier] + self.expert_bytes <= budget
-
-    def _budget(self, tier: str) -> int | None:
-        return self.config.hot_budget if tier == HOT else self.config.warm_budget
+        return self.ledger.fits(tier, self.forms.nbytes(tier))
 
     def _register(self, key: Key) -> None:
         problem = self.model.expert_problem(*key)
@@ -227,7 +256,7 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
             raise TierConfigError(problem)
         version = Version(self._stream_from_checkpoint(key), CHECKPOINT)
         with self._cv:
-            self.entries[key] = Entry(key, version, self.expert_bytes)
+            self.entries[key] = Entry(key, version)
 
     def _release(self, key: Key) -> None:
         """Stop hosting `key` (lock held). An entry a batch has pinned, or one being moved, keeps
@@ -245,7 +274,7 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
     def _retire(self, e: Entry) -> None:
         """Give a removed entry's memory back (lock held)."""
         if e.tier in (HOT, WARM):
-            self.used[e.tier] -= e.nbytes
+            self.ledger.remove(e.tier, self.forms.nbytes(e.tier))
         self._free_slot(e)
         e.tier = COLD
 
@@ -362,103 +391,117 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
     def _promote(self, key: Key, target: str, mode: str, entry: Entry | None = None) -> dict[str, torch.Tensor] | None:
         """Move `key` up to `target`; returns its tensors when it ends there. mode: "demand" (a
         batch needs it: waits and evicts, or raises), "prefetch" (a hint: evicts by policy, never
-        waits), "preload" (fills free room only). `entry`: the one a batch pinned (it stays that
-        batch's even if the expert is removed from the replica meanwhile)."""
-        demand = mode == "demand"
-        evict = demand or mode == "prefetch" and (self.hints.accuracy is None
-                                                  or self.hints.accuracy >= PREFETCH_EVICT_ACCURACY)
+        waits), "refill" (a quantized expert demoted from hot read back into warm: evicts there
+        by policy, never waits), "preload" (fills free room only). `entry`: the one a batch
+        pinned (it stays that batch's even if the expert is removed from the replica meanwhile).
+
+        Three steps: claim (under the lock: the entry marked busy, room reserved in `target`),
+        copy (unlocked), land (under the lock: the reservation committed) or, on any failure,
+        roll back (`_abandon`, the one place that undoes a claim)."""
         with self._cv:
-            deadline = time.monotonic() + self.wait_timeout_s
-            while True:
-                e = entry if entry is not None else self.entries.get(key)
-                if e is None or (entry is None and e.removed):
-                    if demand:
-                        raise KeyError(f"expert {key[0]}.{key[1]} was removed from this replica")
-                    return None
-                if not e.busy and (e.tier == target or (e.tier == HOT and target == WARM)):
-                    if demand:  # (also when it waited for a prefetch already under way)
-                        self.stats.hits[HOT] += 1
-                    if demand and e.prefetched:
-                        self.stats.prefetch_used += 1
-                        e.prefetched = False
-                    return e.tensors
-                if e.busy:
-                    if not demand:
-                        return None
-                    self._cv.wait(max(0.0, deadline - time.monotonic()))
-                    if time.monotonic() > deadline:
-                        raise StoreFull(f"timed out waiting for expert {key[0]}.{key[1]} to move")
-                    continue
-                e.busy = True  # from here on no eviction (nested ones included) may pick it
-                # In one memory (no accelerator) warm -> hot is an exchange: the expert leaves its
-                # warm room as the hot tier's victim moves in. Counting that room free first keeps
-                # the victim in RAM; otherwise every such promotion with warm full pushed another
-                # expert to disk (68 cold reads a step at batch 16 with every expert fitting in RAM).
-                exchange = e.tier == WARM and target == HOT and self._same_memory()
-                if exchange:
-                    self.used[WARM] -= e.nbytes
-                try:
-                    room = self._make_room(target, e.nbytes, exclude={key}, wait=demand, evict=evict)
-                except BaseException:
-                    if exchange:
-                        self.used[WARM] += e.nbytes
-                    e.busy = False
-                    self._cv.notify_all()
-                    raise
-                if not room:
-                    if exchange:
-                        self.used[WARM] += e.nbytes
-                    e.busy = False
-                    self._cv.notify_all()
-                    if mode == "prefetch":
-                        self.stats.prefetch_skipped += 1
-                    return None
-                source = e.tier
-                if demand:
-                    self._count_miss(e)
-                self.reserved[target] += e.nbytes
-                warm_copy = e.tensors if source == WARM else None
-                warm_ready = e.ready
-                version = e.version
-                break
+            move = self._claim(key, target, mode, entry)
+        if not isinstance(move, _Move):
+            return move
         t0 = time.perf_counter()
         try:
-            if warm_copy is not None and self._same_memory():
-                tensors, slot, ready = warm_copy, e.slot, warm_ready  # same host layout: the slot changes tier
-            elif warm_copy is not None:
-                tensors, slot, ready = self._fill(target, warm_copy, after=warm_ready)
+            if move.warm_copy is not None and self._same_memory():
+                tensors, slot, ready = move.warm_copy, move.e.slot, move.warm_ready  # the slot changes tier
+            elif move.warm_copy is not None:
+                tensors, slot, ready = self._fill(target, move.warm_copy, after=move.warm_ready)
             else:
-                tensors, slot, ready = self._read_cold(key, version, target)
+                tensors, slot, ready = self._read_cold(key, move.version, target)
         except BaseException:
             with self._cv:
-                self.reserved[target] -= e.nbytes
-                if exchange:
-                    self.used[WARM] += e.nbytes
-                e.busy = False
-                self._cv.notify_all()
+                self._abandon(move)
             raise
-        seconds = time.perf_counter() - t0
         with self._cv:
-            self.reserved[target] -= e.nbytes
-            self.used[target] += e.nbytes
-            if source in (HOT, WARM) and not exchange:
-                self.used[source] -= e.nbytes
-            if slot is e.slot:
-                self._move_slot(source, target)
-            else:
-                self._free_slot(e, after=ready)  # the copy read the old slot
-            e.tensors, e.slot, e.tier, e.busy, e.ready = tensors, slot, target, False, ready
-            e.prefetched = mode == "prefetch"
-            if mode == "prefetch":
-                self.stats.prefetch_issued += 1
-            self.stats.promotions += 1
-            move = f"{source if source != COLD or self._has_cold(e) else SOURCE}->{target}"
-            self.stats.bytes_moved[move] = self.stats.bytes_moved.get(move, 0) + e.nbytes
-            self._retire_if_done(e)  # released while it moved, and no batch holds it
-            self._cv.notify_all()
+            self._land(move, tensors, slot, ready)
         if self.on_move is not None:
-            self.on_move(move.split("->")[0], target, seconds, e.nbytes)
+            self.on_move(move.label.split("->")[0], target, time.perf_counter() - t0, self.forms.nbytes(target))
         return tensors
+
+    def _claim(self, key: Key, target: str, mode: str, entry: Entry | None) -> "_Move | dict | None":
+        """The first step of a move (lock held): the entry's tensors when it is already there,
+        None when it cannot move now (not demanded), else the claimed move."""
+        demand = mode == "demand"
+        evict = demand or mode == "refill" or mode == "prefetch" and (
+            self.hints.accuracy is None or self.hints.accuracy >= PREFETCH_EVICT_ACCURACY)
+        deadline = time.monotonic() + self.wait_timeout_s
+        while True:
+            e = entry if entry is not None else self.entries.get(key)
+            if e is None or (entry is None and e.removed):
+                if demand:
+                    raise KeyError(f"expert {key[0]}.{key[1]} was removed from this replica")
+                return None
+            if not e.busy and (e.tier == target or (e.tier == HOT and target == WARM)):
+                if demand:  # (also when it waited for a prefetch already under way)
+                    self.stats.hits[HOT] += 1
+                if demand and e.prefetched:
+                    self.stats.prefetch_used += 1
+                    e.prefetched = False
+                return e.tensors
+            if target == WARM and not self._warm_ok(e):
+                return None
+            if not e.busy:
+                break
+            if not demand:
+                return None
+            self._cv.wait(max(0.0, deadline - time.monotonic()))
+            if time.monotonic() > deadline:
+                raise StoreFull(f"timed out waiting for expert {key[0]}.{key[1]} to move")
+        e.busy = True  # from here on no eviction (nested ones included) may pick it
+        # In one memory (no accelerator) warm -> hot is an exchange: the expert leaves its warm
+        # room as the hot tier's victim moves in. Counting that room free first keeps the victim
+        # in RAM; otherwise every such promotion with warm full pushed another expert to disk (68
+        # cold reads a step at batch 16 with every expert fitting in RAM).
+        credit = self.forms.nbytes(WARM) if e.tier == WARM and target == HOT and self._same_memory() else 0
+        self.ledger.remove(WARM, credit)
+        need = self.forms.nbytes(target)
+        move = _Move(e, e.tier, target, mode, credit=credit)
+        try:
+            room = self._make_room(target, need, exclude={key}, wait=demand, evict=evict)
+        except BaseException:
+            self._abandon(move)
+            raise
+        if not room:
+            self._abandon(move)
+            if mode == "prefetch":
+                self.stats.prefetch_skipped += 1
+            return None
+        if demand:
+            self._count_miss(e)
+        move.hold = self.ledger.reserve(target, need)
+        move.warm_copy = e.tensors if e.tier == WARM else None
+        move.warm_ready, move.version = e.ready, e.version
+        return move
+
+    def _abandon(self, move: "_Move") -> None:
+        """Undo a claim (lock held): its reservation, the warm room an exchange counted free."""
+        if move.hold is not None:
+            move.hold.abandon()
+        self.ledger.add(WARM, move.credit)
+        move.e.busy = False
+        self._cv.notify_all()
+
+    def _land(self, move: "_Move", tensors: dict[str, torch.Tensor], slot: torch.Tensor, ready) -> None:
+        """The last step of a move (lock held): the entry is in `target` with its new copy."""
+        e, source, target = move.e, move.source, move.target
+        move.hold.commit()
+        if source in (HOT, WARM) and not move.credit:
+            self.ledger.remove(source, self.forms.nbytes(source))
+        if slot is e.slot:
+            self._move_slot(source, target)
+        else:
+            self._free_slot(e, after=ready)  # the copy read the old slot
+        e.tensors, e.slot, e.tier, e.busy, e.ready = tensors, slot, target, False, ready
+        e.prefetched = move.mode == "prefetch"
+        if move.mode == "prefetch":
+            self.stats.prefetch_issued += 1
+        self.stats.promotions += 1
+        move.label = f"{source if source != COLD or self._has_cold(e) else SOURCE}->{target}"
+        self.stats.bytes_moved[move.label] = self.stats.bytes_moved.get(move.label, 0) + self.forms.nbytes(target)
+        self._retire_if_done(e)  # released while it moved, and no batch holds it
+        self._cv.notify_all()
 
     def _count_miss(self, e: Entry) -> None:
         self.stats.misses[HOT] += 1
@@ -476,20 +519,20 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
 
     def _make_room(self, tier: str, nbytes: int, exclude: set[Key], wait: bool, evict: bool = True) -> bool:
         """Evict (by policy) until `nbytes` more fit in `tier`. Called with the lock held."""
-        budget = self._budget(tier)
+        budget = self.ledger.budgets[tier]
         if budget is None:
             return True
         if nbytes > budget:
             return False
         deadline = time.monotonic() + self.wait_timeout_s
-        while self.used[tier] + self.reserved[tier] + nbytes > budget:
+        while not self.ledger.fits(tier, nbytes):
             candidates = [k for k, e in self.entries.items()
                           if e.tier == tier and not e.busy and e.pins == 0 and k not in exclude] if evict else []
             victim = self.policy.victim(candidates)
             if victim is None:
                 if not wait:
                     return False
-                if self.staging[tier]:
+                if self.ledger.staged[tier]:
                     # a swap's staged copy holds the room, and its commit waits for the batches
                     # that pinned the expert, this one maybe: waiting here would deadlock until the
                     # timeout. Go over the budget by the staged copy until the commit frees the old.
@@ -505,10 +548,9 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         staged copy (see _make_room); once no swap is staged there, evict by policy what no batch
         holds until the tier fits again."""
         for tier in (HOT, WARM):
-            budget = self._budget(tier)
-            if budget is None or self.staging[tier]:
+            if self.ledger.budgets[tier] is None or self.ledger.staged[tier]:
                 continue
-            while self.used[tier] + self.reserved[tier] > budget:
+            while self.ledger.over(tier):
                 victim = self.policy.victim([k for k, e in self.entries.items()
                                              if e.tier == tier and not e.busy and e.pins == 0])
                 if victim is None:
@@ -519,46 +561,52 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         """One tier down (hot -> warm when warm has room without waiting, else to disk). Called
         with the lock held; a copy to the warm tier (a GPU hot tier) is issued with the lock
         released, the entry busy and its warm room counted meanwhile, so no device call ever
-        runs under the store's lock."""
+        runs under the store's lock. A quantized expert leaving hot goes to disk at once and is
+        read back into warm in its stored form by the prefetch thread (`Refill`): its hot copy
+        is the decoded form, which the warm tier does not hold."""
         src = e.tier
         self.stats.demotions += 1
         t0 = time.perf_counter()
-        if src == HOT and self._make_room(WARM, e.nbytes, exclude={e.key}, wait=False):
+        to_warm = src == HOT and self.forms.same_layout() and self._warm_ok(e)
+        if to_warm and self._make_room(WARM, self.forms.nbytes(WARM), exclude={e.key}, wait=False):
             if self._same_memory():
                 self._move_slot(HOT, WARM)
             else:
                 e.busy = True  # no eviction, batch or move may pick it while the lock is released
-                self.used[WARM] += e.nbytes  # its warm room, held across the copy
+                hold = self.ledger.reserve(WARM, self.forms.nbytes(WARM))  # its warm room, held across the copy
                 state = self._cv._release_save()
                 try:
                     tensors, slot, ready = self._fill(WARM, e.tensors, after=e.ready)
                 except BaseException:
                     self._cv._acquire_restore(state)
-                    self.used[WARM] -= e.nbytes
+                    hold.abandon()
                     e.busy = False
                     self._cv.notify_all()
                     raise
                 self._cv._acquire_restore(state)
-                self.used[WARM] -= e.nbytes
+                hold.abandon()  # counted as used below, with the tier change
                 e.busy = False
                 self._free_slot(e, after=ready)
                 e.tensors, e.slot, e.ready = tensors, slot, ready
                 self._cv.notify_all()
-            self.used[src] -= e.nbytes
+            self.ledger.remove(src, self.forms.nbytes(src))
             e.tier = WARM
-            self.used[WARM] += e.nbytes
+            self.ledger.add(WARM, self.forms.nbytes(WARM))
             dst = WARM
         else:
-            self.used[src] -= e.nbytes
+            self.ledger.remove(src, self.forms.nbytes(src))
             self._free_slot(e)
             e.tier = COLD
             dst = COLD
+            if src == HOT and not self.forms.same_layout() and self._warm_ok(e) and not e.removed:
+                self._queue(Refill(e.key))
         e.prefetched = False
         self._retire_if_done(e)  # dropped by configure() while its copy ran
+        moved = self.forms.nbytes(WARM) if dst == WARM else 0
         move = f"{src}->{dst}"
-        self.stats.bytes_moved[move] = self.stats.bytes_moved.get(move, 0) + (e.nbytes if dst == WARM else 0)
+        self.stats.bytes_moved[move] = self.stats.bytes_moved.get(move, 0) + moved
         if self.on_move is not None:
-            self.on_move(src, dst, time.perf_counter() - t0, e.nbytes if dst == WARM else 0)
+            self.on_move(src, dst, time.perf_counter() - t0, moved)
 
     # -- idle demotion ------------------------------------------------------------------------
 
@@ -580,16 +628,22 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
     # -- status -------------------------------------------------------------------------------
 
     def residency(self) -> dict[str, dict]:
-        """Per tier: experts and bytes (cold: files in the cache)."""
+        """Per tier: experts and bytes (cold: files in the cache), and one expert's form and
+        bytes as the tier holds it, with their ratio to the compute dtype (`TierForms.report`)."""
+        forms = self.forms.report()
         with self._cv:
-            out = {t: {"experts": 0, "bytes": 0} for t in TIERS}
+            out = {t: {"experts": 0, "bytes": 0, "form": forms[t]["form"], "expert_bytes": forms[t]["bytes"],
+                       "vs_compute": forms[t]["vs_compute"]} for t in TIERS}
             for e in self.entries.values():
                 if e.tier in (HOT, WARM):
                     out[e.tier]["experts"] += 1
-                    out[e.tier]["bytes"] += e.nbytes
+                    out[e.tier]["bytes"] += self.forms.nbytes(e.tier)
             if self.cold is not None:
                 out[COLD]["experts"] = len(self.cold.files)
                 out[COLD]["bytes"] = self.cold.used()
+                if self.cold.files:  # the checkpoint's own bytes (its scales' dtype, which warm widens to F32)
+                    out[COLD]["expert_bytes"] = self.cold.used() // len(self.cold.files)
+                    out[COLD]["vs_compute"] = round(out[COLD]["expert_bytes"] / self.forms.compute_bytes, 4)
             return out
 
     def experts(self) -> dict[str, dict]:
@@ -608,6 +662,26 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
     def close(self) -> None:
         if self._prefetch_thread is not None:
             self._prefetch_q.put(None)
+
+
+def _bytes(parts: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in parts)
+
+
+@dataclass(eq=False)
+class _Move:
+    """One promotion between its claim and its landing (TieredExpertStore._promote)."""
+
+    e: Entry
+    source: str
+    target: str
+    mode: str
+    credit: int = 0  # warm bytes counted free for an exchange (given back if the move fails)
+    hold: Hold | None = None  # the room reserved in `target`
+    warm_copy: dict[str, torch.Tensor] | None = None
+    warm_ready: object = None
+    version: Version | None = None
+    label: str = ""
 
 
 class Batch:

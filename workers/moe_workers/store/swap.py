@@ -19,8 +19,9 @@ class HotSwap:
 
     def swap(self, key: Key, load: Callable[[], dict[str, torch.Tensor]], source: str) -> Version:
         """Replace `key`'s weights: stage beside the serving version (room reserved in its tier,
-        else warm), validate (`load` raises SwapError), commit between batches, release the old.
-        On any failure the old version keeps serving and the error propagates."""
+        else warm; a quantized model's always hot, decoded), validate (`load` raises SwapError),
+        commit between batches, release the old. On any failure the old version keeps serving
+        and the error propagates."""
         if key not in self.entries:
             raise SwapError(f"expert {key[0]}.{key[1]} is not hosted on this replica")
         lock = self._swap_locks.setdefault(key, threading.Lock())
@@ -28,20 +29,16 @@ class HotSwap:
             with self._cv:
                 e = self.entries[key]
                 stage = self._stage_room(key, e, time.monotonic() + self.wait_timeout_s)
-                self.reserved[stage] += e.nbytes
-                self.staging[stage] += e.nbytes
+                hold = self.ledger.reserve(stage, self.forms.nbytes(stage), staged=True)
             slot = None
             try:
                 raw = load()
-                version = Version(content_digest(raw), source)
+                compute_only = self.forms.quantized and set(raw) == set(self._part_names)
+                version = Version(content_digest(raw), source, compute_only=compute_only)
                 staged, slot, staged_ready = self._fill(stage, raw)
             except BaseException:
                 with self._cv:
-                    if slot is not None:
-                        self.pools[stage].give(slot)
-                    self.reserved[stage] -= e.nbytes
-                    self.staging[stage] -= e.nbytes
-                    self._cv.notify_all()
+                    self._unstage(hold, slot)
                 raise
             with self._cv:
                 e.swap_pending = True
@@ -49,26 +46,17 @@ class HotSwap:
                 while e.pins or e.busy:  # the batch boundary
                     if not self._cv.wait(max(0.0, deadline - time.monotonic())):
                         e.swap_pending = False
-                        self.pools[stage].give(slot)
-                        self.reserved[stage] -= e.nbytes
-                        self.staging[stage] -= e.nbytes
-                        self._cv.notify_all()
+                        self._unstage(hold, slot)
                         raise SwapError(f"expert {key[0]}.{key[1]} stayed in use for {self.wait_timeout_s:.0f} s; "
                                         "swap not committed")
                 if e.removed:  # configure() dropped the expert while the swap waited for its batches
                     e.swap_pending = False
-                    self.pools[stage].give(slot)
-                    self.reserved[stage] -= e.nbytes
-                    self.staging[stage] -= e.nbytes
-                    self._cv.notify_all()
+                    self._unstage(hold, slot)
                     raise SwapError(f"expert {key[0]}.{key[1]} was removed from this replica; swap not committed")
-                old_tier = e.tier
-                if old_tier in (HOT, WARM):
-                    self.used[old_tier] -= e.nbytes
+                if e.tier in (HOT, WARM):
+                    self.ledger.remove(e.tier, self.forms.nbytes(e.tier))
                 self._free_slot(e)  # the old version's memory: released after its last batch
-                self.reserved[stage] -= e.nbytes
-                self.staging[stage] -= e.nbytes
-                self.used[stage] += e.nbytes
+                hold.commit()
                 e.tensors, e.slot, e.tier, e.version, e.ready = staged, slot, stage, version, staged_ready
                 e.swap_pending = False
                 e.prefetched = False
@@ -80,6 +68,13 @@ class HotSwap:
                              daemon=True).start()
             return version
 
+    def _unstage(self, hold, slot) -> None:
+        """A staged version that will not commit gives its room and slot back (lock held)."""
+        if slot is not None:
+            self.pools[hold.tier].give(slot)
+        hold.abandon()
+        self._cv.notify_all()
+
     def _stage_room(self, key: Key, e: Entry, deadline: float) -> str:
         """The tier to stage a new version of `key` in, with room made there (lock held): its
         own tier first, then warm, then hot. When every expert there is in use (pinned by a
@@ -88,8 +83,10 @@ class HotSwap:
         while True:
             if e.removed:
                 raise SwapError(f"expert {key[0]}.{key[1]} was removed from this replica; swap not committed")
-            for tier in ([e.tier] if e.tier in (HOT, WARM) else []) + [WARM, HOT]:
-                if self._make_room(tier, e.nbytes, exclude={key}, wait=False):
+            # a quantized model's replacement may come in either form: staged decoded, in hot
+            tiers = [HOT] if self.forms.quantized else ([e.tier] if e.tier in (HOT, WARM) else []) + [WARM, HOT]
+            for tier in dict.fromkeys(tiers):
+                if self._make_room(tier, self.forms.nbytes(tier), exclude={key}, wait=False):
                     return tier
             if not self._cv.wait(max(0.0, deadline - time.monotonic())):
                 raise SwapError(f"no room to stage expert {key[0]}.{key[1]} beside the serving version: the hot and "

@@ -28,6 +28,9 @@ class SwapError(ValueError):
 class Version:
     digest: str  # "sha256:<hex>" over the tensors' content
     source: str  # CHECKPOINT or the override file's path
+    # a quantized model's expert replaced in the compute dtype: held hot or on disk, never in
+    # the warm tier (which holds the stored form)
+    compute_only: bool = False
 
 
 def content_digest(tensors: dict[str, torch.Tensor]) -> str:
