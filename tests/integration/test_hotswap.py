@@ -199,6 +199,13 @@ def test_a_committed_swap_invalidates_cached_prefixes(setup):
     def weights():
         return requests.get(url + "/moe/v1/status", timeout=30).json()["ingress"]["kv"]["weights"]
 
+    def board_serves_old():  # the Ingress resets its prefix cache when its status read sees the board change
+        reps = requests.get(url + "/moe/v1/status", timeout=30).json()["replicas"]
+        hosting = [r for r in reps if EID in (r.get("versions") or {})]
+        return hosting and all(r["versions"][EID]["digest"] == setup["old_digest"] for r in hosting)
+
+    # the rollback above is seen by the Ingress through the board, which lags the shard's own status
+    wait_for(board_serves_old, timeout_s=60, what="the board to report the rolled-back version")
     ask()
     assert ask() == (old.generate([long], 4, stop_at_eos=True)[0], 32)
     before = weights()
