@@ -128,7 +128,7 @@ def _channel_shard(path: str, experts: list[int], ready, port_out, local_out) ->
 
     cfg, local = _load(path, experts)
 
-    def compute(layer, x, experts, counts, prefetch, out):
+    def compute(layer, x, experts, counts, prefetch, out, top1=None):
         compute_rows(local.weights, [(layer, e) for e in experts], counts, x, out, cfg)
 
     server = ExchangeServer(compute, lambda: ["floor"], torch_threads=1)

@@ -9,14 +9,14 @@ serving with RAM short of the experts, and memory against budgets. Side by side 
    (1, 4 and 16 readers: the disk's speed is the best); cached-promote-ratio: cold->warm from the
    page cache against a memcpy (torch copy_) of the same bytes between preallocated buffers.
    Without an accelerator warm->hot hands the slot between pools and copies nothing. Best of 5.
-2. hit-ratio-vs-online-bound: hits of the default policy (RecencyFrequency), LRU and LFU against
+2. hit-ratio-vs-online-bound: hits of the default policy (RankAware), RecencyFrequency, LRU and LFU against
    the better of two online bounds (a policy told the true popularity; the same plus the trace's
    temporal locality and each layer's last top-1 expert), with Belady's offline optimum as
    context, for synthetic routing traces (Zipf popularity, temporal locality: the next token
    keeps its top-1 expert with probability p, popularity drift) and a trace recorded from the
-   model itself, at cache sizes of 25% and 50% of the experts. Beside them a prototype not in the
-   store yet (rank-aware: the default's values plus each layer's last top-1 and an online estimate
-   of how often it is chosen again), which needs the router's ranking in the channel's request.
+   model itself, at cache sizes of 25% and 50% of the experts. Calls are replayed as the store
+   sees them (the call's experts told to the policy with the router's top-1 first, then each
+   missing one brought in, never evicting one the call uses).
 3. warm25-tps-ratio / warm50-tps-ratio: served decode tokens/s with each shard's RAM (hot + warm,
    one memory without an accelerator) at 25% / 50% of its experts and the rest on disk (the page
    cache dropped for the cold files and the checkpoint before each run) against all in RAM,
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import math
 import os
 import random
 import sys
@@ -234,6 +233,10 @@ class OraclePopularity:
     def access(self, key) -> None:
         self.clock += 1
 
+    def visit(self, keys, top1=()) -> None:
+        for key in keys:
+            self.access(key)
+
     def forget(self, key) -> None:
         pass
 
@@ -278,76 +281,6 @@ class OracleLocality(OraclePopularity):
         return min(candidates, key=lambda k: (chance(k), k))
 
 
-class RankAwarePrototype:
-    """Not in the store yet: what the default policy would gain from the router's ranking (which
-    expert was each layer's top-1 at its last visit), which the channel's request does not carry
-    today (a shard sees a call's experts sorted by id). It evicts the cached expert least likely
-    to be chosen at its layer's next visit, estimated online: q = k x the expert's decayed share
-    of its layer's accesses (the default policy's values), and for the layer's last top-1
-    stay + (1 - stay) q, where stay is the rate at which the last top-1 is chosen again beyond what
-    q predicted for it (decayed over about 256 visits). The first access of a visit is its top-1,
-    as the router ranks them."""
-
-    name = "rank-aware"
-
-    def __init__(self, top_k: int, half_life: float = 64.0, stay_half_life: float = 256.0):
-        from moe_workers.store.policy import RecencyFrequency
-
-        self.values = RecencyFrequency(half_life)  # the default policy's decayed counts
-        self.top_k = top_k
-        self.total: dict[int, tuple[float, int]] = {}  # layer -> (decayed accesses, at its clock)
-        self.last_top1: dict[int, int] = {}
-        self.visit: dict[int, list[int]] = {}
-        self.q_prev: dict[int, float] = {}
-        self.repeats = self.predicted = self.visits = 0.0
-        self.keep = math.exp(-math.log(2) / stay_half_life)
-
-    def access(self, key) -> None:
-        layer, expert = key
-        visit = self.visit.setdefault(layer, [])
-        if len(visit) == self.top_k:
-            visit.clear()
-        if not visit and layer in self.last_top1:  # what popularity alone predicts for the last top-1
-            self.q_prev[layer] = self._q((layer, self.last_top1[layer]))
-        visit.append(expert)
-        if len(visit) == self.top_k:  # a whole visit: was the previous top-1 chosen again?
-            if layer in self.last_top1:
-                self.repeats = self.repeats * self.keep + (self.last_top1[layer] in visit)
-                self.predicted = self.predicted * self.keep + self.q_prev.get(layer, 0.0)
-                self.visits = self.visits * self.keep + 1.0
-            self.last_top1[layer] = visit[0]
-        self.values.access(key)
-        now = self.values.group_clock[layer]
-        total, at = self.total.get(layer, (0.0, now))
-        self.total[layer] = (total * math.exp(-self.values.decay * (now - at)) + 1.0, now)
-
-    def forget(self, key) -> None:
-        self.values.forget(key)
-
-    def _q(self, key) -> float:
-        layer = key[0]
-        now = self.values.group_clock.get(layer, 0)
-        total, at = self.total.get(layer, (0.0, now))
-        total *= math.exp(-self.values.decay * (now - at))
-        value = self.values._log_value(key, now, empty=0.0, log=False)
-        return min(1.0, self.top_k * value / total) if total > 0 else 0.0
-
-    def _stay(self) -> float:
-        if not self.visits:
-            return 0.0
-        rate, q = self.repeats / self.visits, self.predicted / self.visits
-        return max(0.0, (rate - q) / (1 - q)) if q < 1 else 0.0
-
-    def victim(self, candidates):
-        stay = self._stay()
-
-        def chance(k):
-            q = self._q(k)
-            return stay + (1 - stay) * q if self.last_top1.get(k[0]) == k[1] else q
-
-        return min(candidates, key=lambda k: (chance(k), self.values.last.get(k, -1)))
-
-
 def recorded_trace(path: Path, tokens: int) -> list[tuple[int, int]]:
     """The routing of the model itself while it generates (batch 1, greedy)."""
     from moe_workers.model.inprocess import InProcessModel
@@ -376,27 +309,30 @@ def stay_rate(trace, num_layers, top_k) -> float:
 
 
 def bench_policies(traces: dict[str, tuple[list, list | None]], num_experts_total: int, top_k: int) -> dict:
-    from moe_workers.store.policy import LFU, LRU, RecencyFrequency, belady_hits, policy_hits
+    from moe_workers.store.policy import (DEFAULT_POLICY, LFU, LRU, RankAware, RecencyFrequency, belady_hits,
+                                          policy_hits_visits, visits_of)
 
     out = {}
     for name, (trace, phases) in traces.items():
+        visits = visits_of(trace, top_k)
         for frac in (0.25, 0.5):
             cap = max(1, int(num_experts_total * frac))
             opt = belady_hits(trace, cap)
             row = {"capacity": cap, "accesses": len(trace), "belady": opt / len(trace)}
-            for label, policy in (("RecencyFrequency", RecencyFrequency()), ("LRU", LRU()), ("LFU", LFU())):
-                row[label] = policy_hits(trace, cap, policy) / len(trace)
-            row["rank_aware"] = policy_hits(trace, cap, RankAwarePrototype(top_k)) / len(trace)
-            row["oracle"] = policy_hits(trace, cap, OraclePopularity(phases)) / len(trace) if phases else None
-            row["oracle_locality"] = (policy_hits(trace, cap, OracleLocality(phases)) / len(trace)
+            for label, policy in (("RankAware", RankAware()), ("RecencyFrequency", RecencyFrequency()), ("LRU", LRU()),
+                                  ("LFU", LFU())):
+                row[label] = policy_hits_visits(visits, cap, policy) / len(trace)
+            row["oracle"] = policy_hits_visits(visits, cap, OraclePopularity(phases)) / len(trace) if phases else None
+            row["oracle_locality"] = (policy_hits_visits(visits, cap, OracleLocality(phases)) / len(trace)
                                       if phases else None)
-            row["default_vs_optimal"] = row["RecencyFrequency"] / row["belady"] if opt else 1.0
-            row["default_vs_oracle"] = row["RecencyFrequency"] / row["oracle"] if row["oracle"] else None
+            default = row[DEFAULT_POLICY]
+            row["default_vs_optimal"] = default / row["belady"] if opt else 1.0
+            row["default_vs_oracle"] = default / row["oracle"] if row["oracle"] else None
             # the best online bound: the better of the two oracles (popularity; + locality)
             bound = max(row["oracle"], row["oracle_locality"]) if phases else None
             row["online_bound"] = bound
-            row["default_vs_bound"] = row["RecencyFrequency"] / bound if bound else None
-            row["rank_aware_vs_bound"] = row["rank_aware"] / bound if bound else None
+            row["default_vs_bound"] = default / bound if bound else None
+            row["recency_frequency_vs_bound"] = row["RecencyFrequency"] / bound if bound else None
             row["lru_vs_optimal"] = row["LRU"] / row["belady"] if opt else 1.0
             out[f"{name}@{int(frac * 100)}%"] = row
     return out
@@ -568,25 +504,25 @@ def main() -> int:
     pol.update(bench_policies({"recorded": (recorded, None)}, shape["num_layers"] * shape["num_experts"],
                               shape["top_k"]))
     print(f"  {'trace @ cache size':30} {'Belady':>7} {'oracle':>7} {'+locality':>9} {'default':>8} {'LRU':>6} "
-          f"{'LFU':>6} {'rank-aware':>10} {'default/Belady':>15} {'default/oracle':>15} {'best online/Belady':>19}")
+          f"{'LFU':>6} {'RecFreq':>8} {'default/Belady':>15} {'default/oracle':>15} {'best online/Belady':>19}")
     for name, row in pol.items():
         oracle = f"{row['oracle']:7.3f}" if row["oracle"] is not None else f"{'-':>7}"
         locality = f"{row['oracle_locality']:9.3f}" if row["oracle_locality"] is not None else f"{'-':>9}"
         best = (f"{max(row['oracle'], row['oracle_locality']) / row['belady']:19.2f}"
                 if row["oracle"] is not None else f"{'-':>19}")
         vs_oracle = f"{row['default_vs_oracle']:15.2f}" if row["default_vs_oracle"] is not None else f"{'-':>15}"
-        print(f"  {name:30} {row['belady']:7.3f} {oracle} {locality} {row['RecencyFrequency']:8.3f} {row['LRU']:6.3f} "
-              f"{row['LFU']:6.3f} {row['rank_aware']:10.3f} {row['default_vs_optimal']:15.2f} {vs_oracle} {best}")
+        print(f"  {name:30} {row['belady']:7.3f} {oracle} {locality} {row['RankAware']:8.3f} {row['LRU']:6.3f} "
+              f"{row['LFU']:6.3f} {row['RecencyFrequency']:8.3f} {row['default_vs_optimal']:15.2f} {vs_oracle} {best}")
     print(f"  (recorded trace: consecutive tokens keep their top-1 expert {results['recorded_stay_rate']:.0%} of the time)")
 
     figures.update({
         "hit-ratio-vs-optimal": min(r["default_vs_optimal"] for r in pol.values()),
         "hit-ratio-vs-online-bound": min(r["default_vs_bound"] for r in pol.values() if r["default_vs_bound"]),
-        "default-minus-lru-worst": min(r["RecencyFrequency"] - r["LRU"] for r in pol.values()),
-        # not the store's policy yet (RankAwarePrototype): what the router's ranking would give
-        "rank-aware-prototype-vs-online-bound": min(r["rank_aware_vs_bound"] for r in pol.values()
-                                                    if r["rank_aware_vs_bound"]),
-        "rank-aware-prototype-minus-default-worst": min(r["rank_aware"] - r["RecencyFrequency"] for r in pol.values()),
+        "default-minus-lru-worst": min(r["RankAware"] - r["LRU"] for r in pol.values()),
+        # the policy that was the default before RankAware: RankAware is the default only while never below it
+        "recency-frequency-vs-online-bound": min(r["recency_frequency_vs_bound"] for r in pol.values()
+                                                 if r["recency_frequency_vs_bound"]),
+        "default-minus-recency-frequency-worst": min(r["RankAware"] - r["RecencyFrequency"] for r in pol.values()),
     })
     if a.only is None and not a.skip_served:
         return _served(a, path, shape, work, results, figures)

@@ -40,7 +40,7 @@ def test_schema_defaults_applied(crd_installed):
     crd_installed.kubectl("apply", "-f", "-", input=json.dumps(doc))
     got = crd_installed.kubectl_json("get", "moed", "defaults-applied")["spec"]
     assert got["experts"]["replicasPerGroup"] == 1
-    assert got["experts"]["tiers"]["policy"] == "RecencyFrequency"
+    assert got["experts"]["tiers"]["policy"] == "RankAware"
     # no default family: an unset spec.model.family means config.json's model_type decides
     assert "family" not in got["model"]
 

@@ -361,4 +361,8 @@ def test_every_shard_replica_is_on_the_expert_channel_at_rays_node_address(serve
         return sum(r["channel"]["requests"] for r in requests.get(url + "/moe/v1/status", timeout=30).json()["replicas"])
 
     wait_for(lambda: computed_on_channel() >= 3, timeout_s=10, what="channel requests in the replicas' reports")
+    # each request says which of its experts the tokens chose first: the shards' RankAware policy is told
+    replicas = requests.get(url + "/moe/v1/status", timeout=30).json()["replicas"]
+    assert all(r["policy"]["name"] == "RankAware" for r in replicas), [r["policy"] for r in replicas]
+    assert sum(r["store"]["ranked_calls"] for r in replicas) >= 3, [r["store"] for r in replicas]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import math
+import typing
 
 import pytest
 import yaml
@@ -68,7 +69,7 @@ def test_defaults_fill_in():
     assert spec.model.family is None and spec.model.dtype == "auto"  # None: config.json's model_type
     assert spec.ray.mode == "Existing" and spec.ray.address is None
     assert spec.experts.replicas_per_group == 1
-    assert spec.experts.tiers.policy == "RecencyFrequency"
+    assert spec.experts.tiers.policy == "RankAware"
     assert spec.experts.tiers.cold.path == "/var/cache/moe-experts"
     assert spec.autoscaling.mode == "Off"
     assert spec.ingress.route_prefix == "/"
@@ -127,3 +128,12 @@ def test_pruning_drops_unknown_fields_and_nulls_as_the_apiserver_does():
                        "spec.experts.overrides[0].weights.sha: unknown field"]
     parsed = parse_spec(pruned)
     assert parsed.experts.replicas_per_group == 1 and parsed.model.dtype == "auto"  # the defaults, as in Kubernetes
+
+
+def test_the_tier_policies_the_api_offers_are_the_stores():
+    """One list: the CRD's enum and default come from the store's policies."""
+    from moe_operator.api.models import TierSpec
+    from moe_workers.store.policy import DEFAULT_POLICY, POLICIES
+
+    field = TierSpec.model_fields["policy"]
+    assert typing.get_args(field.annotation) == POLICIES and field.default == DEFAULT_POLICY

@@ -340,3 +340,42 @@ def test_an_fp8_tensor_in_a_checkpoint_without_quantization_config_is_refused(tm
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="is F8_E4M3, but config.json has no fp8 quantization_config"):
         Checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3-fp8", "gpt_oss-mxfp4"])
+def test_on_a_gpu_hot_tier_a_quantized_expert_crosses_in_its_stored_form_and_is_decoded_there(tmp_path, case):
+    """The GPU path up to the device calls (RecordingOps stands in for CudaOps): a promotion from
+    the pinned warm tier or the cold files hands the device the stored bytes (fp8 + scales, mxfp4
+    blocks + scales: 3.7x / 6x fewer than the float32 compute form here), decoded into the hot
+    slot after the slot's last readers, never under the store's lock; the batch waits for that
+    decode; the weights are transformers' dequantized ones."""
+    from recording_ops import RecordingOps
+
+    family, method, scale_dtype = CASES[case]
+    ckpt = Checkpoint(_quantized(tmp_path / "m", family, method, scale_dtype))
+    probe = TieredExpertStore(ckpt, torch.float32)
+    stored, compute = probe.forms.stored_bytes, probe.forms.compute_bytes
+    ops = RecordingOps()
+    keys = [(layer, e) for layer in (1, 2) for e in range(2)]
+    store = TieredExpertStore(ckpt, torch.float32, TierConfig(hot_budget=2 * compute, warm_budget=1 * stored,
+                                                              cold_dir=str(tmp_path / "cold")), ops=ops)
+    ops.store = store
+    store.configure(keys)
+    for round_ in range(2):
+        for pair in (keys[:2], keys[2:]):
+            start = len(ops.log)
+            with store.use(pair) as w:
+                for k in pair:
+                    for part, t in ckpt.expert(*k).items():
+                        assert torch.equal(w[k][part], t.to(torch.float32)), (round_, k, part)
+                log = ops.log[start:]
+                decodes = [op for op in log if op[0] == "decode"]
+                waits = {op[1] for op in log if op[0] == "wait"}
+                assert {op[4] for op in decodes} <= waits  # the kernels wait for the decodes that brought them
+            store.drain_prefetch()
+    decodes = [op for op in ops.log if op[0] == "decode"]
+    assert decodes and all(op[2] == stored for op in decodes)  # the stored bytes crossed, not the decoded ones
+    assert not [op for op in ops.log if op[0] in ("decode", "copy") and op[5]], "a device call under the lock"
+    # no expert reached hot as a host-decoded copy: every copy into a hot slot is a warm refill or demotion
+    hot_copies = [op for op in ops.log if op[0] == "copy" and op[1] in {d[1] for d in decodes}]
+    assert not hot_copies

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.random_init import write_random_mixtral
+from moe_workers.store.policy import POLICIES
 from moe_workers.store.store import (COLD, HOT, PREFETCH_EVICT_ACCURACY, SOURCE, WARM, StoreFull, TierConfig,
                                      TierConfigError, TieredExpertStore)
 from moe_workers.store.versions import SwapError, content_digest, file_sha256, load_expert_file
@@ -168,7 +169,7 @@ def test_a_batch_counts_its_hits_and_unpins_however_it_ends(model_dir, tmp_path)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     hot=st.integers(2, 8), warm=st.integers(0, 6), cold=st.one_of(st.none(), st.integers(0, 8)),
-    policy=st.sampled_from(["RecencyFrequency", "LRU", "LFU"]),
+    policy=st.sampled_from(list(POLICIES)),
     ops=st.lists(st.tuples(st.sampled_from(["use", "prefetch", "idle"]), st.integers(0, LAYERS - 1),
                            st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=EXPERTS, unique=True)),
                  max_size=30),
@@ -199,6 +200,33 @@ def test_budgets_never_exceeded_under_random_access(model_dir, tmp_path_factory,
             s.demote_idle(clock)
         assert_within_budgets(s)
     s.close()
+
+
+def test_the_store_tells_its_policy_which_experts_a_call_chose_first(model_dir, tmp_path):
+    """The default policy is RankAware: a call's first choices (the channel's RANKED request)
+    reach it, it learns how often they come again, and with the tokens' first choice kept from
+    call to call it keeps the last one over an expert used more often before (RecencyFrequency,
+    told the same calls, does the opposite)."""
+    n = make_store(model_dir).expert_bytes
+    kept = {}
+    for policy in ("RankAware", "RecencyFrequency"):
+        s = make_store(model_dir, tmp_path / policy, hot_budget=4 * n, warm_budget=0, policy=policy)
+        s.configure(ALL)
+        for i in range(240):
+            first = (i // 20) % 3  # kept for runs of 20 calls; the second choice alternates
+            with s.use([(0, first), (0, (first + 1 + i % 2) % 3)], [(0, first)]):
+                pass
+        with s.use([(0, 3), (0, 1)], [(0, 3)]):
+            pass
+        assert [e.tier for k, e in sorted(s.entries.items()) if k[0] == 0] == [HOT] * 4
+        with s.use([(1, 0)]):  # one of layer 0's experts must leave hot
+            pass
+        kept[policy] = s.entries[(0, 3)].tier == HOT
+        assert s.stats.as_dict()["ranked_calls"] == 241
+        assert_within_budgets(s)
+    assert make_store(model_dir).config.policy == "RankAware"
+    assert kept == {"RankAware": True, "RecencyFrequency": False}
+    assert s.policy_report() == {"name": "RecencyFrequency", "stay": None}
 
 
 def test_prefetch_promotes_and_is_counted(model_dir, tmp_path):

@@ -22,10 +22,12 @@ from safetensors.torch import save_file
 
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.random_init import write_random_mixtral
-from moe_workers.device import CpuOps, DeviceOps
+from moe_workers.device import CpuOps
+from moe_workers.store.policy import POLICIES
 from moe_workers.store.slots import SlotPool
 from moe_workers.store.store import HOT, WARM, StoreFull, TierConfig, TieredExpertStore
 from moe_workers.store.versions import CHECKPOINT, SwapError, content_digest
+from recording_ops import RecordingOps
 
 LAYERS, EXPERTS = 3, 4
 BOUND_S = 20.0  # no call may wait longer than this in these tests
@@ -252,7 +254,7 @@ class ConcurrentStore(RuleBasedStateMachine):
         self.store: TieredExpertStore | None = None
 
     @initialize(hot=st.integers(0, 4), warm=st.integers(0, 4), cold=st.booleans(),
-                policy=st.sampled_from(["RecencyFrequency", "LRU", "LFU"]), gpu=st.booleans())
+                policy=st.sampled_from(list(POLICIES)), gpu=st.booleans())
     def setup(self, hot, warm, cold, policy, gpu):
         """gpu: the hot tier on a stand-in device (RecordingOps): hot and warm are then different
         memory, so moves copy, and demotions to warm release the lock for their copy."""
@@ -382,66 +384,6 @@ def _machine_paths(model_dir, tmp_path):
 
 
 # -- the GPU path, up to the device calls ---------------------------------------------------------
-
-
-class Ev:
-    """A recorded device event (completes when the test says so)."""
-
-    def __init__(self, n: int, what: str):
-        self.n, self.what, self.done = n, what, True
-
-    def query(self) -> bool:
-        return self.done
-
-    def __repr__(self):
-        return f"Ev{self.n}({self.what})"
-
-
-class RecordingOps(DeviceOps):
-    """A stand-in for CudaOps: the hot tier on a "device" (host memory behind it, so the weights
-    can still be checked), pinned warm memory, and every device operation logged in order with
-    whether the store's lock was held."""
-
-    def __init__(self):
-        self.device = torch.device("meta")  # anything but the CPU: hot and warm are different memory
-        self.log: list[tuple] = []
-        self.store = None
-        self._n = 0
-
-    @property
-    def pinned_host(self) -> bool:
-        return True
-
-    def _event(self, what):
-        self._n += 1
-        return Ev(self._n, what)
-
-    def _locked(self) -> bool:
-        return self.store is not None and self.store._cv._is_owned()
-
-    def alloc(self, nbytes: int, host: bool) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        self.log.append(("alloc", buf.untyped_storage().data_ptr(), "host" if host else "device"))
-        return buf
-
-    def copy(self, dst, src, after=()):
-        assert src.dtype == dst.dtype, "dtype converted during the DMA"
-        dst.copy_(src)
-        ev = self._event("copy")
-        self.log.append(("copy", dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr(),
-                         [e for e in after if e is not None], ev, self._locked()))
-        return ev
-
-    def wait(self, event) -> None:
-        self.log.append(("wait", event, self._locked()))
-
-    def host_wait(self, events) -> None:
-        self.log.append(("host_wait", list(events or []), self._locked()))
-
-    def record(self):
-        ev = self._event("batch")
-        self.log.append(("record", ev, self._locked()))
-        return ev
 
 
 def test_device_is_what_ray_assigned():

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from moe_workers.store.policy import LFU, LRU, HintTracker, RecencyFrequency, belady_hits, make_policy, policy_hits
+from moe_workers.store.policy import (LFU, LRU, HintTracker, RankAware, RecencyFrequency, belady_hits, make_policy,
+                                      policy_hits, policy_hits_visits, visits_of)
 
 
 def test_lru_evicts_least_recent():
@@ -126,3 +127,74 @@ def test_hint_tracker_counts_hints_no_call_used_as_misses():
     assert t.settled == 2 and t.accuracy == pytest.approx(0.5)
     with pytest.raises(ValueError):
         HintTracker(window=0)
+
+
+def _runs(policy, ranked: bool, keep: bool, calls: int = 400, seed: int = 3):
+    """Calls of layer 0 over experts 0-4 with top-2 routing: the first choice kept for runs of 20
+    calls (`keep`) or drawn afresh each call; then one call whose first choice is expert 5."""
+    rng = random.Random(seed)
+    first = 0
+    for i in range(calls):
+        if not keep or i % 20 == 0:
+            first = rng.randrange(5)
+        second = rng.choice([e for e in range(5) if e != first])
+        policy.visit([(0, first), (0, second)], {(0, first)} if ranked else ())
+    policy.visit([(0, 5), (0, 1)], {(0, 5)} if ranked else ())
+
+
+def test_rank_aware_keeps_the_layers_last_first_choice_when_tokens_keep_theirs():
+    p = RankAware()
+    _runs(p, ranked=True, keep=True)
+    assert p.stay() > 0.8  # learnt: the last first choice comes again far more often than its share says
+    # expert 5 was used once; expert 2 in ~40% of calls, but not in the last one
+    assert p.victim([(0, 5), (0, 2)]) == (0, 2)
+    rf = RecencyFrequency()
+    _runs(rf, ranked=True, keep=True)
+    assert rf.victim([(0, 5), (0, 2)]) == (0, 5)  # what the ranking changes
+
+
+def test_rank_aware_is_popularity_when_first_choices_do_not_repeat_or_are_not_told():
+    drawn = RankAware()
+    _runs(drawn, ranked=True, keep=False)
+    assert drawn.stay() < 0.1
+    assert drawn.victim([(0, 5), (0, 2)]) == (0, 5)
+    untold = RankAware()
+    _runs(untold, ranked=False, keep=True)
+    assert untold.stay() == 0.0
+    assert untold.victim([(0, 5), (0, 2)]) == (0, 5)
+
+
+def test_rank_aware_forgets_a_first_choice_made_elsewhere_and_compares_layers_by_share():
+    p = RankAware()
+    _runs(p, ranked=True, keep=True)
+    p.visit([(0, 1)], {(9, 9)})  # a ranked call whose first choice another shard hosts
+    assert p.victim([(0, 5), (0, 2)]) == (0, 5)
+    # layer 1 is called 4 times as often as layer 3; each has one expert used in every call:
+    # equally likely at their next call, and the one used longer ago goes first
+    q = RankAware()
+    for i in range(40):
+        q.visit([(1, 0)])
+        if i % 4 == 0:
+            q.visit([(3, 0)])
+    assert q.victim([(1, 0), (3, 0)]) == (3, 0)
+    assert make_policy("RankAware").name == "RankAware"
+
+
+def test_rank_aware_replayed_as_the_store_sees_calls_beats_recency_frequency_on_a_local_trace():
+    """Top-2 calls over 4 layers of 8 experts whose first choice is kept with probability 0.5:
+    the ranking is worth hits at a cache of a quarter of the experts."""
+    rng = random.Random(11)
+    weights = [1 / (r + 1) for r in range(8)]
+    prev, visits = {}, []
+    for _ in range(1500):
+        for layer in range(4):
+            first = prev[layer] if layer in prev and rng.random() < 0.5 else rng.choices(range(8), weights)[0]
+            second = rng.choices([e for e in range(8) if e != first], [weights[e] for e in range(8) if e != first])[0]
+            prev[layer] = first
+            visits.append(([(layer, first), (layer, second)], {(layer, first)}))
+    rank_aware = policy_hits_visits(visits, 8, RankAware())
+    recency_frequency = policy_hits_visits(visits, 8, RecencyFrequency())
+    assert rank_aware > 1.05 * recency_frequency
+    trace = [k for keys, _ in visits for k in keys]
+    assert visits_of(trace, 2) == [(keys, {keys[0]}) for keys, _ in visits]
+    assert rank_aware <= belady_hits(trace, 8)

@@ -18,7 +18,7 @@ from waiting import wait_for
 TOKEN = "secret-token"
 
 
-def _scale_by_expert(layer, x, experts, counts, prefetch, out):
+def _scale_by_expert(layer, x, experts, counts, prefetch, out, top1=None):
     """Rows of expert e come back times (e + 1), plus the layer: checks grouping and order."""
     start = 0
     for e, n in zip(experts, counts):
@@ -63,6 +63,42 @@ def test_request_frames_round_trip_and_align_the_tensor_bytes():
         req = wire.decode_request(frame[:head], frame[head:])
         assert (req.seq, req.layer, req.rows, req.hidden, req.dtype) == (9, 3, n_experts, 16, torch.bfloat16)
         assert req.experts == experts and req.counts == counts and req.prefetch == prefetch
+
+
+def test_a_ranked_request_carries_each_experts_first_choices():
+    head = wire.REQUEST_HEADER.size
+    for n_experts, n_prefetch in [(1, 0), (2, 3), (7, 1)]:
+        experts, counts = list(range(n_experts)), [2] * n_experts
+        top1 = [i % 3 for i in range(n_experts)]
+        prefetch = [(5, i) for i in range(n_prefetch)]
+        frame = wire.encode_request(9, 3, 2 * n_experts, 16, torch.float32, experts, counts, prefetch, top1=top1)
+        assert len(frame) % wire.ALIGN == 0
+        req = wire.decode_request(frame[:head], frame[head:])
+        assert req.flags & wire.RANKED and req.top1 == top1
+        assert req.experts == experts and req.counts == counts and req.prefetch == prefetch
+    plain = wire.encode_request(1, 0, 2, 4, torch.float32, [0], [2])
+    assert wire.decode_request(plain[:head], plain[head:]).top1 is None
+    with pytest.raises(wire.ProtocolError, match="top-1 counts differ"):
+        wire.encode_request(1, 0, 2, 4, torch.float32, [0], [2], top1=[1, 0])
+    liar = wire.encode_request(1, 0, 2, 4, torch.float32, [0], [2], top1=[3])  # more first choices than rows
+    with pytest.raises(wire.ProtocolError, match="not within the counts"):
+        wire.decode_request(liar[:head], liar[head:])
+
+
+def test_the_server_hands_the_first_choices_to_compute(servers):
+    seen = []
+
+    def recording(layer, x, experts, counts, prefetch, out, top1=None):
+        seen.append(top1)
+        _scale_by_expert(layer, x, experts, counts, prefetch, out)
+
+    a = servers(recording)
+    ch = _channel([Member("g0", "r0", a.endpoint)])
+    x = torch.randn(3, 8)
+    assert torch.equal(ch.exchange(2, {"g0": Part([1, 4], [2, 1], x, top1=[2, 0])})["g0"], _expected(2, x, [1, 4], [2, 1]))
+    ch.exchange(2, {"g0": Part([1], [3], x)})
+    assert seen == [[2, 0], None]
+    ch.close()
 
 
 def test_bad_frames_are_protocol_errors():
@@ -116,7 +152,7 @@ def test_one_connection_carries_requests_of_changing_shapes_and_dtypes(servers):
 def test_concurrent_exchanges_each_get_their_own_connection(servers):
     gate = threading.Barrier(2)
 
-    def wait_for_both(layer, x, experts, counts, prefetch, out):
+    def wait_for_both(layer, x, experts, counts, prefetch, out, top1=None):
         gate.wait(timeout=5)  # both calls must be inside the replica at once
         _scale_by_expert(layer, x, experts, counts, prefetch, out)
 
@@ -183,7 +219,7 @@ def test_a_group_without_replicas_waits_for_one_within_the_deadline(servers):
 def test_a_silent_replica_costs_at_most_the_timeout(servers):
     release = threading.Event()
 
-    def hang(layer, x, experts, counts, prefetch, out):
+    def hang(layer, x, experts, counts, prefetch, out, top1=None):
         release.wait(10)
 
     s = servers(hang)
@@ -202,7 +238,7 @@ def test_a_stalled_replica_is_hedged_to_another_and_comes_back_when_it_answers(s
     stalled = threading.Event()
     release = threading.Event()
 
-    def stalls(layer, x, experts, counts, prefetch, out):
+    def stalls(layer, x, experts, counts, prefetch, out, top1=None):
         if stalled.is_set():
             release.wait(10)
         _scale_by_expert(layer, x, experts, counts, prefetch, out)
@@ -238,7 +274,7 @@ def test_a_stalled_replica_is_hedged_to_another_and_comes_back_when_it_answers(s
 def test_a_slow_replica_with_nobody_to_hedge_to_keeps_its_work(servers):
     """The group's other replica is dead: a reply slower than the hedge delay is waited for, and
     the slow replica is not set aside (it is the only one left)."""
-    def slow(layer, x, experts, counts, prefetch, out):
+    def slow(layer, x, experts, counts, prefetch, out, top1=None):
         time.sleep(0.5)
         _scale_by_expert(layer, x, experts, counts, prefetch, out)
 
@@ -258,7 +294,7 @@ def test_a_slow_replica_with_nobody_to_hedge_to_keeps_its_work(servers):
 def test_hedging_off_waits_for_the_slow_replica(servers):
     release = threading.Event()
 
-    def slow(layer, x, experts, counts, prefetch, out):
+    def slow(layer, x, experts, counts, prefetch, out, top1=None):
         release.wait(10)
         _scale_by_expert(layer, x, experts, counts, prefetch, out)
 
@@ -272,7 +308,7 @@ def test_hedging_off_waits_for_the_slow_replica(servers):
 
 
 def test_compute_errors_try_the_next_replica_then_fail_with_the_replicas_message(servers):
-    def broken(layer, x, experts, counts, prefetch, out):
+    def broken(layer, x, experts, counts, prefetch, out, top1=None):
         raise KeyError("this replica does not host expert(s) 0.5")
 
     bad, good = servers(broken), servers()
@@ -464,7 +500,7 @@ def test_the_unix_socket_checks_the_token_too(servers):
 
 
 def _slow_compute(delay_s):
-    def compute(layer, x, experts, counts, prefetch, out):
+    def compute(layer, x, experts, counts, prefetch, out, top1=None):
         time.sleep(delay_s)
         _scale_by_expert(layer, x, experts, counts, prefetch, out)
     return compute
@@ -525,7 +561,7 @@ def test_neither_side_is_woken_when_the_other_reads_what_it_sent(servers):
     ingress' CPU. Both ends wait for data in poll(): each sleeps once an exchange, not twice."""
     tids = []
 
-    def compute(layer, x, experts, counts, prefetch, out):
+    def compute(layer, x, experts, counts, prefetch, out, top1=None):
         if not tids:
             tids.append(threading.get_native_id())
         time.sleep(0.002)  # the ingress blocks before the reply comes

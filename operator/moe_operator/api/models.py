@@ -299,10 +299,11 @@ class TierSpec(ApiModel):
     hot: HotTier = Field(description="Hot tier: experts ready to compute.")
     warm: WarmTier = Field(description="Warm tier: host RAM.")
     cold: ColdTier = Field(default_factory=ColdTier, description="Cold tier: local NVMe cache directory.")
-    policy: Literal["RecencyFrequency", "LRU", "LFU"] = Field(
-        default="RecencyFrequency",
-        description="Eviction and promotion policy. RecencyFrequency weighs both; LRU and LFU "
-        "use one of them.",
+    policy: Literal["RankAware", "RecencyFrequency", "LRU", "LFU"] = Field(
+        default="RankAware",
+        description="Eviction and promotion policy. RankAware keeps the experts most likely at their layer's "
+        "next call, from recency, frequency and the router's ranking (a token's first choice tends to come "
+        "again); RecencyFrequency weighs recency and frequency; LRU and LFU use one of them.",
     )
     idle_demotion_seconds: int = Field(
         default=300, ge=0, le=86_400,

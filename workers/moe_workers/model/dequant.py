@@ -36,31 +36,59 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
 
 
 def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[out, in] from blocks [out, in/32, 16] (low nibble first) and E8M0 scales [out, in/32]."""
+    """[out, in] from blocks [out, in/32, 16] (low nibble first) and E8M0 scales [out, in/32], on
+    the blocks' device. Each byte is looked up whole (its two values at once)."""
     b = blocks.view(torch.uint8)
-    codes = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*b.shape[:-1], 2 * b.shape[-1]).long()
-    values = _LUT[codes]  # [out, in/32, 32]
+    values = _pair_lut(b.device)[b.long()]  # [out, in/32, 16, 2]: low nibble, high nibble
     exp = scales.view(torch.uint8).to(torch.int32) - 127
-    return torch.ldexp(values, exp.unsqueeze(-1).to(torch.float32)).reshape(b.shape[0], -1).to(dtype)
+    scale = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp.to(torch.float32))
+    return values.view(b.shape[0], b.shape[1], -1).mul_(scale.unsqueeze(-1)).view(b.shape[0], -1).to(dtype)
+
+
+_PAIR_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _pair_lut(device: torch.device) -> torch.Tensor:
+    """[256, 2] float32: the E2M1 values of a byte's low and high nibble, made once per device."""
+    lut = _PAIR_LUTS.get(device)
+    if lut is None:
+        codes = torch.arange(256)
+        lut = _PAIR_LUTS[device] = torch.stack((_LUT[codes & 0x0F], _LUT[codes >> 4]), dim=-1).to(device)
+    return lut
+
+
+def compute_names(stored: dict[str, torch.Tensor]) -> list[str]:
+    """The compute parts an expert's stored parts decode to (w1, w3, w2; gate_up, gate_up_bias, ...)."""
+    return [n.removesuffix("_blocks") for n in stored if not n.endswith((".scale_inv", "_scales"))]
+
+
+def decode_part(quant: Quantization | None, stored: dict[str, torch.Tensor], name: str, dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """One compute part of an expert from its stored parts, in `dtype` (into `out` when given:
+    a hot slot's view, so the decoded weights are written once, where they are computed from)."""
+    if name + "_blocks" in stored:  # [out, in] stored; compute layout is [in, out]
+        w = decode_mxfp4(stored[name + "_blocks"], stored[name + "_scales"], dtype).t()
+    elif quant is not None and name + ".scale_inv" in stored:
+        return dequantize_fp8(stored[name], stored[name + ".scale_inv"], quant.block, dtype, out=out)
+    else:
+        w = stored[name]
+    if out is not None:
+        out.copy_(w)
+        return out
+    w = w if w.dtype == dtype else w.to(dtype)
+    return w.contiguous() if name + "_blocks" in stored else w
 
 
 def decode(quant: Quantization | None, stored: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """An expert's compute parts from its stored parts (a compute-form dict is returned as it
     is, cast to `dtype`)."""
-    if quant is None or not any(k.endswith((".scale_inv", "_blocks")) for k in stored):
-        return {k: v if v.dtype == dtype else v.to(dtype) for k, v in stored.items()}
-    out = {}
-    for name, t in stored.items():
-        if name.endswith((".scale_inv", "_scales")):
-            continue
-        if name.endswith("_blocks"):  # [out, in] stored; compute layout is [in, out]
-            base = name.removesuffix("_blocks")
-            out[base] = decode_mxfp4(t, stored[base + "_scales"], dtype).t().contiguous()
-        elif name + ".scale_inv" in stored:
-            out[name] = dequantize_fp8(t, stored[name + ".scale_inv"], quant.block, dtype)
-        else:
-            out[name] = t if t.dtype == dtype else t.to(dtype)
-    return out
+    return {name: decode_part(quant, stored, name, dtype) for name in compute_names(stored)}
+
+
+def decode_into(quant: Quantization | None, stored: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+    """`decode` written into `out` (the compute parts' views of one hot slot, in their dtype)."""
+    for name, dst in out.items():
+        decode_part(quant, stored, name, dst.dtype, out=dst)
 
 
 def tensor_scale_problem(name: str, t: torch.Tensor) -> str | None:

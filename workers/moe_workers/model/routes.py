@@ -52,6 +52,22 @@ def route(indices: torch.Tensor) -> Route:
     return Route(n, k, picks, {e: buckets[e] for e in sorted(buckets)})
 
 
+def first_choices(r: Route, weights: torch.Tensor) -> dict[int, int]:
+    """Per expert, how many tokens chose it first (the largest of their k weights): the router's
+    ranking, which the shards' tier policy keeps experts by. One small op and Python ints."""
+    counts: dict[int, int] = {}
+    for picks, slot in zip(r.picks, weights.argmax(1).tolist()):
+        counts[picks[slot]] = counts.get(picks[slot], 0) + 1
+    return counts
+
+
+def first_choice_counts(indices: torch.Tensor, weights: torch.Tensor) -> dict[int, int]:
+    """`first_choices` for a large step, in tensor ops."""
+    first = indices.gather(1, weights.argmax(1, keepdim=True)).view(-1)
+    experts, n = torch.unique(first, return_counts=True)
+    return dict(zip(experts.tolist(), n.tolist()))
+
+
 def _index(positions: tuple[int, ...], device: str) -> torch.Tensor:
     """An index tensor; made once for one token's few permutations (k! at most, and the router
     orders a token's picks by weight, so in practice a handful)."""

@@ -195,9 +195,11 @@ class Ingress:
         if small:
             r = routes.route(indices)
             counts = r.counts()
+            first = routes.first_choices(r, weights)
         else:
             groups = group_by_expert(indices)
             counts = {e: int(rows.numel()) for e, (rows, _) in groups.items()}
+            first = routes.first_choice_counts(indices, weights)
         assignment = router.assign(layer, counts)
         hints = self._predict_next(layer, x) if self.prefetch_lookahead else {}
         parts: dict[str, Part] = {}
@@ -210,7 +212,7 @@ class Ingress:
             if not payload.is_cpu:  # the socket carries host rows (a device link would not)
                 payload = payload.cpu()
             part_counts = [counts[e] for e in experts]
-            parts[group] = Part(experts, part_counts, payload, hints.get(group, []))
+            parts[group] = Part(experts, part_counts, payload, hints.get(group, []), [first.get(e, 0) for e in experts])
             router.begin(group, sum(part_counts))
         try:
             results = self.channel.exchange(layer, parts)

@@ -152,14 +152,16 @@ class ExpertShard:
         self.metrics.swap(record)
 
     def _compute(self, layer: int, x: torch.Tensor, experts: list[int], counts: list[int],
-                 prefetch: list[tuple[int, int]], out: torch.Tensor) -> None:
+                 prefetch: list[tuple[int, int]], out: torch.Tensor, top1: list[int] | None = None) -> None:
         """Rows of x grouped by expert (`counts[i]` rows for `experts[i]`) -> their outputs in
-        `out` (a channel request; runs on the connection's thread). No inference-mode entry:
+        `out` (a channel request; runs on the connection's thread); `top1[i]`: how many of those
+        rows chose the expert first (for the store's policy). No inference-mode entry:
         neither the rows nor the weights require grad, so nothing is recorded without one, and
         entering it costs tens of microseconds a request between a replica's idle gaps."""
         t0, c0 = time.perf_counter(), time.thread_time()
         keys = [(layer, e) for e in experts]
-        with self.store.use(keys) as weights:
+        first = [k for k, n in zip(keys, top1) if n] if top1 is not None else ()
+        with self.store.use(keys, first) as weights:
             if prefetch:
                 self.store.prefetch(prefetch)  # loads overlap this call's compute
             compute_rows(weights, keys, counts, x, out, self.cfg)
@@ -227,6 +229,7 @@ class ExpertShard:
             "budgets": self.store.budgets(),
             "cold_error": self.store.cold_error,
             "store": self.store.stats.as_dict(),
+            "policy": self.store.policy_report(),
             "swaps": dict(self.swaps),
             "compute_s": self.compute_s,
             "compute_cpu_s": self.compute_cpu_s,

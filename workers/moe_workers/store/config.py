@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .policy import make_policy
+from .policy import DEFAULT_POLICY, make_policy
 
 
 class TierConfigError(ValueError):
@@ -20,7 +20,7 @@ class TierConfig:
     warm_budget: int | None = None
     cold_dir: str | None = None
     cold_budget: int | None = None
-    policy: str = "RecencyFrequency"
+    policy: str = DEFAULT_POLICY
     idle_demotion_s: float = 0.0
     prefetch: bool = True
     pinned: bool = True

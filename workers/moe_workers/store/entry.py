@@ -50,6 +50,7 @@ class StoreStats:
     prefetch_skipped: int = 0  # no room without evicting experts in use (or hints too often wrong to evict)
     hint_accuracy: float | None = None  # share of recent hints a call then used (HintTracker)
     cold_reads: dict[str, int] = field(default_factory=lambda: {"cache": 0, "disk": 0})  # where cold files' bytes were
+    ranked_calls: int = 0  # calls that said which of their experts tokens chose first (the router's ranking)
 
     def as_dict(self) -> dict:
         acc = self.prefetch_used / self.prefetch_issued if self.prefetch_issued else None
@@ -58,7 +59,7 @@ class StoreStats:
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
                 "prefetch_skipped": self.prefetch_skipped, "prefetch_accuracy": acc,
                 "hint_accuracy": self.hint_accuracy,
-                "cold_reads": dict(self.cold_reads)}
+                "cold_reads": dict(self.cold_reads), "ranked_calls": self.ranked_calls}
 
 
 MoveHook = Callable[[str, str, float, int], None]  # (from tier, to tier, seconds, bytes)

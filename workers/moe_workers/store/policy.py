@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterable
 
-POLICIES = ("RecencyFrequency", "LRU", "LFU")
+POLICIES = ("RankAware", "RecencyFrequency", "LRU", "LFU")
+DEFAULT_POLICY = "RankAware"
 
 
 class Policy:
@@ -24,6 +25,13 @@ class Policy:
     def access(self, key: Hashable) -> None:
         self.clock += 1
         self._record(key)
+
+    def visit(self, keys: list[Hashable], top1: Iterable[Hashable] = ()) -> None:
+        """One call's experts (one layer's, on a shard), in order; `top1`: those that were some
+        token's first choice by the router's ranking (empty when the call did not say). Policies
+        that do not use the ranking see an access per key."""
+        for key in keys:
+            self.access(key)
 
     def forget(self, key: Hashable) -> None:
         """The key left the tier; its history is kept (re-admission should remember it)."""
@@ -132,6 +140,94 @@ class RecencyFrequency(Policy):
         return self._log_value(key, now, empty=-math.inf, log=True) + 1e-9 * self.last.get(key, -1)
 
 
+class RankAware(Policy):
+    """The expert least likely to be used at its layer's next call goes first, with the router's
+    ranking (bench/tiering.py: 0.95-0.99 of the best online bound where RecencyFrequency reaches
+    0.88-0.99).
+
+    Per layer (keys are (layer, expert); a call holds one layer's experts), in that layer's calls:
+    q = an expert's exponentially decayed share of the calls that used it (the chance the next
+    call uses it, as RecencyFrequency's value estimates it, halving every `half_life` calls). A
+    token tends to keep its first choice from one token to the next (temporal locality), so an
+    expert that was some token's top-1 at its layer's last call is kept with the chance
+    stay + (1 - stay) q, where `stay` is learnt online: how often the last call's top-1 experts
+    came again beyond what q predicted for them (decayed over about `stay_half_life` of them).
+    Without a ranking (`access`, or a call that names no top-1) it is popularity by layer and
+    recency. Ties go to the least recent."""
+
+    name = "RankAware"
+
+    def __init__(self, half_life: float = 48.0, stay_half_life: float = 256.0) -> None:
+        super().__init__()
+        if half_life <= 0 or stay_half_life <= 0:
+            raise ValueError("half_life and stay_half_life must be positive")
+        self.decay = math.log(2) / half_life
+        self.keep = math.exp(-math.log(2) / stay_half_life)
+        self.value: dict[Hashable, tuple[float, int]] = {}  # key -> (decayed calls using it, at its layer's clock)
+        self.calls: dict[Hashable, tuple[float, int]] = {}  # layer -> (decayed calls, at its clock)
+        self.layer_clock: dict[Hashable, int] = {}
+        self.last_top1: dict[Hashable, frozenset] = {}  # layer -> the top-1 experts of its last ranked call
+        self.last: dict[Hashable, int] = {}
+        self.repeats = self.predicted = self.seen = 0.0  # decayed: last top-1s used again; what q said; how many
+
+    def access(self, key: Hashable) -> None:
+        self.visit([key])
+
+    def visit(self, keys: list[Hashable], top1: Iterable[Hashable] = ()) -> None:
+        by_layer: dict[Hashable, list[Hashable]] = {}
+        for key in keys:
+            by_layer.setdefault(_layer(key), []).append(key)
+        top1 = set(top1)
+        for layer, ks in by_layer.items():
+            previous = self.last_top1.get(layer)
+            if previous:  # did the last call's first choices come again, against what q predicted?
+                used = set(ks)
+                for k in previous:
+                    self.repeats = self.repeats * self.keep + (k in used)
+                    self.predicted = self.predicted * self.keep + self._q(k)
+                    self.seen = self.seen * self.keep + 1.0
+            now = self.layer_clock.get(layer, 0) + 1
+            self.layer_clock[layer] = now
+            calls, at = self.calls.get(layer, (0.0, now))
+            self.calls[layer] = (calls * math.exp(-self.decay * (now - at)) + 1.0, now)
+            for k in dict.fromkeys(ks):
+                self.clock += 1
+                self.value[k] = (self._decayed(k, now) + 1.0, now)
+                self.last[k] = self.clock
+            ranked = top1.intersection(ks)
+            if ranked:
+                self.last_top1[layer] = frozenset(ranked)
+            else:  # the first choices were elsewhere, or the call did not say
+                self.last_top1.pop(layer, None)
+
+    def _decayed(self, key: Hashable, now: int) -> float:
+        if key not in self.value:
+            return 0.0
+        value, at = self.value[key]
+        return value * math.exp(-self.decay * (now - at))
+
+    def _q(self, key: Hashable) -> float:
+        layer = _layer(key)
+        now = self.layer_clock.get(layer, 0)
+        calls, at = self.calls.get(layer, (0.0, now))
+        calls *= math.exp(-self.decay * (now - at))
+        return min(1.0, self._decayed(key, now) / calls) if calls > 0 else 0.0
+
+    def stay(self) -> float:
+        """How much more often a call's top-1 comes again at the next call than q says (0..1)."""
+        if not self.seen:
+            return 0.0
+        rate, q = self.repeats / self.seen, self.predicted / self.seen
+        return max(0.0, (rate - q) / (1 - q)) if q < 1 else 0.0
+
+    def score(self, key: Hashable) -> float:
+        q = self._q(key)
+        if key in self.last_top1.get(_layer(key), ()):
+            stay = self.stay()
+            q = stay + (1 - stay) * q
+        return q + 1e-12 * self.last.get(key, -1)  # (a term far below any q step) ties: least recent first
+
+
 class HintTracker:
     """How often prefetch hints come true. Hints name experts a layer's next call will likely
     use; that call's experts (per layer: the key's group) settle them: each hinted expert is a
@@ -172,6 +268,8 @@ class HintTracker:
 
 
 def make_policy(name: str) -> Policy:
+    if name == "RankAware":
+        return RankAware()
     if name == "RecencyFrequency":
         return RecencyFrequency()
     if name == "LRU":
@@ -208,6 +306,35 @@ def belady_hits(trace: list[Hashable], capacity: int) -> int:
                     break
         cached[key] = next_use[i]
         heapq.heappush(heap, (-next_use[i], i, key))
+    return hits
+
+
+def visits_of(trace: list[Hashable], top_k: int) -> list[tuple[list[Hashable], set[Hashable]]]:
+    """A batch-1 trace as calls: each `top_k` accesses in a row, the first the router's top-1."""
+    return [(trace[i:i + top_k], {trace[i]}) for i in range(0, len(trace), top_k)]
+
+
+def policy_hits_visits(visits: list[tuple[list[Hashable], set[Hashable]]], capacity: int, policy: Policy) -> int:
+    """Hits of an online policy replaying calls as the store sees them: the call's experts are
+    told to the policy first (with its top-1), then each one missing is brought in, evicting the
+    policy's victim among the cached experts the call does not use."""
+    cached: set[Hashable] = set()
+    hits = 0
+    for keys, top1 in visits:
+        policy.visit(keys, top1)
+        for key in keys:
+            if key in cached:
+                hits += 1
+                continue
+            if capacity <= 0:
+                continue
+            if len(cached) >= capacity:
+                v = policy.victim(cached - set(keys))
+                if v is None:
+                    continue
+                cached.discard(v)
+                policy.forget(v)
+            cached.add(key)
     return hits
 
 

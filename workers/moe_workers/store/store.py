@@ -27,7 +27,6 @@ import torch
 from moe_workers.device import DeviceOps, ops_for
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.config import MoEConfig
-from moe_workers.model.dequant import decode
 from moe_workers.model.dtypes import TORCH_NAME
 
 from .cold import ColdCache
@@ -46,7 +45,7 @@ from .entry import (
     StoreStats,
 )
 from .ledger import COMPUTE, STORED, Hold, Ledger, TierForms
-from .policy import HintTracker, Policy, make_policy
+from .policy import HintTracker, Policy, RankAware, make_policy
 from .prefetch import Prefetch, Refill
 from .slots import SlotPool
 from .swap import HotSwap
@@ -203,9 +202,8 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         the copy completes with). The copy waits for the slot's last readers and for `after`
         (the source's own copy); nothing here blocks the host on the device. A dtype conversion
         happens on the source's side first, so a DMA never allocates a converted temporary."""
-        if self.forms.form(tier) == COMPUTE and self.forms.quantized and set(src) != set(self._part_names):
-            src = decode(self.model.quant, src, self.dtype)  # the stored form, into a compute slot
-        elif self.forms.form(tier) == STORED and set(src) != {name for name, _, _ in self._parts[STORED]}:
+        decoding = self.forms.form(tier) == COMPUTE and self.forms.quantized and set(src) != set(self._part_names)
+        if self.forms.form(tier) == STORED and set(src) != {name for name, _, _ in self._parts[STORED]}:
             raise ValueError(f"the {tier} tier holds experts in their stored form; got parts {', '.join(sorted(src))}")
         with self._cv:
             buf, slot_after = self.pools[tier].take()
@@ -213,7 +211,9 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
             views = self._layout(buf, tier)
             waits = [*slot_after, after]
             ready = None
-            for name, dst in views.items():
+            if decoding:  # the stored form decoded into the compute slot, where the device is
+                ready = self.ops.decode(views, src, self.model.quant, after=waits)
+            for name, dst in views.items() if not decoding else ():
                 s = src[name]
                 if s.dtype != dst.dtype:
                     s = s.to(dst.dtype)
@@ -286,23 +286,24 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
 
     # -- reading weights for a batch ----------------------------------------------------------
 
-    def use(self, keys: list[Key]) -> "Batch":
+    def use(self, keys: list[Key], top1: Iterable[Key] = ()) -> "Batch":
         """Weights (compute layout) of `keys`, pinned for the duration of a batch:
-        `with store.use(keys) as weights: ...`.
+        `with store.use(keys) as weights: ...`. `top1`: those of `keys` that some token chose
+        first (the router's ranking, for the policy).
 
         A call whose experts are all hot pins them and computes at once (one lock acquisition).
         A call that must promote some first is admitted as a unit: it takes the admission lock
         before pinning anything, so the only pins it can wait on belong to calls that are
         computing (and will unpin), never to a call waiting in turn for its pins."""
-        return Batch(self, keys)
+        return Batch(self, keys, top1)
 
-    def _begin(self, keys: list[Key]) -> tuple[list[Entry], dict[Key, dict[str, torch.Tensor]]]:
+    def _begin(self, keys: list[Key], top1: Iterable[Key] = ()) -> tuple[list[Entry], dict[Key, dict[str, torch.Tensor]]]:
         deadline = time.monotonic() + self.wait_timeout_s
         with self._cv:
             if self.config.prefetch:
                 self.hints.used(keys)
                 self.stats.hint_accuracy = self.hints.accuracy
-            entries = self._pin(keys, deadline, fast_only=True)
+            entries = self._pin(keys, deadline, fast_only=True, top1=top1)
             if entries is not None:  # every one hot and still: a hit each, as a demand promotion counts it
                 for e in entries:
                     self.stats.hits[HOT] += 1
@@ -310,7 +311,7 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
                         self.stats.prefetch_used += 1
                         e.prefetched = False
         if entries is None:
-            return self._begin_admitted(keys, deadline)
+            return self._begin_admitted(keys, deadline, top1)
         self._after_copies(entries)
         return entries, {e.key: e.tensors for e in entries}
 
@@ -324,12 +325,12 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
             self._end(entries)
             raise
 
-    def _begin_admitted(self, keys: list[Key], deadline: float) -> tuple[list[Entry], dict]:
+    def _begin_admitted(self, keys: list[Key], deadline: float, top1: Iterable[Key]) -> tuple[list[Entry], dict]:
         if not self._admission.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise StoreFull("timed out waiting to load this batch's experts (other batches are loading theirs)")
         entries: list[Entry] = []
         try:
-            entries = self._pin(keys, deadline, fast_only=False)
+            entries = self._pin(keys, deadline, fast_only=False, top1=top1)
             out = {e.key: self._promote(e.key, HOT, mode="demand", entry=e) for e in entries}
         except BaseException:
             self._admission.release()
@@ -354,9 +355,10 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
             self._settle()
             self._cv.notify_all()
 
-    def _pin(self, keys: list[Key], deadline: float, fast_only: bool) -> list[Entry] | None:
-        """Pin `keys` once no swap of theirs is committing. fast_only: only when every one is
-        hot and still (None otherwise: the call must be admitted to promote)."""
+    def _pin(self, keys: list[Key], deadline: float, fast_only: bool, top1: Iterable[Key] = ()) -> list[Entry] | None:
+        """Pin `keys` once no swap of theirs is committing, and tell the policy of the call.
+        fast_only: only when every one is hot and still (None otherwise: the call must be
+        admitted to promote)."""
         with self._cv:
             while True:
                 missing = [k for k in keys if k not in self.entries]
@@ -371,7 +373,9 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
                 return None
             for e in entries:
                 e.pins += 1
-                self.policy.access(e.key)
+            if top1:
+                self.stats.ranked_calls += 1
+            self.policy.visit(keys, top1)
             return entries
 
     def promote(self, key: Key, tier: str = HOT) -> bool:
@@ -655,6 +659,12 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
                 out[f"{l}.{ex}"] = {"digest": e.version.digest, "source": e.version.source, "tier": tier}
             return out
 
+    def policy_report(self) -> dict:
+        """The eviction policy's name and, for RankAware, the temporal locality it has learnt."""
+        with self._cv:
+            stay = self.policy.stay() if isinstance(self.policy, RankAware) else None
+            return {"name": self.policy.name, "stay": None if stay is None else round(stay, 4)}
+
     def budgets(self) -> dict[str, int | None]:
         return {HOT: self.config.hot_budget, WARM: self.config.warm_budget,
                 COLD: self.cold.budget if self.cold is not None else None}
@@ -690,15 +700,16 @@ class Batch:
     times the Python operations, which cost tens of microseconds each between a replica's idle
     gaps)."""
 
-    __slots__ = ("store", "keys", "entries")
+    __slots__ = ("store", "keys", "top1", "entries")
 
-    def __init__(self, store: TieredExpertStore, keys: list[Key]):
+    def __init__(self, store: TieredExpertStore, keys: list[Key], top1: Iterable[Key] = ()):
         self.store = store
         self.keys = keys
+        self.top1 = top1
         self.entries: list[Entry] = []
 
     def __enter__(self) -> dict[Key, dict[str, torch.Tensor]]:
-        self.entries, weights = self.store._begin(self.keys)
+        self.entries, weights = self.store._begin(self.keys, self.top1)
         return weights
 
     def __exit__(self, *exc) -> None:

@@ -89,6 +89,7 @@ class Part:
     counts: list[int]
     x: torch.Tensor
     prefetch: list[tuple[int, int]] = field(default_factory=list)
+    top1: list[int] | None = None  # per expert, the rows that chose it first (the router's ranking)
 
 
 MembershipSource = Callable[[], tuple[list[Member], str]]
@@ -442,11 +443,11 @@ class ExpertChannel:
     def _send(self, conn: _Conn, seq: int, layer: int, part: Part) -> None:
         if conn.link is not None:
             conn.sock.sendall(wire.encode_request(seq, layer, part.x.shape[0], part.x.shape[1], part.x.dtype,
-                                                  part.experts, part.counts, part.prefetch, wire.LINKED))
+                                                  part.experts, part.counts, part.prefetch, wire.LINKED, part.top1))
             conn.link.send(part.x.to(conn.link.device))
         else:
             send_all(conn.sock, [wire.encode_request(seq, layer, part.x.shape[0], part.x.shape[1], part.x.dtype,
-                                                     part.experts, part.counts, part.prefetch),
+                                                     part.experts, part.counts, part.prefetch, top1=part.top1),
                                  wire.as_bytes(part.x)])
 
     def _candidates(self, group: str, exclude: set[str], only_live: bool = True) -> list[_Peer]:

@@ -1,7 +1,7 @@
 """The shard replica's end of the expert channel: a server computing requests as they come.
 
 Each connection gets its own thread, which reads a request into a buffer it reuses, calls the
-replica's `compute(layer, x, experts, counts, prefetch, out)` and writes the reply; the ingress
+replica's `compute(layer, x, experts, counts, prefetch, out, top1)` and writes the reply; the ingress
 opens one connection per exchange it runs at once (micro-batches), so concurrent exchanges
 compute concurrently, as Serve's thread pool did. The server binds Ray's address for this node
 (127.0.0.1 for a local head): nothing listens where Ray itself does not. On Linux it also listens
@@ -33,7 +33,9 @@ from .link import LinkError, LinkOffer, PairLink
 from .realtime import Realtime
 from .wakeup import WakeLatency
 
-Compute = Callable[[int, torch.Tensor, list[int], list[int], list[tuple[int, int]], torch.Tensor], None]
+# (layer, x, experts, counts, prefetch, out, top-1 counts per expert or None)
+Compute = Callable[[int, torch.Tensor, list[int], list[int], list[tuple[int, int]], torch.Tensor, list[int] | None],
+                   None]
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -247,7 +249,7 @@ class ExchangeServer:
             t0 = time.perf_counter()
             self.wake.touch()
             self.realtime.enter(rows)
-            experts, counts, prefetch = wire.decode_request_body(view, head, n_experts, n_prefetch, rows)
+            experts, counts, prefetch, top1 = wire.decode_request_body(view, head, n_experts, n_prefetch, rows, flags)
             if linked:  # the rows come on the link, in frame order; take them even when draining
                 x = torch.empty(rows, hidden, dtype=dtype, device=link.device)
                 link.recv_into(x)
@@ -267,7 +269,7 @@ class ExchangeServer:
             with self._lock:
                 self.busy += 1
             try:
-                self.compute(layer, x, experts, counts, prefetch, out)
+                self.compute(layer, x, experts, counts, prefetch, out, top1)
             except Exception as err:  # noqa: BLE001 - the ingress decides; this replica keeps serving
                 self.errors += 1
                 conn.sendall(wire.encode_reply(seq, wire.ERROR, message=f"{type(err).__name__}: {err}"))

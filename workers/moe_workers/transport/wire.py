@@ -8,8 +8,9 @@ nothing is pickled, so a peer can send nothing but numbers and a short UTF-8 mes
     hello      MAGIC  kind=HELLO   token_len link_len         token, link offer (JSON, may be empty)
     hello ack  MAGIC  status       msg_len                    message (empty when OK)
     request    MAGIC  kind=EXPERTS dtype flags seq layer rows hidden n_experts n_prefetch
-               int32[n_experts] experts, int32[n_experts] counts, int32[2*n_prefetch] (layer, expert),
-               padding to 16 bytes, rows*hidden values (none when flags has LINKED: they go on the link)
+               int32[n_experts] experts, int32[n_experts] counts, int32[n_experts] top-1 counts (only
+               when flags has RANKED), int32[2*n_prefetch] (layer, expert), padding to 16 bytes,
+               rows*hidden values (none when flags has LINKED: they go on the link)
     reply      MAGIC  status dtype flags seq rows hidden msg_len    message | rows*hidden values
 """
 
@@ -29,6 +30,9 @@ MAGIC = b"MoE1"
 HELLO, EXPERTS = 1, 2  # request kinds
 OK, ERROR, DRAINING, DENIED = 0, 1, 2, 3  # reply statuses
 LINKED = 1  # flag: the tensor of this frame travels on the connection's device link
+# flag: the request says, per expert, how many of its rows chose it first (the router's ranking,
+# which the store's RankAware policy keeps experts by)
+RANKED = 2
 STATUS_NAMES = {OK: "ok", ERROR: "error", DRAINING: "draining", DENIED: "denied"}
 
 DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16}
@@ -91,6 +95,7 @@ class Request:
     counts: list[int]
     prefetch: list[tuple[int, int]]
     flags: int = 0
+    top1: list[int] | None = None  # per expert, the rows whose first choice it is (RANKED)
 
 
 class Reply(NamedTuple):  # a tuple: built once per exchange and replica on the hot path
@@ -174,23 +179,35 @@ def decode_ack_header(buf: bytes) -> tuple[int, int]:
 
 
 def encode_request(seq: int, layer: int, rows: int, hidden: int, dtype: torch.dtype, experts: list[int],
-                   counts: list[int], prefetch: list[tuple[int, int]] | None = None, flags: int = 0) -> bytes:
-    """Header and variable part of a request (the tensor bytes follow separately)."""
+                   counts: list[int], prefetch: list[tuple[int, int]] | None = None, flags: int = 0,
+                   top1: list[int] | None = None) -> bytes:
+    """Header and variable part of a request (the tensor bytes follow separately). `top1`: per
+    expert, how many of its rows chose it first (sets RANKED)."""
     if len(experts) != len(counts):
         raise ProtocolError("experts and counts differ in length")
     if sum(counts) != rows:
         raise ProtocolError(f"counts sum to {sum(counts)}, not to the {rows} rows sent")
+    if top1 is not None and len(top1) != len(experts):
+        raise ProtocolError("experts and top-1 counts differ in length")
     n, m = len(experts), len(prefetch) if prefetch else 0
-    return _request_struct(n, m).pack(MAGIC, EXPERTS, dtype_code(dtype), flags, seq, layer, rows, hidden, n, m,
-                                      *experts, *counts, *(v for pair in prefetch or () for v in pair))
+    ranked = top1 is not None
+    return _request_struct(n, m, ranked).pack(
+        MAGIC, EXPERTS, dtype_code(dtype), flags | (RANKED if ranked else 0), seq, layer, rows, hidden, n, m,
+        *experts, *counts, *(top1 or ()), *(v for pair in prefetch or () for v in pair))
+
+
+def _ints(n: int, m: int, ranked: bool) -> int:
+    """int32 values in a request's variable part."""
+    return (3 if ranked else 2) * n + 2 * m
 
 
 @lru_cache(maxsize=1024)
-def _request_struct(n: int, m: int) -> struct.Struct:
+def _request_struct(n: int, m: int, ranked: bool) -> struct.Struct:
     """Header and variable part of a request with n experts and m prefetch hints, as one
     compiled format (a request is one pack)."""
-    pad = _variable_size(n, m) - 4 * (2 * n + 2 * m)
-    return struct.Struct(f"{REQUEST_HEADER.format}{2 * n + 2 * m}i{pad}x")
+    ints = _ints(n, m, ranked)
+    pad = _variable_size(n, m, ranked) - 4 * ints
+    return struct.Struct(f"{REQUEST_HEADER.format}{ints}i{pad}x")
 
 
 def decode_request_header(buf) -> tuple[int, int, int, int, torch.dtype, int, int, int, int]:
@@ -205,40 +222,45 @@ def decode_request_header(buf) -> tuple[int, int, int, int, torch.dtype, int, in
         raise ProtocolError(f"{n_experts} experts / {n_prefetch} prefetch hints exceed {MAX_EXPERTS}")
     if rows > MAX_ROWS or hidden > MAX_HIDDEN or rows * hidden * _itemsize(dtype) > MAX_PAYLOAD:
         raise ProtocolError(f"{rows} x {hidden} rows exceed the frame limits")
-    return seq, layer, rows, hidden, dtype, n_experts, n_prefetch, _variable_size(n_experts, n_prefetch), flags
+    size = _variable_size(n_experts, n_prefetch, bool(flags & RANKED))
+    return seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size, flags
 
 
 ALIGN = 16  # the tensor bytes start at a multiple of this, so the receiver can view them in place
 
 
-def _variable_size(n_experts: int, n_prefetch: int) -> int:
+def _variable_size(n_experts: int, n_prefetch: int, ranked: bool = False) -> int:
     """Bytes of a request's variable part, padded so that header + it is a multiple of ALIGN."""
-    end = REQUEST_HEADER.size + 4 * (2 * n_experts + 2 * n_prefetch)
+    end = REQUEST_HEADER.size + 4 * _ints(n_experts, n_prefetch, ranked)
     return -(-end // ALIGN) * ALIGN - REQUEST_HEADER.size
 
 
 @lru_cache(maxsize=1024)
-def _body_struct(n_experts: int, n_prefetch: int) -> struct.Struct:
-    return struct.Struct(f"<{2 * n_experts + 2 * n_prefetch}i")
+def _body_struct(n_experts: int, n_prefetch: int, ranked: bool) -> struct.Struct:
+    return struct.Struct(f"<{_ints(n_experts, n_prefetch, ranked)}i")
 
 
-def decode_request_body(buf, offset: int, n_experts: int, n_prefetch: int,
-                        rows: int) -> tuple[list[int], list[int], list[tuple[int, int]]]:
-    """(experts, counts, prefetch) from the variable part at `offset` of `buf`."""
-    flat = _body_struct(n_experts, n_prefetch).unpack_from(buf, offset)
+def decode_request_body(buf, offset: int, n_experts: int, n_prefetch: int, rows: int, flags: int = 0
+                        ) -> tuple[list[int], list[int], list[tuple[int, int]], list[int] | None]:
+    """(experts, counts, prefetch, top-1 counts or None) from the variable part at `offset` of `buf`."""
+    ranked = bool(flags & RANKED)
+    flat = _body_struct(n_experts, n_prefetch, ranked).unpack_from(buf, offset)
     experts, counts = list(flat[:n_experts]), list(flat[n_experts:2 * n_experts])
-    pairs = flat[2 * n_experts:]
+    top1 = list(flat[2 * n_experts:3 * n_experts]) if ranked else None
+    pairs = flat[(3 if ranked else 2) * n_experts:]
     if any(c < 0 for c in counts) or sum(counts) != rows:
         raise ProtocolError(f"counts {counts} do not add up to the {rows} rows sent")
-    return experts, counts, [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)]
+    if top1 is not None and any(t < 0 or t > c for t, c in zip(top1, counts)):
+        raise ProtocolError(f"top-1 counts {top1} are not within the counts {counts}")
+    return experts, counts, [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)], top1
 
 
 def decode_request(header, variable) -> Request:
     seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size, flags = decode_request_header(header)
     if len(variable) != size:
         raise ProtocolError(f"request body of {len(variable)} bytes, expected {size}")
-    experts, counts, prefetch = decode_request_body(variable, 0, n_experts, n_prefetch, rows)
-    return Request(seq, layer, rows, hidden, dtype, experts, counts, prefetch, flags)
+    experts, counts, prefetch, top1 = decode_request_body(variable, 0, n_experts, n_prefetch, rows, flags)
+    return Request(seq, layer, rows, hidden, dtype, experts, counts, prefetch, flags, top1)
 
 
 def encode_reply(seq: int, status: int, rows: int = 0, hidden: int = 0, dtype: torch.dtype = torch.float32,
