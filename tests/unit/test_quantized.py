@@ -379,3 +379,25 @@ def test_on_a_gpu_hot_tier_a_quantized_expert_crosses_in_its_stored_form_and_is_
     # no expert reached hot as a host-decoded copy: every copy into a hot slot is a warm refill or demotion
     hot_copies = [op for op in ops.log if op[0] == "copy" and op[1] in {d[1] for d in decodes}]
     assert not hot_copies
+
+
+@pytest.mark.parametrize("family,method", [("deepseek_v3", "fp8"), ("gpt_oss", "mxfp4")])
+def test_a_random_checkpoint_written_quantized_equals_one_quantized_after(tmp_path, family, method):
+    """`write_random_checkpoint(quantize=...)` quantizes each tensor as it is drawn and writes a
+    shard at a time (models larger than memory: moectl init-model at real shapes): the same
+    tensors, bytes and config as writing the float checkpoint and rewriting it."""
+    from moe_workers.model.random_init import write_random_checkpoint
+
+    dims = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_layers=2, num_experts=4, top_k=2,
+                num_heads=4, num_kv_heads=4 if family == "deepseek_v3" else 2, max_shard_bytes=64 << 10)
+    at_once = write_random_checkpoint(tmp_path / "once", family, quantize=method, block=(16, 16), **dims)
+    after = quantize_checkpoint(write_random_checkpoint(tmp_path / "after", family, **dims), method, block=(16, 16))
+    assert len(list(at_once.glob("*.safetensors"))) > 1 and (at_once / "model.safetensors.index.json").is_file()
+    assert not list(at_once.glob(".part-*"))
+    a, b = read_index(at_once), read_index(after)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        with safe_open(a[name].file, framework="pt") as f, safe_open(b[name].file, framework="pt") as g:
+            assert torch.equal(f.get_tensor(name).view(torch.uint8), g.get_tensor(name).view(torch.uint8)), name
+    assert json.loads((at_once / "config.json").read_text()) == json.loads((after / "config.json").read_text())
+    Checkpoint(at_once)  # reads and checks as a quantized checkpoint

@@ -43,7 +43,7 @@ def test_valid_spec_passes(model_dir):
     (lambda s, d: s.experts.overrides[0].__setattr__("expert", "2.0"), "overrides[0].expert 2.0 does not exist: the model has 2 layers x 4 routed experts"),
     (lambda s, d: s.experts.overrides[0].__setattr__("expert", "1.4"), "does not exist"),
     (lambda s, d: s.experts.overrides[0].weights.__setattr__("path", "/tmp/x.safetensors"), "outside the allowed weight roots"),
-    (lambda s, d: s.experts.tiers.hot.__setattr__("budget", "1Ki"), "smaller than one batch's working set"),
+    (lambda s, d: s.experts.tiers.hot.__setattr__("budget", "1Ki"), "smaller than one token's experts in a shard group: 2 experts"),
     # 2 layers x (k + v) x 2 KV heads x 8 dims x 4 bytes = 256 bytes a token; 512 tokens at the model's context
     (lambda s, d: s.ingress.__setattr__("kv_cache_budget", "64Ki"),
      "spec.ingress.kvCacheBudget: KV cache budget 65536 bytes holds 15 blocks of 16 tokens (4096 bytes each); "
@@ -283,7 +283,7 @@ def test_the_composed_chain_gives_the_first_reason_and_every_message_in_order(mo
     from moe_operator.api.models import ModelShape
 
     spec, m = _spec(model_dir), model_dir / "m"
-    budget_msg = ("spec.experts.tiers.hot.budget (1024 bytes) is smaller than one batch's working set in a shard "
+    budget_msg = ("spec.experts.tiers.hot.budget (1024 bytes) is smaller than one token's experts in a shard "
                   "group: 2 experts of a layer x 24576 bytes = 49152 bytes; raise the budget or add groups")
     if case == "valid":
         expected = ("", [])

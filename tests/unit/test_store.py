@@ -85,13 +85,40 @@ def test_weights_are_the_checkpoints_from_every_tier(model_dir, tmp_path):
     assert_within_budgets(s)
 
 
-def test_hot_budget_below_one_batch_is_refused(model_dir, tmp_path):
+def test_a_hot_budget_below_one_tokens_experts_is_refused_and_a_larger_call_computes_in_waves(model_dir, tmp_path):
+    """The hot tier must hold a token's top-k experts at once; a call needing more (4 experts of
+    a layer, 2 hot slots) is computed two at a time, what is hot first, with the same outputs
+    as all at once, the policy told of it once, budgets held throughout."""
+    from moe_workers.model.experts import compute_rows
+    from moe_workers.serve.expert_call import compute_call
+
     s = make_store(model_dir)
     n = s.expert_bytes
-    with pytest.raises(TierConfigError, match=r"hot_budget.*layer 0 has 4 experts.*raise the hot budget"):
-        s.configure(ALL, TierConfig(hot_budget=3 * n, warm_budget=0))
-    s.configure(ALL, TierConfig(hot_budget=4 * n, warm_budget=0))  # exactly one layer: accepted
-    assert_within_budgets(s)
+    assert s.model.top_k == 2
+    with pytest.raises(TierConfigError, match=r"hot_budget.*one token's experts: layer 0 needs 2 experts.*top-2"):
+        s.configure(ALL, TierConfig(hot_budget=n, warm_budget=0))
+    s = make_store(model_dir, tmp_path, hot_budget=2 * n, warm_budget=n)
+    s.configure(ALL)
+    keys, counts = [(0, e) for e in range(EXPERTS)], [3, 1, 2, 2]
+    x = torch.randn(sum(counts), 16)
+    reference = make_store(model_dir)
+    reference.configure(ALL)
+    want = torch.empty_like(x)
+    with reference.use(keys) as w:
+        compute_rows(w, keys, counts, x, want, s.model)
+    hot = [k for k in keys if s.entries[k].tier == HOT]
+    assert s.call_waves(keys)[0] == [keys.index(k) for k in hot] and len(s.call_waves(keys)) == 2
+    clock = s.policy.clock
+    for _ in range(3):
+        out = torch.full_like(x, float("nan"))
+        compute_call(s, s.model, keys, counts, [(0, 2)], [], x, out)
+        assert torch.equal(out, want)
+        assert_within_budgets(s)
+    assert s.policy.clock == clock + 3 * len(keys)  # told once per call, not per wave
+    assert s.stats.as_dict()["waved_calls"] >= 3 and s.stats.as_dict()["ranked_calls"] == 3
+    out = torch.empty_like(x[:3])
+    compute_call(s, s.model, keys[:1], counts[:1], (), [], x[:3], out)  # fits: one wave, as before
+    assert torch.equal(out, want[:3])
 
 
 def test_unknown_tier_fields_and_policy_refused():

@@ -141,7 +141,7 @@ def test_two_batches_needing_each_others_room_both_finish(model_dir, tmp_path):
     """Reproduction: use() pinned all its keys, then promoted them one by one, waiting for room;
     two concurrent calls for different layers each held pins the other needed to evict, and both
     stalled until the timeout (then one failed with StoreFull). At the smallest hot budget
-    check_budgets accepts (one layer's experts), both must finish, and soon."""
+    check_budgets accepts (one token's experts: the 2 of a layer here, top-2), both must finish, and soon."""
     n = make_store(model_dir).expert_bytes
     s = make_store(model_dir, tmp_path, hot_budget=2 * n, warm_budget=4 * n)
     a, b = [(0, 0), (0, 1)], [(1, 0), (1, 1)]
@@ -261,7 +261,7 @@ class ConcurrentStore(RuleBasedStateMachine):
         probe = make_store(self.model_dir)
         self.n = n = probe.expert_bytes
         self.per_layer = 2  # each layer's experts on this shard: 2 of 4
-        # the smallest hot budget check_budgets accepts is one layer's experts
+        # the smallest hot budget check_budgets accepts is one token's experts (the 2 of a layer, top-2)
         self.hot, self.warm = (self.per_layer + hot) * n, warm * n
         self.ref = Checkpoint(self.model_dir)
         self.versions = {}  # digest -> the weights of that version, per key

@@ -153,14 +153,16 @@ def check_overrides(spec, roots, facts):
 
 
 def check_hot_budget(spec, roots, facts):
+    """The hot tier must hold one token's experts at once (those of a layer in a shard group,
+    top-k at most); a call needing more is computed in waves of what it holds."""
     if not facts:
         return OK
-    per_layer = math.ceil(facts.num_experts / spec.experts.groups)
-    need = per_layer * facts.expert_bytes(spec.model.dtype)
+    at_once = min(math.ceil(facts.num_experts / spec.experts.groups), facts.top_k)
+    need = at_once * facts.expert_bytes(spec.model.dtype)
     have = quantity_bytes(spec.experts.tiers.hot.budget)
     if have < need:
-        return (cond.INVALID_SPEC, f"spec.experts.tiers.hot.budget ({have} bytes) is smaller than one batch's working "
-                f"set in a shard group: {per_layer} experts of a layer x {facts.expert_bytes(spec.model.dtype)} "
+        return (cond.INVALID_SPEC, f"spec.experts.tiers.hot.budget ({have} bytes) is smaller than one token's experts "
+                f"in a shard group: {at_once} experts of a layer x {facts.expert_bytes(spec.model.dtype)} "
                 f"bytes = {need} bytes; raise the budget or add groups", True)
     return OK
 

@@ -32,7 +32,7 @@ def init_model(
                                     "Qwen3 bfloat16)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing checkpoint."),
 ):
-    """Write a small random MoE checkpoint of a family (config.json, safetensors in the layout
+    """Write a random MoE checkpoint of a family (config.json, safetensors in the layout
     transformers writes, byte-level tokenizer.json, tokenizer_config.json with a simple chat template);
     with --quantize, in the layout of the family's quantized release."""
     import torch
@@ -40,7 +40,7 @@ def init_model(
     from moe_workers.model.dtypes import COMPUTE
     from moe_workers.model.family import SUPPORTED
     from moe_workers.model.quantization import FP8, MXFP4, MXFP4_GROUP
-    from moe_workers.model.random_init import quantize_checkpoint, write_random_checkpoint
+    from moe_workers.model.random_init import write_random_checkpoint
     from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
     from moe_workers.serve.chat import write_tokenizer_config
 
@@ -71,9 +71,9 @@ def init_model(
                                 intermediate_size=intermediate, num_layers=layers, num_heads=heads,
                                 num_kv_heads=kv_heads, num_experts=experts, top_k=top_k,
                                 max_position_embeddings=max_len, dtype=dtypes[dtype], seed=seed, router_scale=10.0,
-                                progress=lambda done, total: progress.update(task, completed=done))
-    if quantize:
-        quantize_checkpoint(directory, quantize, block=(block_size, block_size), scale_dtype=dtypes[scale_dtype])
+                                progress=lambda done, total: progress.update(task, completed=done),
+                                quantize=quantize or None, block=(block_size, block_size),
+                                scale_dtype=dtypes[scale_dtype])
     write_byte_tokenizer(directory)
     write_tokenizer_config(directory)
     size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))

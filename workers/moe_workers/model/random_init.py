@@ -90,14 +90,22 @@ def write_random_checkpoint(path: str | Path, family: str = "mixtral", *, vocab_
                             hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2,
                             num_heads: int = 4, num_kv_heads: int = 2, num_experts: int = 8, top_k: int = 2,
                             max_position_embeddings: int = 512, dtype: torch.dtype = torch.float32, seed: int = 0,
-                            router_scale: float = 1.0, max_shard_bytes: int = 2 * 2**30, progress=None) -> Path:
-    """Returns the directory. `router_scale` > 1 sharpens routing; `progress(done, total)` is called per layer."""
+                            router_scale: float = 1.0, max_shard_bytes: int = 2 * 2**30, progress=None,
+                            quantize: str | None = None, block: tuple[int, int] = (128, 128),
+                            scale_dtype: torch.dtype = torch.float32) -> Path:
+    """Returns the directory. `router_scale` > 1 sharpens routing; `progress(done, total)` is
+    called per layer. `quantize` ("fp8" / "mxfp4"): each tensor is written in the layout the
+    quantized release ships as it is drawn (`quantize_tensor`), so a model larger than memory is
+    written in one pass: tensors are drawn, quantized and written a shard (`max_shard_bytes`) at
+    a time. The same seed draws the same weights with and without `quantize`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = random_config(family, vocab_size=vocab_size, hidden_size=hidden_size,
                            intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
                            num_kv_heads=num_kv_heads, num_experts=num_experts, top_k=top_k,
                            max_position_embeddings=max_position_embeddings, dtype=dtype)
+    if quantize:
+        config["quantization_config"] = quantization_config(quantize, family, block)
     arch = parse(config, "random config")
     g = torch.Generator().manual_seed(seed)
 
@@ -112,48 +120,59 @@ def write_random_checkpoint(path: str | Path, family: str = "mixtral", *, vocab_
         std = 0.02 * router_scale if last in ("gate", "router") else 0.02
         return (torch.randn(*shape, generator=g) * std).to(dtype)
 
-    tensors: dict[str, torch.Tensor] = {}
+    # shard like transformers: model-0000k-of-0000n.safetensors + index when more than one file;
+    # each shard is written once full (its final name needs the count, so parts are renamed at the end)
+    parts: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        part = path / f".part-{len(parts):05d}.safetensors"
+        save_file(shard, str(part), metadata={"format": "pt"})
+        parts.append((part, list(shard)))
+        shard, size = {}, 0
+
     layer_seen = -1
     for name, shape in arch.tensor_shapes().items():
-        tensors[name] = value(name, shape)
+        for out_name, t in quantize_tensor(name, value(name, shape), quantize, block, scale_dtype).items():
+            nbytes = t.numel() * t.element_size()
+            if shard and size + nbytes > max_shard_bytes:
+                flush()
+            shard[out_name] = t
+            size += nbytes
+            total += nbytes
         if progress and name.startswith("model.layers."):
             layer = int(name.split(".")[2])
             if layer != layer_seen:
                 if layer_seen >= 0:
                     progress(layer_seen + 1, num_layers)
                 layer_seen = layer
+    flush()
     if progress:
         progress(num_layers, num_layers)
-
-    # shard like transformers: model-0000k-of-0000n.safetensors + index when more than one file
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+    if len(parts) == 1:
+        parts[0][0].replace(path / "model.safetensors")
     else:
         weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / fname), metadata={"format": "pt"})
-            weight_map.update({n: fname for n in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        for i, (part, names) in enumerate(parts, 1):
+            fname = f"model-{i:05d}-of-{len(parts):05d}.safetensors"
+            part.replace(path / fname)
+            weight_map.update({n: fname for n in names})
         (path / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    # safetensors writes its files owner-only (0600); a checkpoint is read by other users (the
-    # operator's and Ray's Pods run as non-root), so give them the modes any other file gets
+    _share(path.glob("*.safetensors"))
+    return path
+
+
+def _share(files) -> None:
+    """safetensors writes its files owner-only (0600); a checkpoint is read by other users (the
+    operator's and Ray's Pods run as non-root), so give them the modes any other file gets."""
     umask = os.umask(0)
     os.umask(umask)
-    for f in path.glob("*.safetensors"):
+    for f in files:
         f.chmod(0o666 & ~umask)
-    return path
 
 
 def write_random_mixtral(path: str | Path, **kwargs) -> Path:
@@ -164,41 +183,52 @@ def _fp8_quantized(name: str) -> bool:
     return name.endswith(("_proj.weight", "_proj_with_mqa.weight")) or name.rsplit(".", 2)[-2] in ("w1", "w2", "w3")
 
 
+def quantization_config(method: str, family: str, block: tuple[int, int] = (128, 128)) -> dict:
+    """config.json's quantization_config as the quantized releases write it."""
+    if method == FP8:
+        return {"quant_method": FP8, "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    if method == MXFP4:
+        if family != "gpt_oss":
+            raise ValueError(f"mxfp4 is the gpt_oss format (this checkpoint is {family})")
+        return {"quant_method": MXFP4, "modules_to_not_convert": MXFP4_NOT_CONVERTED}
+    raise ValueError(f"quantize: {method!r} is not one of fp8, mxfp4")
+
+
+def quantize_tensor(name: str, t: torch.Tensor, method: str | None, block: tuple[int, int] = (128, 128),
+                    scale_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """One checkpoint tensor in the stored form of `method` (None: as it is): fp8 for every linear
+    projection but the routers and lm_head (weight + `_scale_inv`), mxfp4 for gpt_oss' fused
+    experts (`_blocks` + `_scales`, each expert [out, in])."""
+    from .dequant import pack_mxfp4, quantize_fp8
+
+    if method == FP8 and t.dim() == 2 and _fp8_quantized(name):
+        q, scale = quantize_fp8(t, block, scale_dtype)
+        return {name: q, name + "_scale_inv": scale}
+    if method == MXFP4 and name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        packed = [pack_mxfp4(t[e].t()) for e in range(t.shape[0])]  # stored [out, in]
+        return {name + "_blocks": torch.stack([b for b, _ in packed]), name + "_scales": torch.stack([s for _, s in packed])}
+    return {name: t}
+
+
 def quantize_checkpoint(path: str | Path, method: str, *, block: tuple[int, int] = (128, 128),
                         scale_dtype: torch.dtype = torch.float32) -> Path:
     """Rewrite a float checkpoint directory in place into the layout the quantized releases
     ship: fp8 (`weight_block_size` blocks, `*.weight_scale_inv` in `scale_dtype`: DeepSeek
-    stores F32, Qwen3 -FP8 BF16) or mxfp4 (gpt_oss experts as `*_blocks` / `*_scales`)."""
+    stores F32, Qwen3 -FP8 BF16) or mxfp4 (gpt_oss experts as `*_blocks` / `*_scales`). For
+    checkpoints written by others (transformers' own, in the tests); `write_random_checkpoint`
+    quantizes as it writes."""
     from safetensors import safe_open
-
-    from .dequant import pack_mxfp4, quantize_fp8
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
-    if method == FP8:
-        config["quantization_config"] = {"quant_method": FP8, "fmt": "e4m3", "activation_scheme": "dynamic",
-                                         "weight_block_size": list(block)}
-    elif method == MXFP4:
-        if config.get("model_type") != "gpt_oss":
-            raise ValueError(f"mxfp4 is the gpt_oss format (this checkpoint is {config.get('model_type')})")
-        config["quantization_config"] = {"quant_method": MXFP4, "modules_to_not_convert": MXFP4_NOT_CONVERTED}
-    else:
-        raise ValueError(f"quantize: {method!r} is not one of fp8, mxfp4")
+    config["quantization_config"] = quantization_config(method, config.get("model_type"), block)
     files = sorted({t.file for t in read_index(path).values()})
     weight_map = {}
     for file in files:
         out = {}
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                t = f.get_tensor(name)
-                if method == FP8 and t.dim() == 2 and _fp8_quantized(name):
-                    out[name], out[name + "_scale_inv"] = quantize_fp8(t, block, scale_dtype)
-                elif method == MXFP4 and name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-                    packed = [pack_mxfp4(t[e].t()) for e in range(t.shape[0])]  # stored [out, in]
-                    out[name + "_blocks"] = torch.stack([b for b, _ in packed])
-                    out[name + "_scales"] = torch.stack([s for _, s in packed])
-                else:
-                    out[name] = t
+                out.update(quantize_tensor(name, f.get_tensor(name), method, block, scale_dtype))
         save_file(out, str(file), metadata={"format": "pt"})
         weight_map.update({n: file.name for n in out})
     index = path / "model.safetensors.index.json"
@@ -207,8 +237,5 @@ def quantize_checkpoint(path: str | Path, method: str, *, block: tuple[int, int]
         raw["weight_map"] = weight_map
         index.write_text(json.dumps(raw, indent=2))
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    umask = os.umask(0)
-    os.umask(umask)
-    for f in files:
-        f.chmod(0o666 & ~umask)
+    _share(files)
     return path

@@ -18,7 +18,7 @@ from ray.serve.handle import DeploymentHandle
 
 from moe_workers.device import replica_device
 from moe_workers.model.checkpoint import Checkpoint
-from moe_workers.model.experts import compute_rows
+from moe_workers.serve.expert_call import compute_call
 from moe_workers.serve.cpus import CpuClaim
 from moe_workers.expert_ids import expert_key
 from moe_workers.rfc3339 import format_rfc3339
@@ -161,10 +161,7 @@ class ExpertShard:
         t0, c0 = time.perf_counter(), time.thread_time()
         keys = [(layer, e) for e in experts]
         first = [k for k, n in zip(keys, top1) if n] if top1 is not None else ()
-        with self.store.use(keys, first) as weights:
-            if prefetch:
-                self.store.prefetch(prefetch)  # loads overlap this call's compute
-            compute_rows(weights, keys, counts, x, out, self.cfg)
+        compute_call(self.store, self.cfg, keys, counts, first, prefetch, x, out)
         with self._load_lock:
             for key, n in zip(keys, counts):
                 self.load[key] += n

@@ -9,7 +9,7 @@ from .policy import DEFAULT_POLICY, make_policy
 
 
 class TierConfigError(ValueError):
-    """Budgets that cannot work (for example, a hot tier smaller than one batch's experts)."""
+    """Budgets that cannot work (for example, a hot tier smaller than one token's experts)."""
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ class StoreStats:
     hint_accuracy: float | None = None  # share of recent hints a call then used (HintTracker)
     cold_reads: dict[str, int] = field(default_factory=lambda: {"cache": 0, "disk": 0})  # where cold files' bytes were
     ranked_calls: int = 0  # calls that said which of their experts tokens chose first (the router's ranking)
+    waved_calls: int = 0  # calls with more experts than the hot tier holds, computed in waves
 
     def as_dict(self) -> dict:
         acc = self.prefetch_used / self.prefetch_issued if self.prefetch_issued else None
@@ -59,7 +60,8 @@ class StoreStats:
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
                 "prefetch_skipped": self.prefetch_skipped, "prefetch_accuracy": acc,
                 "hint_accuracy": self.hint_accuracy,
-                "cold_reads": dict(self.cold_reads), "ranked_calls": self.ranked_calls}
+                "cold_reads": dict(self.cold_reads), "ranked_calls": self.ranked_calls,
+                "waved_calls": self.waved_calls}
 
 
 MoveHook = Callable[[str, str, float, int], None]  # (from tier, to tier, seconds, bytes)

@@ -137,21 +137,36 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
             return None
 
     def check_budgets(self, keys: Iterable[Key], config: TierConfig) -> None:
-        """Refuse budgets that cannot hold one batch: a call computes one layer's experts hosted
-        here, all of which must be hot at once."""
+        """Refuse a hot budget that cannot hold one token's experts at once: those of a layer
+        hosted here, top-k at most. A call needing more than the hot tier holds is computed in
+        waves (`call_waves`); a token's own experts never wait for each other."""
         per_layer: dict[int, int] = {}
         for layer, _ in keys:
             per_layer[layer] = per_layer.get(layer, 0) + 1
         if not per_layer or config.hot_budget is None:
             return
         layer, n = max(per_layer.items(), key=lambda kv: (kv[1], -kv[0]))
+        n = min(n, self.model.top_k)
         one = self.forms.nbytes(HOT)
         need = n * one
         if config.hot_budget < need:
             raise TierConfigError(
-                f"tiers.hot_budget: {config.hot_budget} bytes cannot hold one batch's working set: layer {layer} "
-                f"has {n} experts on this shard, {need} bytes ({one} each); raise the hot budget to "
-                f">= {need} or spread the experts over more groups")
+                f"tiers.hot_budget: {config.hot_budget} bytes cannot hold one token's experts: layer {layer} "
+                f"needs {n} experts on this shard at once (top-{self.model.top_k}), {need} bytes ({one} each); raise "
+                f"the hot budget to >= {need} or spread the experts over more groups")
+
+    def call_waves(self, keys: list[Key]) -> list[list[int]]:
+        """The positions of a call's experts in the waves it is computed in: all at once when
+        the hot tier holds them, else groups of at most its slots, the experts already hot first
+        (each wave pins, promotes and computes its experts, then lets them go)."""
+        slots = self.pools[HOT].capacity
+        if slots is None or len(keys) <= slots:
+            return [list(range(len(keys)))]
+        with self._cv:
+            order = sorted(range(len(keys)), key=lambda i: (self.entries[keys[i]].tier != HOT
+                                                             if keys[i] in self.entries else True, i))
+        self.stats.waved_calls += 1
+        return [order[i:i + slots] for i in range(0, len(order), slots)]
 
     def configure(self, keys: list[Key], config: TierConfig | None = None) -> None:
         """Host exactly `keys` under `config`: new experts are read (digest, cold file) and placed
@@ -286,10 +301,11 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
 
     # -- reading weights for a batch ----------------------------------------------------------
 
-    def use(self, keys: list[Key], top1: Iterable[Key] = ()) -> "Batch":
+    def use(self, keys: list[Key], top1: Iterable[Key] | None = ()) -> "Batch":
         """Weights (compute layout) of `keys`, pinned for the duration of a batch:
         `with store.use(keys) as weights: ...`. `top1`: those of `keys` that some token chose
-        first (the router's ranking, for the policy).
+        first (the router's ranking, told to the policy with the call's keys); None: tell the
+        policy nothing (a wave of a call already told with `tell`).
 
         A call whose experts are all hot pins them and computes at once (one lock acquisition).
         A call that must promote some first is admitted as a unit: it takes the admission lock
@@ -297,7 +313,18 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         computing (and will unpin), never to a call waiting in turn for its pins."""
         return Batch(self, keys, top1)
 
-    def _begin(self, keys: list[Key], top1: Iterable[Key] = ()) -> tuple[list[Entry], dict[Key, dict[str, torch.Tensor]]]:
+    def tell(self, keys: list[Key], top1: Iterable[Key] = ()) -> None:
+        """Tell the policy of a call (its experts and their first choices) without pinning:
+        for a call computed in waves, each wave then `use`s its part with top1=None."""
+        with self._cv:
+            self._told(keys, top1)
+
+    def _told(self, keys: list[Key], top1: Iterable[Key]) -> None:
+        if top1:
+            self.stats.ranked_calls += 1
+        self.policy.visit(keys, top1)
+
+    def _begin(self, keys: list[Key], top1: Iterable[Key] | None = ()) -> tuple[list[Entry], dict[Key, dict[str, torch.Tensor]]]:
         deadline = time.monotonic() + self.wait_timeout_s
         with self._cv:
             if self.config.prefetch:
@@ -325,7 +352,7 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
             self._end(entries)
             raise
 
-    def _begin_admitted(self, keys: list[Key], deadline: float, top1: Iterable[Key]) -> tuple[list[Entry], dict]:
+    def _begin_admitted(self, keys: list[Key], deadline: float, top1: Iterable[Key] | None) -> tuple[list[Entry], dict]:
         if not self._admission.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise StoreFull("timed out waiting to load this batch's experts (other batches are loading theirs)")
         entries: list[Entry] = []
@@ -355,7 +382,8 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
             self._settle()
             self._cv.notify_all()
 
-    def _pin(self, keys: list[Key], deadline: float, fast_only: bool, top1: Iterable[Key] = ()) -> list[Entry] | None:
+    def _pin(self, keys: list[Key], deadline: float, fast_only: bool, top1: Iterable[Key] | None = ()
+             ) -> list[Entry] | None:
         """Pin `keys` once no swap of theirs is committing, and tell the policy of the call.
         fast_only: only when every one is hot and still (None otherwise: the call must be
         admitted to promote)."""
@@ -373,9 +401,8 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
                 return None
             for e in entries:
                 e.pins += 1
-            if top1:
-                self.stats.ranked_calls += 1
-            self.policy.visit(keys, top1)
+            if top1 is not None:
+                self._told(keys, top1)
             return entries
 
     def promote(self, key: Key, tier: str = HOT) -> bool:
@@ -702,7 +729,7 @@ class Batch:
 
     __slots__ = ("store", "keys", "top1", "entries")
 
-    def __init__(self, store: TieredExpertStore, keys: list[Key], top1: Iterable[Key] = ()):
+    def __init__(self, store: TieredExpertStore, keys: list[Key], top1: Iterable[Key] | None = ()):
         self.store = store
         self.keys = keys
         self.top1 = top1
