@@ -21,6 +21,7 @@ from moe_workers.model.quantization import read_scales, scale_problem
 
 from .config import TierConfigError
 from .entry import Key
+from .ledger import COMPUTE, STORED
 from .fileread import TruncatedFile, read_ranges
 from .versions import CHECKPOINT, SwapError, Version, match_parts
 
@@ -108,42 +109,64 @@ class ColdIO:
         """Read a cold file straight into a host slot. When the file's data region is w1, w2, w3
         back to back, as the slot lays them out (cache files are written so), it is read in one
         piece, otherwise tensor by tensor (fileread: from the page cache with parallel preadv2,
-        from the disk through a populated mapping; no pages stay mapped beyond the slot). Falls
-        back to safetensors' mapping (with dtype conversion) when the file's dtype is not the
-        compute one."""
+        from the disk through a populated mapping; no pages stay mapped beyond the slot). A
+        quantized expert bound for a compute slot is read so into a staging buffer in its stored
+        form, then decoded into the slot. Falls back to safetensors' mapping (with dtype
+        conversion) when the file holds another form or dtype."""
         header_len, header = _safetensors_header(path)
+        form = self.forms.form(tier)
         with open(path, "rb", buffering=0) as f:
-            fd = f.fileno()
-            want = {name: SAFETENSORS_NAME.get(torch_name(dtype)) for name, dtype, _ in self._parts[self.forms.form(tier)]}
-            if set(header) - {"__metadata__"} != set(want) or any(header[w]["dtype"] != d for w, d in want.items()):
-                with safe_open(path, framework="pt") as g:  # another form or dtype: converted by _fill
-                    return self._fill(tier, {k: g.get_tensor(k) for k in g.keys()})
-            with self._cv:
-                buf, slot_after = self.pools[tier].take()
-            try:
-                self.ops.host_wait(slot_after)  # (outside the lock) a DMA may still read this pinned slot
-                views = self._layout(buf, tier)
-                ranges, offset = [], 0  # (file offset, slot offset, bytes) per tensor
-                for w, dst in views.items():
-                    begin, end = header[w]["data_offsets"]
-                    nbytes = dst.numel() * dst.element_size()
-                    if list(header[w]["shape"]) != list(dst.shape) or end - begin != nbytes:
-                        raise SwapError(f"{path}: cache file does not match the model ({w})")
-                    ranges.append((8 + header_len + begin, offset, nbytes))
-                    offset += nbytes
-                if all(r[0] - ranges[0][0] == r[1] for r in ranges):  # one contiguous region: one copy
-                    ranges = [(ranges[0][0], 0, offset)]
+            if self._holds(header, form):
+                with self._cv:
+                    buf, slot_after = self.pools[tier].take()
                 try:
-                    where = read_ranges(fd, ranges, buf)  # checks the file holds every range first
-                except TruncatedFile as err:
-                    raise SwapError(f"{path}: {err}") from None
+                    self.ops.host_wait(slot_after)  # (outside the lock) a DMA may still read this pinned slot
+                    views = self._read_layout(f.fileno(), path, header_len, header, form, buf)
+                except BaseException:
+                    with self._cv:
+                        self.pools[tier].give(buf, slot_after)
+                    raise
+                return views, buf, None  # written by the CPU: ready now
+            if form == COMPUTE and self.forms.quantized and self._holds(header, STORED):
                 with self._cv:
-                    self.stats.cold_reads[where] += 1
-            except BaseException:
-                with self._cv:
-                    self.pools[tier].give(buf, slot_after)
-                raise
-        return views, buf, None  # written by the CPU: ready now
+                    staging, _ = self._staging.take()
+                ready = None
+                try:
+                    stored = self._read_layout(f.fileno(), path, header_len, header, STORED, staging)
+                    views, buf, ready = self._fill(tier, stored)
+                finally:
+                    with self._cv:
+                        self._staging.give(staging, [ready])
+                return views, buf, ready
+        with safe_open(path, framework="pt") as g:  # another form or dtype: converted by _fill
+            return self._fill(tier, {k: g.get_tensor(k) for k in g.keys()})
+
+    def _holds(self, header: dict, form: str) -> bool:
+        """Whether a safetensors header holds exactly the parts of `form`, in their dtypes."""
+        want = {name: SAFETENSORS_NAME.get(torch_name(dtype)) for name, dtype, _ in self._parts[form]}
+        return set(header) - {"__metadata__"} == set(want) and all(header[w]["dtype"] == d for w, d in want.items())
+
+    def _read_layout(self, fd: int, path: Path, header_len: int, header: dict, form: str,
+                     buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The parts of `form` read from the file into `buf`, laid out as a slot of that form."""
+        views = self._views(buf, form)
+        ranges, offset = [], 0  # (file offset, slot offset, bytes) per tensor
+        for w, dst in views.items():
+            begin, end = header[w]["data_offsets"]
+            nbytes = dst.numel() * dst.element_size()
+            if list(header[w]["shape"]) != list(dst.shape) or end - begin != nbytes:
+                raise SwapError(f"{path}: cache file does not match the model ({w})")
+            ranges.append((8 + header_len + begin, offset, nbytes))
+            offset += nbytes
+        if all(r[0] - ranges[0][0] == r[1] for r in ranges):  # one contiguous region: one copy
+            ranges = [(ranges[0][0], 0, offset)]
+        try:
+            where = read_ranges(fd, ranges, buf)  # checks the file holds every range first
+        except TruncatedFile as err:
+            raise SwapError(f"{path}: {err}") from None
+        with self._cv:
+            self.stats.cold_reads[where] += 1
+        return views
 
     def _read_source(self, key: Key, version: Version) -> dict[str, torch.Tensor]:
         if version.source == CHECKPOINT:

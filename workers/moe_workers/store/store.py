@@ -93,6 +93,9 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
                                     self._slots(HOT, self.config.hot_budget)),
                       WARM: SlotPool(self.forms.nbytes(WARM), self.ops, True, self._slots(WARM, self.config.warm_budget))}
         self.ledger = Ledger(self._budgets(self.config))
+        # host buffers a quantized expert read from disk is decoded from into its hot slot (a
+        # couple kept for reuse; no budget: one per promotion under way)
+        self._staging = SlotPool(self.forms.stored_bytes, self.ops, True, None)
         self.stats = StoreStats()
         self._cv = threading.Condition(threading.RLock())
         self._swap_locks: dict[Key, threading.Lock] = {}
@@ -205,8 +208,11 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         """The expert's parts as views of one slot of `tier`, in the form it holds: the compute
         parts (w1, w2, w3 for SwiGLU experts) in the compute dtype, or the stored parts (fp8
         weights and F32 scales; mxfp4 blocks, scales and biases)."""
+        return self._views(buf, self.forms.form(tier))
+
+    def _views(self, buf: torch.Tensor, form: str) -> dict[str, torch.Tensor]:
         out, offset = {}, 0
-        for name, dtype, shape in self._parts[self.forms.form(tier)]:
+        for name, dtype, shape in self._parts[form]:
             n = math.prod(shape) * dtype.itemsize
             out[name] = buf[offset:offset + n].view(dtype).view(shape)
             offset += n
