@@ -18,8 +18,11 @@ by side in one run.
 3. served-quantized-at-fixed-ram-b<batch>: served decode tokens/s (Ingress + 2 shard groups) with
    each shard's RAM fixed at 25% of its experts' bf16 bytes (hot: one layer's share, the rest
    warm), the mxfp4 checkpoint over the bf16 one of the same random gpt_oss model. Each shard
-   replica runs in a memory cgroup capped at its resident memory when the run starts plus 64 MiB,
-   so the page cache cannot hold the rest of the experts (reported when the cgroup cannot be made).
+   replica is moved into a memory cgroup of its own once its tiers are filled: what it charges
+   from then on (the page cache of the cold files it reads, new allocations) is capped at
+   --page-cache-cap (128 MiB, against 1.2 GB of a shard's experts in bf16 outside its budgets),
+   so the page cache cannot hold the experts that do not fit the budgets (reported when the
+   cgroup cannot be made).
 Ends with `figure: value` lines.
 """
 
@@ -63,6 +66,8 @@ def parse_args():
     p.add_argument("--only", choices=["store", "served"], default=None)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32, help="served: tokens generated per request")
+    p.add_argument("--page-cache-cap", type=int, default=128 << 20,
+                   help="served: bytes each shard replica may charge once its tiers are filled")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "quantized.json"))
     return p.parse_args()
@@ -162,8 +167,9 @@ def bench_store(bf16: Path, quant: Path, work: Path, rounds: int) -> dict:
 
 
 class MemoryCap:
-    """A memory cgroup (v1 or v2) per process, capped at its resident memory plus `slack`: what the
-    process allocates and the page cache it fills are both charged there, so cold files beyond the
+    """A memory cgroup (v1 or v2) per process, capping what the process charges from the moment it
+    moves there: its new allocations and the page cache it fills (the memory it already holds
+    stays charged where it was: these kernels refuse to move charges), so cold files beyond the
     cap are read from the disk again."""
 
     def __init__(self, name: str):
@@ -180,21 +186,16 @@ class MemoryCap:
         else:
             self.root, self.problem = None, "no memory cgroup to make"
 
-    def cap(self, pid: int, slack: int = 64 << 20) -> int | None:
-        """Move `pid` into a cgroup of its own capped at its resident memory + slack; the cap."""
+    def cap(self, pid: int, limit: int) -> int | None:
+        """Move `pid` into a cgroup of its own that may charge `limit` bytes; the limit."""
         if self.root is None:
             return None
         try:
             d = self.root / f"{self.name}-{pid}"
             d.mkdir(exist_ok=True)
             self.dirs.append(d)
-            if (d / "memory.move_charge_at_immigrate").exists():
-                (d / "memory.move_charge_at_immigrate").write_text("3")
-            (d / "cgroup.procs").write_text(str(pid))
-            import psutil
-
-            limit = psutil.Process(pid).memory_info().rss + slack
             (d / self.limit_file).write_text(str(limit))
+            (d / "cgroup.procs").write_text(str(pid))
             return limit
         except OSError as err:
             self.problem = f"cannot cap memory: {err}"
@@ -208,7 +209,8 @@ class MemoryCap:
                 pass
 
 
-def bench_served(paths: dict[str, Path], work: Path, batches: tuple[int, ...], tokens: int, groups: int = 2) -> dict:
+def bench_served(paths: dict[str, Path], work: Path, batches: tuple[int, ...], tokens: int, page_cache_cap: int,
+                 groups: int = 2) -> dict:
     from moe_operator.backends.ray_rest import RayServeClient
     from moe_operator.standalone.local_ray import LocalRayHead
     from moe_workers.model.checkpoint import Checkpoint
@@ -262,8 +264,8 @@ def bench_served(paths: dict[str, Path], work: Path, batches: tuple[int, ...], t
                     return time.perf_counter() - t0
 
                 run(2)  # warm-up
-                caps = [cap.cap(x["pid"]) for x in st]
-                out["cap"] = cap.problem or "shard replicas capped at resident memory + 64 MiB"
+                caps = [cap.cap(x["pid"], page_cache_cap) for x in st]
+                out["cap"] = cap.problem or f"each shard replica may charge {page_cache_cap >> 20} MiB more"
                 drop_from_page_cache(sorted(str(f) for f in (work / f"served-cold-{form}").rglob("*.safetensors")))
                 before = [s.status.remote().result()["store"] for s in shards]
                 one_tok, full = run(1), run(tokens)
@@ -278,11 +280,10 @@ def bench_served(paths: dict[str, Path], work: Path, batches: tuple[int, ...], t
                                            "tiers": [x["tiers"] for x in st]}
                 in_ram = [x["tiers"]["hot"]["experts"] + x["tiers"]["warm"]["experts"] for x in st]
                 print(f"  batch {batch:2} {form:10}: {tps:7.2f} tok/s, experts in RAM per shard {in_ram} of {per_shard}, "
-                      f"cold reads {reads}, caps {caps}", flush=True)
-                client.delete_all()
-                time.sleep(2)
+                      f"cold reads {reads}", flush=True)
             a, b = out[f"b{batch}-bf16"]["decode_tps"], out[f"b{batch}-bf16-again"]["decode_tps"]
             out[f"b{batch}-ratio"] = out[f"b{batch}-quantized"]["decode_tps"] / ((a + b) / 2)
+        client.delete_all()
     finally:
         import ray as ray_module
 
@@ -316,12 +317,12 @@ def main() -> int:
     if a.only in (None, "served"):
         print("\n3. served decode with each shard's RAM at 25% of its bf16 experts: mxfp4 against bf16 (gpt_oss)",
               flush=True)
-        dims = QUICK["gpt_oss"] if a.quick else dict(hidden_size=1024, intermediate_size=1024, num_heads=16,
-                                                      num_kv_heads=4, top_k=4)
+        dims = QUICK["gpt_oss"] if a.quick else dict(hidden_size=2048, intermediate_size=2048, num_heads=32,
+                                                      num_kv_heads=8, top_k=4)
         bf16, quant = checkpoint_pair(cache, "gpt_oss", "mxfp4", None, dims, num_layers=4 if a.quick else 8,
                                       num_experts=8 if a.quick else 16)
         sv = results["served"] = bench_served({"bf16": bf16, "quantized": quant}, work, (1, 4) if a.quick else (1, 16),
-                                              8 if a.quick else a.tokens)
+                                              8 if a.quick else a.tokens, a.page_cache_cap)
         print(f"  page cache: {sv['cap']}")
         for batch in (1, 4) if a.quick else (1, 16):
             figures[f"served-quantized-at-fixed-ram-b{batch}"] = sv[f"b{batch}-ratio"]

@@ -432,3 +432,50 @@ def test_a_random_checkpoint_written_quantized_equals_one_quantized_after(tmp_pa
             assert torch.equal(f.get_tensor(name).view(torch.uint8), g.get_tensor(name).view(torch.uint8)), name
     assert json.loads((at_once / "config.json").read_text()) == json.loads((after / "config.json").read_text())
     Checkpoint(at_once)  # reads and checks as a quantized checkpoint
+
+
+def test_a_quantized_expert_promoted_from_warm_keeps_its_stored_copy_there(tmp_path):
+    """Warm -> hot decodes an expert and keeps its stored form in its warm slot (counted in warm):
+    evicted from hot it is warm again with no disk read and no refill; with warm short, its
+    stored copy is evicted like a warm expert (by policy); budgets and counts hold."""
+    family, method, scale_dtype = CASES["gpt_oss-mxfp4"]
+    ckpt = Checkpoint(_quantized(tmp_path / "m", family, method, scale_dtype))
+    probe = TieredExpertStore(ckpt, torch.float32)
+    stored, compute = probe.forms.stored_bytes, probe.forms.compute_bytes
+    keys = [(layer, e) for layer in (0, 1) for e in range(4)]
+    cfg = dict(hot_budget=2 * compute, cold_dir=str(tmp_path / "cold"), prefetch=False)
+    store = TieredExpertStore(ckpt, torch.float32, TierConfig(warm_budget=8 * stored, **cfg))
+    store.configure(keys)  # 2 hot (read straight into hot), 6 warm
+
+    def check(warm_budget):
+        res = store.residency()
+        kept = sum(e.kept is not None for e in store.entries.values())
+        warm = sum(e.tier == "warm" for e in store.entries.values())
+        assert store.ledger.used == {"hot": res["hot"]["bytes"], "warm": res["warm"]["bytes"]}
+        assert res["warm"]["bytes"] == (kept + warm) * stored <= warm_budget and res["hot"]["bytes"] <= 2 * compute
+        assert store.pools["warm"].allocated - len(store.pools["warm"].free) == kept + warm
+        return kept
+
+    in_warm = [k for k in keys if store.entries[k].tier == "warm"]
+    first, second = in_warm[:2], in_warm[2:4]
+    with store.use(first) as w:  # decoded into hot from their warm slots
+        for k in first:
+            assert torch.equal(w[k]["gate_up"], ckpt.expert(*k)["gate_up"].to(torch.float32))
+    assert all(store.entries[k].tier == "hot" and store.entries[k].kept is not None for k in first)
+    store.drain_prefetch()  # the two they pushed out of hot had no stored copy: read back from disk (refill)
+    assert check(8 * stored) == 2
+    reads = dict(store.stats.cold_reads)
+    with store.use(second):  # push the first two out of hot
+        pass
+    store.drain_prefetch()
+    assert all(store.entries[k].tier == "warm" and store.entries[k].kept is None for k in first)  # from their copies
+    assert store.stats.cold_reads == reads and store.stats.bytes_moved.get("hot->warm", 0) == 0  # no disk, no copy
+    assert check(8 * stored) == 2  # the second two keep theirs
+    store.configure(keys, TierConfig(warm_budget=5 * stored, **cfg))  # warm short: copies evicted by policy
+    check(5 * stored)
+    for round_ in range(3):  # every expert through hot, warm short
+        for k in keys:
+            with store.use([k]) as w:
+                assert torch.equal(w[k]["down"], ckpt.expert(*k)["down"].to(torch.float32)), (round_, k)
+            store.drain_prefetch()
+            check(5 * stored)

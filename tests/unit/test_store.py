@@ -49,7 +49,8 @@ def assert_within_budgets(store):
             assert store.ledger.used[tier] + store.ledger.reserved[tier] <= budget, tier
     # accounting matches the entries
     for tier in (HOT, WARM):
-        assert store.ledger.used[tier] == sum(store.forms.nbytes(tier) for e in store.entries.values() if e.tier == tier)
+        held = sum(e.tier == tier or tier == WARM and e.kept is not None for e in store.entries.values())
+        assert store.ledger.used[tier] == held * store.forms.nbytes(tier)
     if store.cold is not None and store.cold.budget is not None:
         assert store.cold.used() <= store.cold.budget
         on_disk = sum(p.stat().st_size for p in store.cold.dir.glob("*.safetensors"))

@@ -53,8 +53,10 @@ def accounting_holds(s: TieredExpertStore) -> None:
     with s._cv:
         live = list(s.entries.values()) + list(s._retiring)
         for tier in (HOT, WARM):
-            assert s.ledger.used[tier] == sum(s.forms.nbytes(tier) for e in live if e.tier == tier), tier
+            held = sum(e.tier == tier or tier == WARM and e.kept is not None for e in live)
+            assert s.ledger.used[tier] == held * s.forms.nbytes(tier), tier
             held = sum(1 for e in live if e.tier == tier and e.slot is not None)
+            held += sum(1 for e in live if tier == WARM and e.kept_slot is not None)
             pool = s.pools[tier]
             assert pool.allocated == held + len(pool.free) + len(pool.dropping), tier
 

@@ -36,6 +36,10 @@ class Entry:
     removed: bool = False  # no longer hosted; its memory goes back at its last unpin / the end of its move
     ready: object = None  # device event: the copy into `slot` is complete (None: nothing pending)
     read_done: object = None  # device event: the last batch that read `slot` is complete
+    # a quantized model's expert promoted from warm to hot keeps its stored form in its warm slot
+    # (counted in warm): evicted from hot it is warm again at once, with no read from disk
+    kept: dict[str, torch.Tensor] | None = None
+    kept_slot: torch.Tensor | None = None
 
 
 @dataclass

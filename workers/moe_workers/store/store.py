@@ -1,9 +1,10 @@
 """TieredExpertStore: where one ExpertShard replica keeps its experts.
 
 Tiers, fastest first (exclusive: an expert's weights live in exactly one of hot or warm, or
-only on disk):
+only on disk; except that a quantized model's expert promoted from warm keeps its stored form
+there, so leaving hot costs it nothing):
   hot   accelerator memory in compute layout (host memory in compute layout without one)
-  warm  host RAM (pinned when CUDA is present)
+  warm  host RAM (pinned when CUDA is present); a quantized model's experts in their stored form
   cold  a local cache directory of per-expert safetensors files, read lazily (mmap); an expert
         with no cache file is read from its source (the checkpoint, or its override file)
 
@@ -268,6 +269,28 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
             self.pools[e.tier].give(e.slot, [e.read_done, after])
         e.slot, e.tensors, e.read_done = None, None, None
 
+    def _drop_kept(self, e: Entry) -> None:
+        """A hot expert's stored copy leaves the warm tier (lock held): warm needs the room, the
+        expert left, or a swap replaced it. Its slot is reused once the decode that read it is done."""
+        if e.kept_slot is not None:
+            self.pools[WARM].give(e.kept_slot, [e.ready])
+            self.ledger.remove(WARM, self.forms.nbytes(WARM))
+        e.kept, e.kept_slot = None, None
+
+    def _warm_candidates(self) -> list[Key]:
+        """What may leave the warm tier: warm experts no batch holds, and hot experts' stored copies."""
+        return [k for k, e in self.entries.items() if not e.busy and
+                (e.tier == WARM and e.pins == 0 or e.tier == HOT and e.kept is not None)]
+
+    def _evict(self, tier: str, victim: Key) -> None:
+        """Make room in `tier` by its victim (lock held): a hot expert's stored copy is dropped, a
+        resident expert goes one tier down."""
+        e = self.entries[victim]
+        if tier == WARM and e.tier == HOT:
+            self._drop_kept(e)
+        else:
+            self._demote(e)
+
     def _fits(self, tier: str) -> bool:
         return self.ledger.fits(tier, self.forms.nbytes(tier))
 
@@ -296,6 +319,7 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         """Give a removed entry's memory back (lock held)."""
         if e.tier in (HOT, WARM):
             self.ledger.remove(e.tier, self.forms.nbytes(e.tier))
+        self._drop_kept(e)
         self._free_slot(e)
         e.tier = COLD
 
@@ -524,11 +548,14 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         """The last step of a move (lock held): the entry is in `target` with its new copy."""
         e, source, target = move.e, move.source, move.target
         move.hold.commit()
-        if source in (HOT, WARM) and not move.credit:
+        if source == WARM and target == HOT and not self.forms.same_layout() and not e.removed:
+            e.kept, e.kept_slot = e.tensors, e.slot  # decoded into hot: its stored copy stays in warm
+            e.slot = None  # (the hot slot below replaces it; the warm one is the entry's kept copy)
+        elif source in (HOT, WARM) and not move.credit:
             self.ledger.remove(source, self.forms.nbytes(source))
         if slot is e.slot:
             self._move_slot(source, target)
-        else:
+        elif e.slot is not None or e.kept_slot is None:
             self._free_slot(e, after=ready)  # the copy read the old slot
         e.tensors, e.slot, e.tier, e.busy, e.ready = tensors, slot, target, False, ready
         e.prefetched = move.mode == "prefetch"
@@ -563,8 +590,7 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
             return False
         deadline = time.monotonic() + self.wait_timeout_s
         while not self.ledger.fits(tier, nbytes):
-            candidates = [k for k, e in self.entries.items()
-                          if e.tier == tier and not e.busy and e.pins == 0 and k not in exclude] if evict else []
+            candidates = [k for k in self._candidates(tier) if k not in exclude] if evict else []
             victim = self.policy.victim(candidates)
             if victim is None:
                 if not wait:
@@ -577,8 +603,13 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
                 if not self._cv.wait(max(0.0, deadline - time.monotonic())):
                     raise StoreFull(f"no room in the {tier} tier: every resident expert is in use")
                 continue
-            self._demote(self.entries[victim])
+            self._evict(tier, victim)
         return True
+
+    def _candidates(self, tier: str) -> list[Key]:
+        if tier == WARM:
+            return self._warm_candidates()
+        return [k for k, e in self.entries.items() if e.tier == tier and not e.busy and e.pins == 0]
 
     def _settle(self) -> None:
         """Back within the budgets (lock held). A batch may have gone over a budget by a swap's
@@ -588,24 +619,30 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
             if self.ledger.budgets[tier] is None or self.ledger.staged[tier]:
                 continue
             while self.ledger.over(tier):
-                victim = self.policy.victim([k for k, e in self.entries.items()
-                                             if e.tier == tier and not e.busy and e.pins == 0])
+                victim = self.policy.victim(self._candidates(tier))
                 if victim is None:
                     break  # the batches holding them will settle it when they end
-                self._demote(self.entries[victim])
+                self._evict(tier, victim)
 
     def _demote(self, e: Entry) -> None:
         """One tier down (hot -> warm when warm has room without waiting, else to disk). Called
         with the lock held; a copy to the warm tier (a GPU hot tier) is issued with the lock
         released, the entry busy and its warm room counted meanwhile, so no device call ever
-        runs under the store's lock. A quantized expert leaving hot goes to disk at once and is
-        read back into warm in its stored form by the prefetch thread (`Refill`): its hot copy
-        is the decoded form, which the warm tier does not hold."""
+        runs under the store's lock. A quantized expert leaving hot is warm again at once when it
+        kept its stored copy there (promoted from warm); else it goes to disk and is read back
+        into warm in its stored form by the prefetch thread (`Refill`): its hot copy is the
+        decoded form, which the warm tier does not hold."""
         src = e.tier
         self.stats.demotions += 1
         t0 = time.perf_counter()
         to_warm = src == HOT and self.forms.same_layout() and self._warm_ok(e)
-        if to_warm and self._make_room(WARM, self.forms.nbytes(WARM), exclude={e.key}, wait=False):
+        moved = 0
+        if src == HOT and e.kept is not None:  # its stored copy is warm already: no copy, no disk
+            self.ledger.remove(HOT, self.forms.nbytes(HOT))
+            self._free_slot(e)
+            e.tensors, e.slot, e.ready, e.kept, e.kept_slot = e.kept, e.kept_slot, None, None, None
+            e.tier = dst = WARM
+        elif to_warm and self._make_room(WARM, self.forms.nbytes(WARM), exclude={e.key}, wait=False):
             if self._same_memory():
                 self._move_slot(HOT, WARM)
             else:
@@ -629,7 +666,7 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
             self.ledger.remove(src, self.forms.nbytes(src))
             e.tier = WARM
             self.ledger.add(WARM, self.forms.nbytes(WARM))
-            dst = WARM
+            dst, moved = WARM, self.forms.nbytes(WARM)
         else:
             self.ledger.remove(src, self.forms.nbytes(src))
             self._free_slot(e)
@@ -639,7 +676,6 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
                 self._queue(Refill(e.key))
         e.prefetched = False
         self._retire_if_done(e)  # dropped by configure() while its copy ran
-        moved = self.forms.nbytes(WARM) if dst == WARM else 0
         move = f"{src}->{dst}"
         self.stats.bytes_moved[move] = self.stats.bytes_moved.get(move, 0) + moved
         if self.on_move is not None:
@@ -675,6 +711,9 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
                 if e.tier in (HOT, WARM):
                     out[e.tier]["experts"] += 1
                     out[e.tier]["bytes"] += self.forms.nbytes(e.tier)
+                if e.kept is not None:  # a hot expert's stored copy, in warm
+                    out[WARM]["experts"] += 1
+                    out[WARM]["bytes"] += self.forms.nbytes(WARM)
             if self.cold is not None:
                 out[COLD]["experts"] = len(self.cold.files)
                 out[COLD]["bytes"] = self.cold.used()

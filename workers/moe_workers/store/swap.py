@@ -56,6 +56,7 @@ class HotSwap:
                 if e.tier in (HOT, WARM):
                     self.ledger.remove(e.tier, self.forms.nbytes(e.tier))
                 self._free_slot(e)  # the old version's memory: released after its last batch
+                self._drop_kept(e)
                 hold.commit()
                 e.tensors, e.slot, e.tier, e.version, e.ready = staged, slot, stage, version, staged_ready
                 e.swap_pending = False
