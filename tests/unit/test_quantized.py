@@ -473,6 +473,16 @@ def test_a_quantized_expert_promoted_from_warm_keeps_its_stored_copy_there(tmp_p
     assert check(8 * stored) == 2  # the second two keep theirs
     store.configure(keys, TierConfig(warm_budget=5 * stored, **cfg))  # warm short: copies evicted by policy
     check(5 * stored)
+    cold = next(k for k in keys if store.entries[k].tier == "cold")
+    reads = sum(store.stats.cold_reads.values())
+    with store.use([cold]):  # from disk into a warm slot it keeps, decoded into hot from there
+        pass
+    assert store.entries[cold].tier == "hot" and store.entries[cold].kept is not None
+    with store.use([k for k in keys if k != cold and store.entries[k].tier == "warm"][:2]):
+        pass
+    store.drain_prefetch()
+    assert store.entries[cold].tier == "warm" and sum(store.stats.cold_reads.values()) == reads + 1  # read once
+    check(5 * stored)
     for round_ in range(3):  # every expert through hot, warm short
         for k in keys:
             with store.use([k]) as w:

@@ -469,10 +469,15 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
                 tensors, slot, ready = move.warm_copy, move.e.slot, move.warm_ready  # the slot changes tier
             elif move.warm_copy is not None:
                 tensors, slot, ready = self._fill(target, move.warm_copy, after=move.warm_ready)
+            elif move.kept_hold is not None:  # from disk into a warm slot it keeps, decoded from there
+                move.kept, move.kept_slot, _ = self._read_cold(key, move.version, WARM)
+                tensors, slot, ready = self._fill(target, move.kept)
             else:
                 tensors, slot, ready = self._read_cold(key, move.version, target)
         except BaseException:
             with self._cv:
+                if move.kept_slot is not None:
+                    self.pools[WARM].give(move.kept_slot)
                 self._abandon(move)
             raise
         with self._cv:
@@ -534,12 +539,21 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         move.hold = self.ledger.reserve(target, need)
         move.warm_copy = e.tensors if e.tier == WARM else None
         move.warm_ready, move.version = e.ready, e.version
+        if (mode != "preload" and e.tier == COLD and target == HOT and self._warm_ok(e) and not self.forms.same_layout()
+                and self.pools[WARM].device.type == "cpu"
+                and self._make_room(WARM, self.forms.nbytes(WARM), exclude={key}, wait=False, evict=evict)):
+            # a quantized expert read from disk for hot goes through a warm slot it keeps: leaving
+            # hot later it is warm at once instead of being read from disk a second time (a refill);
+            # not when filling free room (configure: distinct experts first)
+            move.kept_hold = self.ledger.reserve(WARM, self.forms.nbytes(WARM))
         return move
 
     def _abandon(self, move: "_Move") -> None:
-        """Undo a claim (lock held): its reservation, the warm room an exchange counted free."""
+        """Undo a claim (lock held): its reservations, the warm room an exchange counted free."""
         if move.hold is not None:
             move.hold.abandon()
+        if move.kept_hold is not None:
+            move.kept_hold.abandon()
         self.ledger.add(WARM, move.credit)
         move.e.busy = False
         self._cv.notify_all()
@@ -548,6 +562,9 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         """The last step of a move (lock held): the entry is in `target` with its new copy."""
         e, source, target = move.e, move.source, move.target
         move.hold.commit()
+        if move.kept_hold is not None:
+            move.kept_hold.commit()
+            e.kept, e.kept_slot = move.kept, move.kept_slot  # (a removed entry gives it back as it retires)
         if source == WARM and target == HOT and not self.forms.same_layout() and not e.removed:
             e.kept, e.kept_slot = e.tensors, e.slot  # decoded into hot: its stored copy stays in warm
             e.slot = None  # (the hot slot below replaces it; the warm one is the entry's kept copy)
@@ -762,6 +779,9 @@ class _Move:
     hold: Hold | None = None  # the room reserved in `target`
     warm_copy: dict[str, torch.Tensor] | None = None
     warm_ready: object = None
+    kept_hold: Hold | None = None  # warm room for the stored copy a quantized expert read from disk keeps
+    kept: dict[str, torch.Tensor] | None = None
+    kept_slot: torch.Tensor | None = None
     version: Version | None = None
     label: str = ""
 
