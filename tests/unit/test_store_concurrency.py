@@ -40,6 +40,15 @@ def model_dir(tmp_path_factory) -> Path:
                                 num_kv_heads=1)
 
 
+@pytest.fixture(scope="module")
+def fp8_model_dir(tmp_path_factory) -> Path:
+    """The same model as model_dir, written as an fp8 release ships it (blocks of 8): its warm
+    tier holds the stored form, and experts promoted to hot keep a stored copy there."""
+    return write_random_mixtral(tmp_path_factory.mktemp("ckpt-fp8"), vocab_size=64, hidden_size=16,
+                                intermediate_size=24, num_layers=LAYERS, num_experts=EXPERTS, num_heads=2,
+                                num_kv_heads=1, quantize="fp8", block=(8, 8))
+
+
 def make_store(model_dir, tmp_path=None, **cfg) -> TieredExpertStore:
     if tmp_path is not None:
         cfg.setdefault("cold_dir", str(tmp_path / "cold"))
@@ -248,6 +257,7 @@ class ConcurrentStore(RuleBasedStateMachine):
     of the version it pinned."""
 
     model_dir: Path = None  # set by the test
+    fp8_model_dir: Path = None
     tmp: Path = None
 
     def __init__(self):
@@ -256,22 +266,25 @@ class ConcurrentStore(RuleBasedStateMachine):
         self.store: TieredExpertStore | None = None
 
     @initialize(hot=st.integers(0, 4), warm=st.integers(0, 4), cold=st.booleans(),
-                policy=st.sampled_from(list(POLICIES)), gpu=st.booleans())
-    def setup(self, hot, warm, cold, policy, gpu):
+                policy=st.sampled_from(list(POLICIES)), gpu=st.booleans(), fp8=st.booleans())
+    def setup(self, hot, warm, cold, policy, gpu, fp8):
         """gpu: the hot tier on a stand-in device (RecordingOps): hot and warm are then different
-        memory, so moves copy, and demotions to warm release the lock for their copy."""
-        probe = make_store(self.model_dir)
+        memory, so moves copy, and demotions to warm release the lock for their copy. fp8: a
+        quantized checkpoint (warm holds the stored form; hot experts keep a copy there; swaps in
+        the compute dtype never enter warm)."""
+        model = self.fp8_model_dir if fp8 else self.model_dir
+        probe = make_store(model)
         self.n = n = probe.expert_bytes
         self.per_layer = 2  # each layer's experts on this shard: 2 of 4
         # the smallest hot budget check_budgets accepts is one token's experts (the 2 of a layer, top-2)
-        self.hot, self.warm = (self.per_layer + hot) * n, warm * n
-        self.ref = Checkpoint(self.model_dir)
+        self.hot, self.warm = (self.per_layer + hot) * n, warm * probe.forms.nbytes(WARM)
+        self.ref = Checkpoint(model)
         self.versions = {}  # digest -> the weights of that version, per key
         cfg = dict(hot_budget=self.hot, warm_budget=self.warm, policy=policy, idle_demotion_s=1, pinned=False)
         if cold:
             cfg["cold_dir"] = str(self.tmp / f"cold-{id(self)}")
         ops = RecordingOps() if gpu else None
-        self.store = TieredExpertStore(Checkpoint(self.model_dir), torch.float32, TierConfig(**cfg), ops=ops)
+        self.store = TieredExpertStore(Checkpoint(model), torch.float32, TierConfig(**cfg), ops=ops)
         if ops is not None:
             ops.store = self.store
         self.store.wait_timeout_s = BOUND_S
@@ -380,8 +393,9 @@ TestConcurrentStore.settings = settings(max_examples=25, stateful_step_count=12,
 
 
 @pytest.fixture(autouse=True)
-def _machine_paths(model_dir, tmp_path):
+def _machine_paths(model_dir, fp8_model_dir, tmp_path):
     ConcurrentStore.model_dir = model_dir
+    ConcurrentStore.fp8_model_dir = fp8_model_dir
     ConcurrentStore.tmp = tmp_path
 
 

@@ -36,18 +36,18 @@ class Prefetch:
                 self._queue(k)
 
     def _queue(self, item) -> None:
-        """Work for the prefetch thread (started on first use): a key to promote to hot, a
-        Refill, an Event to set once what came before is done."""
-        if self._prefetch_thread is None:
-            self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch", daemon=True)
-            self._prefetch_thread.start()
+        """Work for the prefetch thread (started on first use): a key to promote to hot, or a
+        Refill. `_prefetch_pending` counts what is queued or under way (drain_prefetch)."""
+        with self._cv:  # one thread: a batch's hint and a demotion's refill may be the first at once
+            if self._prefetch_thread is None:
+                self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch",
+                                                         daemon=True)
+                self._prefetch_thread.start()
+            self._prefetch_pending += 1
         self._prefetch_q.put(item)
 
     def _prefetch_loop(self) -> None:
         while (item := self._prefetch_q.get()) is not None:
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
             try:
                 if isinstance(item, Refill):
                     self._promote(item.key, WARM, mode="refill")
@@ -55,11 +55,13 @@ class Prefetch:
                     self._promote(item, HOT, mode="prefetch")
             except Exception:  # a prefetch is a hint, a refill an optimisation: failures cost a later disk read
                 pass
+            finally:
+                with self._cv:
+                    self._prefetch_pending -= 1
+                    self._cv.notify_all()
 
     def drain_prefetch(self, timeout_s: float = 30.0) -> None:
-        """Wait until queued prefetches are done (tests and benchmarks)."""
-        if self._prefetch_thread is None:
-            return
-        done = threading.Event()
-        self._prefetch_q.put(done)  # type: ignore[arg-type]
-        done.wait(timeout_s)
+        """Wait until queued prefetches are done (tests and benchmarks), and the work they queued
+        in turn (a promotion's hot victim refilled into warm)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._prefetch_pending == 0, timeout_s)

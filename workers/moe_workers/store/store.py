@@ -100,7 +100,8 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         self.stats = StoreStats()
         self._cv = threading.Condition(threading.RLock())
         self._swap_locks: dict[Key, threading.Lock] = {}
-        self._prefetch_q: queue.SimpleQueue = queue.SimpleQueue()  # keys, drain events, None to stop
+        self._prefetch_q: queue.SimpleQueue = queue.SimpleQueue()  # keys and Refills, None to stop
+        self._prefetch_pending = 0  # queued or under way
         self.hints = HintTracker()
         self._prefetch_thread: threading.Thread | None = None
         self.wait_timeout_s = 60.0
@@ -169,7 +170,7 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         with self._cv:
             order = sorted(range(len(keys)), key=lambda i: (self.entries[keys[i]].tier != HOT
                                                              if keys[i] in self.entries else True, i))
-        self.stats.waved_calls += 1
+            self.stats.waved_calls += 1
         return [order[i:i + slots] for i in range(0, len(order), slots)]
 
     def configure(self, keys: list[Key], config: TierConfig | None = None) -> None:
@@ -540,7 +541,6 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         move.warm_copy = e.tensors if e.tier == WARM else None
         move.warm_ready, move.version = e.ready, e.version
         if (mode != "preload" and e.tier == COLD and target == HOT and self._warm_ok(e) and not self.forms.same_layout()
-                and self.pools[WARM].device.type == "cpu"
                 and self._make_room(WARM, self.forms.nbytes(WARM), exclude={key}, wait=False, evict=evict)):
             # a quantized expert read from disk for hot goes through a warm slot it keeps: leaving
             # hot later it is warm at once instead of being read from disk a second time (a refill);
