@@ -225,7 +225,15 @@ class RankAware(Policy):
         if key in self.last_top1.get(_layer(key), ()):
             stay = self.stay()
             q = stay + (1 - stay) * q
-        return q + 1e-12 * self.last.get(key, -1)  # (a term far below any q step) ties: least recent first
+        return q
+
+    def victim(self, candidates: Iterable[Hashable]) -> Hashable | None:
+        best = None  # ties on the chance go to the least recent, then the key (never iteration order)
+        for key in candidates:
+            s = (self.score(key), self.last.get(key, -1), _order(key))
+            if best is None or s < best[0]:
+                best = (s, key)
+        return None if best is None else best[1]
 
 
 class HintTracker:
