@@ -385,7 +385,7 @@ def bench_served(path: Path, shape: dict, work_dir: Path, batches: tuple[int, ..
     head = LocalRayHead(work_dir=Path(tempfile.mkdtemp(prefix="moe-bench-ray-")), num_cpus=8).start()
     out = {}
     try:
-        ray = head.connect_driver(namespace="bench")
+        head.connect_driver(namespace="bench")
         from ray import serve
 
         client = RayServeClient(head.dashboard_url, head.token)
