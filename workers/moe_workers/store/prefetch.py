@@ -30,21 +30,21 @@ class Prefetch:
         keys = [k for k in keys if k in self.entries]
         with self._cv:
             self.hints.hinted(keys)
-        for k in keys:
-            e = self.entries.get(k)
-            if e is not None and e.tier != HOT:
-                self._queue(k)
+            self._queue(*[k for k in keys if k in self.entries and self.entries[k].tier != HOT])
 
-    def _queue(self, item) -> None:
-        """Work for the prefetch thread (started on first use): a key to promote to hot, or a
+    def _queue(self, *items) -> None:
+        """Work for the prefetch thread (started on first use): keys to promote to hot, or a
         Refill. `_prefetch_pending` counts what is queued or under way (drain_prefetch)."""
+        if not items:
+            return
         with self._cv:  # one thread: a batch's hint and a demotion's refill may be the first at once
             if self._prefetch_thread is None:
                 self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch",
                                                          daemon=True)
                 self._prefetch_thread.start()
-            self._prefetch_pending += 1
-        self._prefetch_q.put(item)
+            self._prefetch_pending += len(items)
+        for item in items:
+            self._prefetch_q.put(item)
 
     def _prefetch_loop(self) -> None:
         while (item := self._prefetch_q.get()) is not None:
