@@ -44,6 +44,7 @@ from figures import report
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workers"))
 
+from moe_workers.model import published  # noqa: E402
 from moe_workers.model.checkpoint import Checkpoint  # noqa: E402
 from moe_workers.model.config import MoEConfig  # noqa: E402
 from moe_workers.model.dense import Chunk, DenseModel, StepBatch, decode_attention  # noqa: E402
@@ -53,17 +54,9 @@ from moe_workers.model.kv_cache import PagedKVCache  # noqa: E402
 from moe_workers.model.random_init import random_config, write_random_checkpoint  # noqa: E402
 from moe_workers.serve.engine import Engine, GenerationRequest  # noqa: E402
 
-# config.json as published (the KV-relevant fields): what 1 GiB and 40 GiB of bf16 KV hold
-PUBLISHED = {
-    "Mixtral-8x7B": dict(model_type="mixtral", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         hidden_size=4096, max_position_embeddings=32768),
-    "Qwen3-30B-A3B": dict(model_type="qwen3_moe", num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                          head_dim=128, hidden_size=2048, max_position_embeddings=40960),
-    "DeepSeek-V3": dict(model_type="deepseek_v3", num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64,
-                        hidden_size=7168, max_position_embeddings=163840),
-    "gpt-oss-120b": dict(model_type="gpt_oss", num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
-                         head_dim=64, hidden_size=2880, sliding_window=128, max_position_embeddings=131072),
-}
+# the published configs whose KV budgets are tabled (moe_workers.model.published has their fields)
+PUBLISHED = {"Mixtral-8x7B": "mixtral-8x7b", "Qwen3-30B-A3B": "qwen3-30b-a3b", "DeepSeek-V3": "deepseek-v3",
+             "gpt-oss-120b": "gpt-oss-120b"}
 
 
 def parse_args():
@@ -105,16 +98,11 @@ async def collect(req: GenerationRequest, gaps: list | None = None) -> Generatio
 
 def published_table() -> list[dict]:
     rows = []
-    for name, fields in PUBLISHED.items():
-        family = fields["model_type"]
-        raw = random_config(family, vocab_size=1024, hidden_size=fields["hidden_size"], intermediate_size=128,
-                            num_layers=fields["num_hidden_layers"], num_heads=fields.get("num_attention_heads", 128),
-                            num_kv_heads=fields.get("num_key_value_heads", 128), num_experts=8, top_k=2,
-                            max_position_embeddings=fields["max_position_embeddings"], dtype=torch.bfloat16)
-        raw.update({k: v for k, v in fields.items() if k != "model_type"})
-        if family == "gpt_oss":
-            raw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                  for i in range(fields["num_hidden_layers"])]
+    for name, shape in PUBLISHED.items():
+        family = published.family_of(shape)
+        raw = random_config(family, vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                            num_kv_heads=2, num_experts=8, top_k=2, max_position_embeddings=512, dtype=torch.bfloat16)
+        raw.update(published.overrides(shape))
         cfg = MoEConfig.from_dict(raw)
         per_token = cfg.num_layers * token_numel(cfg) * 2
         row = {"model": name, "kv_bytes_per_token": per_token, "max_len": cfg.max_position_embeddings}

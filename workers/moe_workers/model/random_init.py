@@ -92,9 +92,10 @@ def write_random_checkpoint(path: str | Path, family: str = "mixtral", *, vocab_
                             max_position_embeddings: int = 512, dtype: torch.dtype = torch.float32, seed: int = 0,
                             router_scale: float = 1.0, max_shard_bytes: int = 2 * 2**30, progress=None,
                             quantize: str | None = None, block: tuple[int, int] = (128, 128),
-                            scale_dtype: torch.dtype = torch.float32) -> Path:
+                            scale_dtype: torch.dtype = torch.float32, overrides: dict | None = None) -> Path:
     """Returns the directory. `router_scale` > 1 sharpens routing; `progress(done, total)` is
-    called per layer. `quantize` ("fp8" / "mxfp4"): each tensor is written in the layout the
+    called per layer. `overrides`: config.json fields set over the family's random config (a
+    published shape: `published.overrides`); the tensors follow the merged config. `quantize` ("fp8" / "mxfp4"): each tensor is written in the layout the
     quantized release ships as it is drawn (`quantize_tensor`), so a model larger than memory is
     written in one pass: tensors are drawn, quantized and written a shard (`max_shard_bytes`) at
     a time. The same seed draws the same weights with and without `quantize`."""
@@ -104,6 +105,8 @@ def write_random_checkpoint(path: str | Path, family: str = "mixtral", *, vocab_
                            intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
                            num_kv_heads=num_kv_heads, num_experts=num_experts, top_k=top_k,
                            max_position_embeddings=max_position_embeddings, dtype=dtype)
+    config.update(overrides or {})
+    num_layers = config["num_hidden_layers"]
     if quantize:
         config["quantization_config"] = quantization_config(quantize, family, block)
     arch = parse(config, "random config")
