@@ -166,3 +166,30 @@ def test_expert_mlp_into_a_slice_equals_the_out_of_place_form(dtype):
     assert returned.data_ptr() == reply[5:17].data_ptr()
     assert torch.all(reply[:5] == 7.0) and torch.all(reply[17:] == 7.0)
     assert torch.equal(expert_mlp(x, w1, w2, w3), reference)
+
+
+@pytest.mark.parametrize("rows,dtype", [(1, torch.bfloat16), (1, torch.float32), (3, torch.bfloat16)])
+def test_linear_of_a_decode_row_stays_within_rounding_of_the_exact_product(rows, dtype):
+    """`linear` takes torch.mv for one bf16 row (a decode step's, 2-3x the read rate of F.linear
+    there): every output within bf16's rounding of the float64 product, as F.linear's is; bias
+    added; other inputs are F.linear's own result."""
+    import torch.nn.functional as F
+    from moe_workers.model.layers import expert_mlp, linear
+
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(300, 1000, generator=g) * 0.05).to(dtype)
+    b = torch.randn(300, generator=g).to(dtype)
+    x = torch.randn(rows, 1000, generator=g).to(dtype)
+    exact = F.linear(x.double(), w.double(), b.double())
+    ours, theirs = linear(x, w, b), F.linear(x, w, b)
+    assert ours.shape == theirs.shape == (rows, 300) and ours.dtype == dtype
+    tolerance = 2 * float((theirs.double() - exact).abs().max()) + 1e-12
+    assert float((ours.double() - exact).abs().max()) <= tolerance
+    if rows > 1 or dtype != torch.bfloat16:
+        assert torch.equal(ours, theirs)
+    w1, w3 = (torch.randn(64, 1000, generator=g).to(dtype) * 0.05 for _ in range(2))
+    w2 = torch.randn(1000, 64, generator=g).to(dtype) * 0.05
+    reply = torch.full((rows + 2, 1000), 7.0, dtype=dtype)
+    expert_mlp(x, w1, w2, w3, out=reply[1:1 + rows])
+    assert torch.equal(reply[1:1 + rows], expert_mlp(x, w1, w2, w3))
+    assert torch.all(reply[0] == 7.0) and torch.all(reply[-1] == 7.0)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .checkpoint import Checkpoint
 from .config import CheckpointError, MoEConfig
 from .kv_cache import GroupPlan, PagedKVCache
-from .layers import (apply_rope, attention_mscale, mlp, rms_norm, rope_cos_sin, rope_parameters, route,
+from .layers import (apply_rope, attention_mscale, linear, mlp, rms_norm, rope_cos_sin, rope_parameters, route,
                      route_sigmoid_group, route_softmax_group, route_topk_softmax)
 
 
@@ -176,7 +176,7 @@ class DenseModel:
         cfg, w = self.cfg, self.layers[layer]
         x = rms_norm(h, w["in_norm"], cfg.rms_norm_eps)
         n = x.shape[0]
-        q, k, v = (F.linear(x, w[c], w[f"{c}_bias"]) for c in ("q", "k", "v"))
+        q, k, v = (linear(x, w[c], w[f"{c}_bias"]) for c in ("q", "k", "v"))
         if cfg.qk_norm == "full":  # olmoe: over the whole projection
             q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
         q = q.view(n, cfg.num_heads, cfg.head_dim)
@@ -187,7 +187,7 @@ class DenseModel:
         q = apply_rope(q, batch.cos, batch.sin)
         k = apply_rope(k, batch.cos, batch.sin)
         out = self._attend(layer, q, k, v, batch, cache, lambda kk, vv: (kk, vv), w["sinks"])
-        return h + F.linear(out.reshape(n, cfg.num_heads * cfg.head_dim), w["o"], w["o_bias"])
+        return h + linear(out.reshape(n, cfg.num_heads * cfg.head_dim), w["o"], w["o_bias"])
 
     def _latent_attention(self, layer: int, h: torch.Tensor, batch: StepBatch, cache: PagedKVCache) -> torch.Tensor:
         """DeepSeek's multi-head latent attention: the cache keeps the normed KV latent and the
@@ -199,12 +199,12 @@ class DenseModel:
         x = rms_norm(h, w["in_norm"], cfg.rms_norm_eps)
         n = x.shape[0]
         if cfg.q_lora_rank:
-            q = F.linear(rms_norm(F.linear(x, w["q_a"]), w["q_a_norm"], 1e-6), w["q_b"])
+            q = linear(rms_norm(linear(x, w["q_a"]), w["q_a_norm"], 1e-6), w["q_b"])
         else:
-            q = F.linear(x, w["q"])
+            q = linear(x, w["q"])
         q = q.view(n, heads, nope + rope_dim)
         q_pass, q_rot = q[..., :nope], q[..., nope:]
-        latent, k_rot = F.linear(x, w["kv_a"]).split([cfg.kv_lora_rank, rope_dim], dim=-1)
+        latent, k_rot = linear(x, w["kv_a"]).split([cfg.kv_lora_rank, rope_dim], dim=-1)
         latent = rms_norm(latent, w["kv_a_norm"], 1e-6)
         rotate = _rope_interleaved if cfg.rope_interleave else apply_rope
         q_rot = rotate(q_rot, batch.cos, batch.sin)
@@ -214,7 +214,7 @@ class DenseModel:
         def expand(lat: torch.Tensor, kr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """(B, 1, T, r) latent + (B, 1, T, d) shared key -> keys (B, H, T, nope+d), values (B, H, T, v)."""
             b, _, t, _ = lat.shape
-            kv = F.linear(lat[:, 0], w["kv_b"]).view(b, t, heads, nope + vdim).transpose(1, 2)
+            kv = linear(lat[:, 0], w["kv_b"]).view(b, t, heads, nope + vdim).transpose(1, 2)
             keys = torch.cat((kv[..., :nope], kr.expand(b, heads, t, rope_dim)), dim=-1)
             return keys, kv[..., nope:]
 
@@ -233,7 +233,7 @@ class DenseModel:
 
         out = self._attend(layer, query, latent.view(n, 1, -1), k_rot, batch, cache, expand, None,
                            absorbed if self.mla_absorb else None)
-        return h + F.linear(out.reshape(n, heads * vdim), w["o"], w["o_bias"])
+        return h + linear(out.reshape(n, heads * vdim), w["o"], w["o_bias"])
 
     def _absorbed(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head for absorbed decode, made at load: (H, nope, r) for the
@@ -325,7 +325,7 @@ class DenseModel:
         if "shared" in w:
             out = mlp(x, *w["shared"])
             if "shared_gate" in w:
-                out = torch.sigmoid(F.linear(x, w["shared_gate"])) * out
+                out = torch.sigmoid(linear(x, w["shared_gate"])) * out
             return out
         return None
 
@@ -339,7 +339,7 @@ class DenseModel:
     def logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         if rows is not None:
             h = h[rows]
-        return F.linear(rms_norm(h, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)
+        return linear(rms_norm(h, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)
 
 
 def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,18 @@ import torch
 import torch.nn.functional as F
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except one bf16 row on the CPU, a decode step's: there torch's matrix-vector
+    product reads the weights at 0.9 of the machine's read bandwidth, where F.linear's path for
+    one row reads them at 0.3-0.75 (a long row, like Mixtral's down projection, the slowest;
+    `bench/realshape.py --only kernels`). Same products, summed in another order: within bf16's
+    rounding of F.linear."""
+    if x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        y = torch.mv(w, x[0]).unsqueeze(0)
+        return y if bias is None else y.add_(bias)
+    return F.linear(x, w, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     h = x.to(torch.float32)
@@ -143,7 +155,7 @@ def route_softmax_group(x: torch.Tensor, gate: torch.Tensor, top_k: int, n_group
 
 def mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """A dense SwiGLU MLP (dense layers, shared experts): down(silu(gate x) * up x)."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
@@ -154,11 +166,13 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
     into `out`: two (rows, intermediate) temporaries instead of four plus a copy. Same values
     as the out-of-place form (same kernels, same order); a prefill step allocates gigabytes
     less, and fresh large allocations cost page faults."""
-    gate = F.linear(x, w1)
+    gate = linear(x, w1)
     F.silu(gate, inplace=True)
-    gate.mul_(F.linear(x, w3))
+    gate.mul_(linear(x, w3))
     if out is None:
-        return F.linear(gate, w2)
+        return linear(gate, w2)
+    if gate.shape[0] == 1:
+        return out.copy_(linear(gate, w2))
     return torch.mm(gate, w2.t(), out=out)
 
 
