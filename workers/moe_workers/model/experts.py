@@ -12,10 +12,12 @@ from .layers import combine, expert_forward, group_by_expert
 class LocalExperts:
     """All (or some) routed experts of a checkpoint in this process, in compute layout."""
 
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, experts: list[tuple[int, int]] | None = None):
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, experts: list[tuple[int, int]] | None = None,
+                 device: torch.device | str = "cpu"):
         cfg = self.cfg = ckpt.config
         ids = experts if experts is not None else [(l, e) for l in cfg.sparse_layers for e in range(cfg.num_experts)]
-        self.weights = {eid: {k: t.contiguous() for k, t in ckpt.expert(*eid, dtype=dtype).items()} for eid in ids}
+        self.weights = {eid: {k: t.contiguous().to(device) for k, t in ckpt.expert(*eid, dtype=dtype).items()}
+                        for eid in ids}
 
     def forward(self, layer: int, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """{expert: its tokens' hidden states} -> {expert: its outputs}."""

@@ -15,15 +15,19 @@ from .sampling import sample
 
 class InProcessModel:
     def __init__(self, path: str | Path, dtype: str | torch.dtype | None = None, max_len: int | None = None,
-                 max_sequences: int = 8, family: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE):
+                 max_sequences: int = 8, family: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 device: torch.device | str = "cpu"):
+        """`device`: where every weight, the KV cache and the compute live (the GPU kit runs the
+        model on CUDA; the served app puts the dense part and each shard's hot tier there)."""
         self.ckpt = Checkpoint(path, family)
         self.cfg = self.ckpt.config.with_dtype(dtype)
-        self.dense = DenseModel(self.cfg, self.ckpt.dense_state())
-        self.experts = LocalExperts(self.ckpt, self.cfg.dtype)
+        self.device = torch.device(device)
+        self.dense = DenseModel(self.cfg, self.ckpt.dense_state(), self.device)
+        self.experts = LocalExperts(self.ckpt, self.cfg.dtype, device=self.device)
         self.max_len = max_len or self.cfg.max_position_embeddings
         # room for max_sequences sequences of max_len tokens (no prefix sharing here)
         blocks = max_sequences * len(kv_groups(self.cfg)) * -(-self.max_len // block_size)
-        self.cache = PagedKVCache(self.cfg, blocks + 1, block_size, self.cfg.dtype, prefix_caching=False)
+        self.cache = PagedKVCache(self.cfg, blocks + 1, block_size, self.cfg.dtype, self.device, prefix_caching=False)
 
     @torch.inference_mode()
     def step(self, chunks: list[Chunk], all_rows: bool = False) -> torch.Tensor:
