@@ -13,7 +13,9 @@ tokenizer): mixtral-8x7b 1 layer (hidden 4096, 8 experts of 14336, top-2); qwen3
 layers (2048, 128 x 768, top-8); deepseek-v3 1 layer (7168, 2048 an expert, top-8, MLA with q_lora
 1536 / kv_lora 512, one shared expert) with 32 of its 256 experts (this machine's RAM holds three
 copies of the layer: ours, transformers', the served app's; a step reads the same bytes);
-gpt-oss-20b 1 layer (2880, 32 x 2880, top-4).
+gpt-oss-20b 1 layer (2880, 32 x 2880, top-4), and the same as it ships, experts in mxfp4
+(`--quantize mxfp4`: our hot tier decodes them into [out, in], the layout a decode step reads in
+one pass; transformers dequantizes them on load into its own [in, out]).
 
 Each round, for each side in turn (so a drifting machine moves all sides alike): the machine's
 read bandwidth (a reduction over 1 GiB and a 1 GiB copy counted read + write, the larger; L3 on
@@ -50,14 +52,16 @@ sys.path.insert(0, str(REPO / "operator"))
 
 from moe_workers.model import published  # noqa: E402
 
-# the shapes measured: (published name, layers, routed experts kept or None for all)
-SHAPES = {"mixtral-8x7b": (1, None), "qwen3-30b-a3b": (2, None), "deepseek-v3": (1, 32), "gpt-oss-20b": (1, None)}
+# the shapes measured: label -> (published name, layers, routed experts kept or None for all, stored form)
+SHAPES = {"mixtral-8x7b": ("mixtral-8x7b", 1, None, None), "qwen3-30b-a3b": ("qwen3-30b-a3b", 2, None, None),
+          "deepseek-v3": ("deepseek-v3", 1, 32, None), "gpt-oss-20b": ("gpt-oss-20b", 1, None, None),
+          "gpt-oss-20b-mxfp4": ("gpt-oss-20b", 1, None, "mxfp4")}
 PROMPT, DECODE_TOKENS, PREFILL = 8, 16, 256
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--families", default=",".join(SHAPES), help="comma-separated shapes (default: all four)")
+    p.add_argument("--families", default=",".join(SHAPES), help="comma-separated shapes (default: all)")
     p.add_argument("--only", choices=["kernels", "models"], default=None)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--batches", default="1,16")
@@ -106,7 +110,7 @@ def kernels(shapes: list[str], reps: int = 3) -> tuple[list[dict], dict]:
     from moe_workers.model.layers import linear
 
     rows, figures = [], {}
-    for name in shapes:
+    for name in dict.fromkeys(SHAPES[s][0] for s in shapes):
         fields = published.overrides(name, num_layers=1)
         h = fields["hidden_size"]
         i = fields.get("moe_intermediate_size", fields["intermediate_size"])
@@ -131,7 +135,7 @@ def kernels(shapes: list[str], reps: int = 3) -> tuple[list[dict], dict]:
             extra = f", x @ W [in, out] {row['in_out_layout_gbs']:.1f}" if "in_out_layout_gbs" in row else ""
             print(f"{name:14s} {row['matrix']:>11s}: read {row['read_gbs']:.1f} GB/s, F.linear {row['f_linear_gbs']:.1f}, "
                   f"ours {row['ours_gbs']:.1f}{extra}", flush=True)
-    for name in shapes:
+    for name in dict.fromkeys(SHAPES[s][0] for s in shapes):
         mine = [r for r in rows if r["shape"] == name]
         figures[f"matvec-vs-read-{name}"] = min(r["ours_gbs"] / r["read_gbs"] for r in mine)
     return rows, figures
@@ -145,14 +149,15 @@ def _timed(fn) -> float:
 
 # -- the checkpoints --------------------------------------------------------------------------------
 
-def checkpoint(cache: Path, name: str) -> Path:
-    layers, experts = SHAPES[name]
-    path = cache / "realshape" / (f"{name}-l{layers}" + (f"-e{experts}" if experts else ""))
+def checkpoint(cache: Path, label: str) -> Path:
+    name, layers, experts, form = SHAPES[label]
+    path = cache / "realshape" / (f"{name}-l{layers}" + (f"-e{experts}" if experts else "") + (f"-{form}" if form else ""))
     if not (path / "config.json").is_file():
         import subprocess
 
         cmd = [sys.executable, "-m", "moe_operator.cli.main", "init-model", str(path), "--shape", name,
                "--layers", str(layers), "--dtype", "bfloat16", "--force"] + (["--experts", str(experts)] if experts else [])
+        cmd += ["--quantize", form] if form else []
         subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'workers'}"})
     return path
 

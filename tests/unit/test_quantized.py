@@ -244,6 +244,44 @@ def test_a_compute_dtype_replacement_in_a_quantized_model_never_enters_the_warm_
         assert torch.equal(w[(1, 0)]["w2"], new["w2"])
 
 
+def test_mxfp4_experts_compute_in_the_stored_out_in_layout_and_swap_in_transformers_layout(tmp_path):
+    """gpt_oss mxfp4 experts are decoded straight into [out, in] (the layout a decode step's
+    matrix-vector product reads in one pass); a replacement in the compute dtype comes as the
+    bf16 release lays it out ([in, out], transformers'), turned on load; both compute what
+    transformers' [in, out] form computes."""
+    from moe_workers.model.layers import gpt_oss_expert
+
+    model = _quantized(tmp_path / "m", "gpt_oss", "mxfp4")
+    ckpt = Checkpoint(model)
+    cfg = ckpt.config
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    assert cfg.experts_out_in and dict(cfg.expert_parts())["gate_up"] == (2 * i, h)
+    assert dict(cfg.release_parts())["gate_up"] == (h, 2 * i) and dict(cfg.release_parts())["down"] == (i, h)
+    w = ckpt.expert(1, 2, dtype=torch.float32)
+    assert w["gate_up"].shape == (2 * i, h) and w["down"].shape == (h, i)
+    release = {k: v.t().contiguous() if v.dim() == 2 else v for k, v in w.items()}  # transformers' layout
+    for rows in (1, 5):
+        x = torch.randn(rows, h)
+        ours = gpt_oss_expert(x, w, cfg.swiglu_alpha, cfg.swiglu_limit, out_in=True)
+        theirs = gpt_oss_expert(x, release, cfg.swiglu_alpha, cfg.swiglu_limit)
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    names = {"down": "down_proj", "down_bias": "down_proj_bias", "gate_up": "gate_up_proj",
+             "gate_up_bias": "gate_up_proj_bias"}
+    save_file({names[n]: v * 0.5 for n, v in release.items()},
+              str(tmp_path / "plain.safetensors"))
+    raw = load_expert_file(tmp_path / "plain.safetensors", 1, 0, cfg, [str(tmp_path)])
+    assert raw["gate_up"].shape == (2 * i, h) and torch.equal(raw["gate_up"], w["gate_up"] * 0.5)
+    store = TieredExpertStore(ckpt, torch.float32)
+    store.configure([(1, 0)])
+    store.swap((1, 0), lambda: raw, "plain.safetensors")
+    with store.use([(1, 0)]) as got:
+        assert torch.equal(got[(1, 0)]["down"], w["down"] * 0.5)
+    save_file({"gate_up_proj": w["gate_up"], "gate_up_proj_bias": w["gate_up_bias"], "down_proj": w["down"],
+               "down_proj_bias": w["down_bias"]}, str(tmp_path / "ours.safetensors"))
+    with pytest.raises(SwapError, match=rf"down has shape \({h}, {i}\), the model needs \({i}, {h}\)"):
+        load_expert_file(tmp_path / "ours.safetensors", 1, 0, cfg, [str(tmp_path)])
+
+
 def test_hot_swap_takes_the_quantized_form_or_the_compute_dtype_and_refuses_bad_scales(tmp_path):
     model = _quantized(tmp_path / "m", "deepseek_v3", "fp8")
     ckpt = Checkpoint(model)

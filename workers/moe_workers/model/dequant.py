@@ -72,7 +72,8 @@ def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """[out, in] from blocks [out, in/32, 16] (low nibble first) and E8M0 scales [out, in/32], on
     the blocks' device: each byte looked up whole (its two values), times 2^(scale - 127), a few
-    rows at a time. `out` may be a transposed view (the compute layout is [in, out])."""
+    rows at a time, into `out` when given (a hot slot's part: the compute layout is the same
+    [out, in], so each row is written in one pass)."""
     b = blocks.view(torch.uint8)
     rows, groups = b.shape[0], b.shape[1]
     if out is None:
@@ -96,20 +97,15 @@ def decode_part(quant: Quantization | None, stored: dict[str, torch.Tensor], nam
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """One compute part of an expert from its stored parts, in `dtype` (into `out` when given:
     a hot slot's view, so the decoded weights are written once, where they are computed from)."""
-    if name + "_blocks" in stored and out is not None:  # [out, in] stored; compute layout is [in, out]
-        decode_mxfp4(stored[name + "_blocks"], stored[name + "_scales"], dtype, out=out.t())
-        return out
-    if name + "_blocks" in stored:
-        w = decode_mxfp4(stored[name + "_blocks"], stored[name + "_scales"], dtype).t()
-    elif quant is not None and name + ".scale_inv" in stored:
+    if name + "_blocks" in stored:  # [out, in] as stored, the compute layout (`Arch.experts_out_in`)
+        return decode_mxfp4(stored[name + "_blocks"], stored[name + "_scales"], dtype, out=out)
+    if quant is not None and name + ".scale_inv" in stored:
         return dequantize_fp8(stored[name], stored[name + ".scale_inv"], quant.block, dtype, out=out)
-    else:
-        w = stored[name]
+    w = stored[name]
     if out is not None:
         out.copy_(w)
         return out
-    w = w if w.dtype == dtype else w.to(dtype)
-    return w.contiguous() if name + "_blocks" in stored else w
+    return w if w.dtype == dtype else w.to(dtype)
 
 
 def decode(quant: Quantization | None, stored: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -174,5 +170,5 @@ def quantize_parts(quant: Quantization, parts: dict[str, torch.Tensor], scale_dt
         elif name.endswith("_bias"):
             out[name] = t
         else:
-            out[name + "_blocks"], out[name + "_scales"] = pack_mxfp4(t.t())
+            out[name + "_blocks"], out[name + "_scales"] = pack_mxfp4(t)
     return out

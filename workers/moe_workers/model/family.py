@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from .dtypes import BYTES, COMPUTE, FLOAT_SAFETENSORS
-from .quantization import (FP8, FP8_DTYPE, SCALE_DTYPES, U8, Quantization, QuantizationError,
+from .quantization import (FP8, FP8_DTYPE, MXFP4, SCALE_DTYPES, U8, Quantization, QuantizationError,
                            check_fp8_weight, mxfp4_shapes, parse_quantization, scale_name)
 
 SUPPORTED = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss")
@@ -108,9 +108,32 @@ class Arch:
         """One routed expert's tensors as the store keeps them: (name, shape), sorted by name
         (the order of a slot and of a cold-cache file)."""
         h, i = self.hidden_size, self.intermediate_size
+        if self.expert_act == "gpt_oss" and self.experts_out_in:  # decoded from mxfp4's [out, in]
+            return (("down", (h, i)), ("down_bias", (h,)), ("gate_up", (2 * i, h)), ("gate_up_bias", (2 * i,)))
         if self.expert_act == "gpt_oss":  # transformers' layout: x @ gate_up (interleaved), @ down
             return (("down", (i, h)), ("down_bias", (h,)), ("gate_up", (h, 2 * i)), ("gate_up_bias", (2 * i,)))
         return (("w1", (i, h)), ("w2", (h, i)), ("w3", (i, h)))
+
+    @property
+    def experts_out_in(self) -> bool:
+        """Whether the routed experts' compute layout is [out, in] (mxfp4 gpt_oss: decoded as the
+        blocks are stored, the layout a decode step's matrix-vector product reads in one pass,
+        26-28 GB/s here against 10-12 for x @ W in transformers' [in, out]; bench/realshape.py
+        --only kernels) rather than the checkpoint's own."""
+        return self.expert_act == "gpt_oss" and self.quant is not None and self.quant.method == MXFP4
+
+    def release_parts(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """One expert's parts as the family's unquantized release lays them out (transformers'
+        gpt_oss [in, out]): the checkpoint's tensors, and a hot-swap file in the compute dtype;
+        `from_release_layout` turns them into the compute layout."""
+        if not self.experts_out_in:
+            return self.expert_parts()
+        return tuple((n, tuple(reversed(shape))) for n, shape in self.expert_parts())
+
+    def from_release_layout(self, tensors: dict) -> dict:
+        if not self.experts_out_in:
+            return tensors
+        return {n: t.t().contiguous() if t.dim() == 2 else t for n, t in tensors.items()}
 
     def expert_numel(self) -> int:
         return sum(math.prod(shape) for _, shape in self.expert_parts())
@@ -132,8 +155,8 @@ class Arch:
                 out += [(name, FP8_DTYPE, shape), (name + ".scale_inv", scale_dtype, self.quant.grid(shape))]
             elif name.endswith("_bias"):
                 out.append((name, None, shape))
-            else:  # compute layout is [in, out]; the blocks run along in
-                blocks, scales = mxfp4_shapes(shape[1], shape[0])
+            else:  # compute layout [out, in] (experts_out_in); the blocks run along in
+                blocks, scales = mxfp4_shapes(shape[0], shape[1])
                 out += [(name + "_blocks", U8, blocks), (name + "_scales", U8, scales)]
         return tuple(sorted(out))
 
@@ -223,7 +246,7 @@ class Arch:
                 out.update({p + k: v for k, v in self._router_shapes().items()})
                 for e in range(self.num_experts):
                     for part, name, index in self.expert_sources(layer, e):
-                        shape = dict(self.expert_parts())[part]
+                        shape = dict(self.release_parts())[part]
                         out[name] = (self.num_experts, *shape) if index is not None else shape
             else:
                 out.update(_mlp_shapes(p + "mlp.", h, self.dense_intermediate_size))

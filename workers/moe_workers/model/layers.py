@@ -179,18 +179,20 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
 def expert_forward(cfg, x: torch.Tensor, w: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """One routed expert of the model's family on rows x (its parts: `cfg.expert_parts()`)."""
     if cfg.expert_act == "gpt_oss":
-        return gpt_oss_expert(x, w, cfg.swiglu_alpha, cfg.swiglu_limit, out)
+        return gpt_oss_expert(x, w, cfg.swiglu_alpha, cfg.swiglu_limit, out, out_in=cfg.experts_out_in)
     return expert_mlp(x, w["w1"], w["w2"], w["w3"], out=out)
 
 
 def gpt_oss_expert(x: torch.Tensor, w: dict[str, torch.Tensor], alpha: float, limit: float,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """gpt_oss' clamped SwiGLU with biases; gate and up interleaved in gate_up's columns."""
-    gate_up = x @ w["gate_up"] + w["gate_up_bias"]
+                   out: torch.Tensor | None = None, out_in: bool = False) -> torch.Tensor:
+    """gpt_oss' clamped SwiGLU with biases; gate and up interleaved in gate_up's columns.
+    `out_in`: the weights in [out, in] (decoded from mxfp4) instead of transformers' [in, out]."""
+    gate_up = linear(x, w["gate_up"], w["gate_up_bias"]) if out_in else x @ w["gate_up"] + w["gate_up_bias"]
     gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     gate = gate.clamp(min=None, max=limit)
     up = up.clamp(min=-limit, max=limit)
-    result = ((up + 1) * (gate * torch.sigmoid(gate * alpha))) @ w["down"] + w["down_bias"]
+    act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    result = linear(act, w["down"], w["down_bias"]) if out_in else act @ w["down"] + w["down_bias"]
     if out is None:
         return result
     out.copy_(result)

@@ -120,7 +120,7 @@ def load_expert_file(path: str | Path, layer: int, expert: int, cfg: MoEConfig, 
         raise SwapError(f"{path}: cannot read ({err.strerror or err})") from None
     if quantized:
         return _check_stored(path, cfg, tensors)
-    shapes = dict(cfg.expert_parts())
+    shapes = dict(cfg.release_parts())  # gpt_oss mxfp4: transformers' [in, out], turned into the compute layout
     for w, t in tensors.items():
         if tuple(t.shape) != shapes[w]:
             raise SwapError(f"{path}: {w} has shape {tuple(t.shape)}, the model needs {shapes[w]}")
@@ -129,7 +129,7 @@ def load_expert_file(path: str | Path, layer: int, expert: int, cfg: MoEConfig, 
                             f"{str(cfg.dtype).removeprefix('torch.')}")
         if not torch.isfinite(t).all():
             raise SwapError(f"{path}: {w} has non-finite values (NaN or inf)")
-    return tensors
+    return cfg.from_release_layout(tensors)
 
 
 def _is_stored_form(cfg: MoEConfig, layer: int, expert: int, names: list[str]) -> bool:
