@@ -10,6 +10,12 @@ the vocabulary (the byte tokenizer's: tests and benches have no hub tokenizer).
 
 from __future__ import annotations
 
+_GPT_OSS = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
+                max_position_embeddings=131072,
+                rope_parameters={"rope_theta": 150000.0, "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
+
 # model name -> (family, published layers, config.json fields as published)
 SHAPES: dict[str, tuple[str, int, dict]] = {
     "mixtral-8x7b": ("mixtral", 32, dict(
@@ -30,18 +36,8 @@ SHAPES: dict[str, tuple[str, int, dict]] = {
         rope_parameters={"rope_theta": 10000.0, "rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                          "original_max_position_embeddings": 4096})),
-    "gpt-oss-20b": ("gpt_oss", 24, dict(
-        hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
-        max_position_embeddings=131072,
-        rope_parameters={"rope_theta": 150000.0, "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})),
-    "gpt-oss-120b": ("gpt_oss", 36, dict(
-        hidden_size=2880, intermediate_size=2880, num_local_experts=128, num_experts_per_tok=4,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
-        max_position_embeddings=131072,
-        rope_parameters={"rope_theta": 150000.0, "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})),
+    "gpt-oss-20b": ("gpt_oss", 24, _GPT_OSS),
+    "gpt-oss-120b": ("gpt_oss", 36, {**_GPT_OSS, "num_local_experts": 128}),
 }
 
 _EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts")
