@@ -3,14 +3,16 @@
     kopf run -m moe_operator.handlers.operator --namespace NS [--standalone]
 
 What the handlers share lives in kopf's operator memo, built once at startup: the settings
-(moe_operator.settings, from the environment the Helm chart sets) and the autoscaler, which
-remembers each object's load window between timer passes.
+(moe_operator.settings, from the environment the Helm chart sets), the autoscaler, which
+remembers each object's load window between timer passes, and the API clients (Ray's per cluster,
+Kubernetes' once, on first use), which the 2 s and 5 s timers would otherwise rebuild every call.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -36,6 +38,7 @@ from moe_workers.serve.auth import digests
 
 RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
 PREFIX = models.GROUP
+EVENT_MESSAGE_LIMIT = 1000  # characters of an Event's message (the apiserver keeps 1 KiB of it)
 
 
 @kopf.on.startup()
@@ -48,6 +51,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         raise kopf.PermanentError(str(err)) from err
     memo.autoscaler = Autoscaler()
     memo.ray_clients = RayClients()
+    memo.kube = KubeApis()
     memo.render_only = RenderOnlyClient(memo.settings.render_only_dir)
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
@@ -62,20 +66,44 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         start_metrics_server(memo.settings.metrics_port, memo.settings.metrics_host)
 
 
-def _load_kube_config() -> None:
-    import kubernetes
+class KubeApis:
+    """The Kubernetes API clients the handlers use beside kopf's own (Secrets, RayServices):
+    the configuration loaded and each client built once, on first use (an operator that never
+    reads a Secret or a RayService never loads it)."""
 
-    try:
-        kubernetes.config.load_incluster_config()
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._core = self._kuberay = None
+
+    def _load(self) -> None:
+        import kubernetes
+
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:  # outside a cluster: $KUBECONFIG as it is now
+            kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+        self._core = kubernetes.client.CoreV1Api()
+        self._kuberay = KubeRayClient(kubernetes.client.CustomObjectsApi())
+
+    @property
+    def core(self):
+        with self._lock:
+            if self._core is None:
+                self._load()
+            return self._core
+
+    @property
+    def kuberay(self) -> KubeRayClient:
+        with self._lock:
+            if self._kuberay is None:
+                self._load()
+            return self._kuberay
 
 
-def _kuberay() -> KubeRayClient:
-    import kubernetes
-
-    _load_kube_config()
-    return KubeRayClient(kubernetes.client.CustomObjectsApi())
+def _post(body, events) -> None:
+    """Each (type, reason, message) as an Event on the object."""
+    for event_type, reason, message in events:
+        kopf.event(body, type=event_type, reason=reason, message=message[:EVENT_MESSAGE_LIMIT])
 
 
 class Unconfigured(Exception):
@@ -88,15 +116,14 @@ class Unconfigured(Exception):
         self.reason, self.retry_s = reason, retry_s
 
 
-def _secret_value(ref: dict, namespace: str, field: str) -> str:
+def _secret_value(ref: dict, namespace: str, field: str, kube: KubeApis) -> str:
     import base64
 
     import kubernetes
 
-    _load_kube_config()
     where = f"{field}: Secret {namespace}/{ref['name']}"
     try:
-        secret = kubernetes.client.CoreV1Api().read_namespaced_secret(ref["name"], namespace, _request_timeout=30)
+        secret = kube.core.read_namespaced_secret(ref["name"], namespace, _request_timeout=30)
     except kubernetes.client.ApiException as err:
         why = {404: "not found", 403: "not readable by the operator (Helm value readTokenSecrets)"}
         raise Unconfigured(cond.SECRET_UNAVAILABLE, f"{where} {why.get(err.status, f'unreadable: {err.status} {err.reason}')}")
@@ -109,21 +136,22 @@ def _secret_value(ref: dict, namespace: str, field: str) -> str:
     return base64.b64decode(value).decode()
 
 
-def _api_key_digests(spec: dict, namespace: str) -> list[str] | None:
+def _api_key_digests(spec: dict, namespace: str, kube: KubeApis) -> list[str] | None:
     ref = ((spec.get("ingress") or {}).get("apiKeySecretRef")) or None
     if not ref:
         return None
-    keys = digests(_secret_value(ref, namespace, "spec.ingress.apiKeySecretRef"))
+    keys = digests(_secret_value(ref, namespace, "spec.ingress.apiKeySecretRef", kube))
     if not keys:
         raise Unconfigured(cond.SECRET_UNAVAILABLE, f"spec.ingress.apiKeySecretRef: Secret {namespace}/{ref['name']} "
                            "holds no key")
     return keys
 
 
-def _token(spec: dict, namespace: str, settings: Settings) -> str | None:
+def _token(spec: dict, namespace: str, memo: kopf.Memo) -> str | None:
+    settings: Settings = memo.settings
     ref = ((spec.get("ray") or {}).get("authTokenSecretRef")) or None
     if ref:
-        return _secret_value(ref, namespace, "spec.ray.authTokenSecretRef").strip()
+        return _secret_value(ref, namespace, "spec.ray.authTokenSecretRef", memo.kube).strip()
     if settings.ray_token_file:  # read each pass: a mounted Secret changes in place
         try:
             return open(settings.ray_token_file).read().strip()
@@ -140,7 +168,7 @@ def _client(spec: dict, namespace: str, memo: kopf.Memo) -> ServeBackend:
     if not address:
         raise Unconfigured(cond.RAY_NOT_CONFIGURED, "no Ray address: set spec.ray.address, or the operator's "
                            "MOE_RAY_ADDRESS (Helm value ray.address)", retry_s=None)
-    return memo.ray_clients.get(address, _token(spec, namespace, settings))
+    return memo.ray_clients.get(address, _token(spec, namespace, memo))
 
 
 def _served_client(spec: dict, namespace: str, status: dict, memo: kopf.Memo) -> ServeBackend:
@@ -149,7 +177,7 @@ def _served_client(spec: dict, namespace: str, status: dict, memo: kopf.Memo) ->
     address = status.get("rayAddress")
     if not address or memo.settings.ray_backend == RENDER_ONLY:
         return _client(spec, namespace, memo)
-    return memo.ray_clients.get(address, _token(spec, namespace, memo.settings))
+    return memo.ray_clients.get(address, _token(spec, namespace, memo))
 
 
 def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict, memo: kopf.Memo):
@@ -157,8 +185,8 @@ def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict, m
     obj = ObjectRef(namespace, name, meta.get("generation", 0), meta.get("uid", ""))
     try:
         if _kuberay_mode(spec_dict):
-            return reconcile_kuberay(obj, spec_dict, status, _kuberay(), settings)
-        client, keys = _client(spec_dict, namespace, memo), _api_key_digests(spec_dict, namespace)
+            return reconcile_kuberay(obj, spec_dict, status, memo.kube.kuberay, settings)
+        client, keys = _client(spec_dict, namespace, memo), _api_key_digests(spec_dict, namespace, memo.kube)
     except Unconfigured as err:
         return unconfigured(status, obj.generation, err.reason, str(err), err.retry_s)
     return reconcile(obj, spec_dict, status, client, settings, api_key_digests=keys)
@@ -174,8 +202,7 @@ def reconcile_handler(name: str, namespace: str, spec, meta, status, patch, body
     patch.status.update(merge_patch(before, res.status))
     RECONCILE_SECONDS.observe(time.perf_counter() - started)
     RECONCILES.labels(result=res.event[1] if res.event else "None").inc()
-    for event_type, reason, message in ([res.event] if res.event else []) + res.events:
-        kopf.event(body, type=event_type, reason=reason, message=message[:1000])
+    _post(body, ([res.event] if res.event else []) + res.events)
     if res.ready:
         APPLIED_GENERATION.labels(namespace=namespace, name=name).set(meta.get("generation", 0))
     elif res.retry_after_s is not None:
@@ -200,7 +227,7 @@ def delete_handler(name: str, namespace: str, spec, meta, status, logger, memo: 
         # the owner reference lets the garbage collector do this too; deleting it here means the
         # finalizer is only released once the RayService (and with it the app) is gone
         try:
-            removed = _kuberay().delete_owned(namespace, name, meta["uid"])
+            removed = memo.kube.kuberay.delete_owned(namespace, name, meta["uid"])
         except KubeRayError as err:
             raise kopf.TemporaryError(str(err), delay=10)
         logger.info("deleted RayService %s/%s" if removed else "no RayService %s/%s of ours to delete", namespace, name)
@@ -231,23 +258,21 @@ def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, 
         res = _reconcile(name, namespace, spec_dict, meta, status, memo)
         before, after = (cond.get_condition(c.get("conditions") or [], cond.READY) or {} for c in (status, res.status))
         patch.status.update(merge_patch(status, res.status))
-        if res.event and (before.get("status"), before.get("reason")) != (after.get("status"), after.get("reason")):
-            kopf.event(body, type=res.event[0], reason=res.event[1], message=res.event[2][:1000])
-        for event_type, reason, message in res.events:
-            kopf.event(body, type=event_type, reason=reason, message=message[:1000])
+        flipped = (before.get("status"), before.get("reason")) != (after.get("status"), after.get("reason"))
+        _post(body, ([res.event] if res.event and flipped else []) + res.events)
         return
     if not cond.is_true(status.get("conditions") or [], cond.READY):
         return
     if (spec_dict.get("ingress") or {}).get("apiKeySecretRef") or status.get("apiKeys"):
         try:
-            current = keys_fingerprint(_api_key_digests(spec_dict, namespace))
+            current = keys_fingerprint(_api_key_digests(spec_dict, namespace, memo.kube))
         except Unconfigured:
             current = "unreadable"  # the pass says why
         if current != (status.get("apiKeys") or {}).get("fingerprint"):
             res = _reconcile(name, namespace, spec_dict, meta, status, memo)
             patch.status.update(merge_patch(status, res.status))
             if res.event:
-                kopf.event(body, type=res.event[0], reason="ApiKeysChanged", message="API keys changed; " + res.event[2][:900])
+                _post(body, [(res.event[0], "ApiKeysChanged", "API keys changed; " + res.event[2])])
             return
     try:
         parsed = parse_spec(dict(spec))
@@ -257,8 +282,7 @@ def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, 
     for key, value in fields.items():
         if status.get(key) != value:
             patch.status[key] = value
-    for event_type, reason, message in events:
-        kopf.event(body, type=event_type, reason=reason, message=message[:1000])
+    _post(body, events)
 
 
 @kopf.timer(*RESOURCE, interval=2.0, initial_delay=5.0)
@@ -280,8 +304,7 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
     if (status.get("autoscaling") or {}).get("target") is not None:
         res = _reconcile(name, namespace, spec_dict, meta, dict(status), memo)
         patch.status.update(merge_patch(status, res.status))
-        for event_type, reason, message in res.events:
-            kopf.event(body, type=event_type, reason=reason, message=message[:1000])
+        _post(body, res.events)
         return
     request = (meta.get("annotations") or {}).get(REBALANCE_ANNOTATION)
     if parsed.autoscaling.mode == "Off" and (request is None or
@@ -292,7 +315,7 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
         return
     try:
         if _kuberay_mode(spec_dict):
-            placement = placement_from_rayservice(_kuberay().get(namespace, name))
+            placement = placement_from_rayservice(memo.kube.kuberay.get(namespace, name))
         else:
             placement = deployed_placement(_client(spec_dict, namespace, memo).get(),
                                            app_name(namespace, name))
@@ -312,4 +335,4 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
     if p.replicas_per_group is not None:
         patch.spec["experts"] = {"replicasPerGroup": p.replicas_per_group}
     if p.event:
-        kopf.event(body, type=p.event[0], reason=p.event[1], message=p.event[2][:1000])
+        _post(body, [p.event])
