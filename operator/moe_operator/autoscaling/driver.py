@@ -1,5 +1,5 @@
 """The autoscaler's memory between passes (load windows per object) and the one pass both the
-kopf timer and standalone mode run: read the metrics source when due, smooth, decide.
+kopf timer and standalone mode run (`decide`): read the metrics source when due, smooth, decide.
 
 A window lives in the operator's memory only: after a restart it refills within
 `windowSeconds`; the policy's own memory (stabilization, cooldown) is in status.
@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moe_operator.api.models import MoEDeploymentSpec
+from moe_operator.api.semantics import validate_semantics
 from moe_operator.autoscaling.loop import Pass, autoscale
 from moe_operator.autoscaling.signals import (
     AppReportSource, LoadWindow, MetricsUnavailable, PrometheusSource, ScrapeSource, co_selection_from_report)
@@ -75,6 +77,27 @@ class Autoscaler:
         co = co_selection_from_report(report()) if report is not None else None
         return autoscale(spec, status, placement, dict(track.window.smoothed), now, expert_bytes,
                          int(status.get("replicas") or 0), request, co)
+
+
+def decide(autoscaler: Autoscaler, key: str, spec: MoEDeploymentSpec, status: dict, request: str | None,
+           read_placement: Callable[[], dict[str, list[str]] | None], allowed_roots, app: str,
+           metrics_urls: list[str] | None = None, now: float | None = None) -> Pass | None:
+    """The autoscale pass of an object with no placement change in progress, as the kopf timer
+    and `moectl up` both run it: nothing while autoscaling is Off and no new `moectl rebalance`
+    request came; nothing while the spec's files have a problem (the reconcile pass says which);
+    the deployed placement (`read_placement()`; nothing while there is none); then `step`."""
+    requested = request is not None and request != (status.get("autoscaling") or {}).get("lastRequest")
+    if spec.autoscaling.mode == "Off" and not requested:
+        return None
+    facts, problems, _ = validate_semantics(spec, list(allowed_roots))
+    if problems:
+        return None
+    placement = read_placement()
+    if not placement:
+        return None
+    source = metrics_source(spec, app, status.get("endpoint"), metrics_urls)
+    return autoscaler.step(key, spec, status, placement, source, facts.expert_bytes(spec.model.dtype), request, now,
+                           report=report_reader(status.get("endpoint")))
 
 
 def report_reader(endpoint: str | None):

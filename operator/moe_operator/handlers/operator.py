@@ -26,8 +26,7 @@ from moe_operator.backends.serve_backend import ServeBackend
 from moe_operator.metrics import RECONCILES, RECONCILE_SECONDS, APPLIED_GENERATION, start_metrics_server
 from moe_operator.api import conditions as cond
 from moe_operator.api.validation import SpecError, parse_spec
-from moe_operator.api.semantics import validate_semantics
-from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
+from moe_operator.autoscaling.driver import Autoscaler, decide
 from moe_operator.merge_patch import merge_patch
 from moe_operator.settings import RENDER_ONLY, Settings, SettingsError
 from moe_operator.reconcile import (
@@ -307,27 +306,18 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
         _post(body, res.events)
         return
     request = (meta.get("annotations") or {}).get(REBALANCE_ANNOTATION)
-    if parsed.autoscaling.mode == "Off" and (request is None or
-                                             request == (status.get("autoscaling") or {}).get("lastRequest")):
-        return
-    facts, problems, _ = validate_semantics(parsed, list(memo.settings.allowed_roots))
-    if problems:
-        return
-    try:
-        if _kuberay_mode(spec_dict):
-            placement = placement_from_rayservice(memo.kube.kuberay.get(namespace, name))
-        else:
-            placement = deployed_placement(_client(spec_dict, namespace, memo).get(),
-                                           app_name(namespace, name))
-    except (RayServeError, KubeRayError, OSError, Unconfigured) as err:
-        logger.info("autoscaler: cannot read the deployed placement: %s", err)
-        return
-    if not placement:
-        return
-    source = metrics_source(parsed, app_name(namespace, name), status.get("endpoint"))
-    p = memo.autoscaler.step(f"{namespace}/{name}", parsed, status, placement, source,
-                        facts.expert_bytes(parsed.model.dtype), request,
-                        report=report_reader(status.get("endpoint")))
+
+    def read_placement() -> dict[str, list[str]] | None:
+        try:
+            if _kuberay_mode(spec_dict):
+                return placement_from_rayservice(memo.kube.kuberay.get(namespace, name))
+            return deployed_placement(_client(spec_dict, namespace, memo).get(), app_name(namespace, name))
+        except (RayServeError, KubeRayError, OSError, Unconfigured) as err:
+            logger.info("autoscaler: cannot read the deployed placement: %s", err)
+            return None
+
+    p = decide(memo.autoscaler, f"{namespace}/{name}", parsed, status, request, read_placement,
+               memo.settings.allowed_roots, app_name(namespace, name))
     if p is None:
         return
     after = {**status, **p.status, "autoscaling": p.autoscaling}

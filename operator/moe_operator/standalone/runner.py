@@ -19,10 +19,9 @@ import yaml
 
 from moe_operator.api import conditions as cond
 from moe_operator.api.models import API_VERSION, KIND, MoEDeploymentSpec
-from moe_operator.api.semantics import validate_semantics
 from moe_operator.api.pruning import prune, spec_schema, type_problems
 from moe_operator.api.validation import SpecError, parse_spec
-from moe_operator.autoscaling.driver import Autoscaler, metrics_source, report_reader
+from moe_operator.autoscaling.driver import Autoscaler, decide
 from moe_operator.backends.serve_backend import ServeBackend
 from moe_operator.names import MANIFEST_ANNOTATION, OWNER_ANNOTATION, app_name
 from moe_operator.reconcile import ObjectRef, observe_live, reconcile, remove_application
@@ -231,18 +230,11 @@ class StandaloneRunner:
         if (self.status.get("autoscaling") or {}).get("target") is not None:
             self.reconcile(new_generation=False)
             return
-        facts, problems, _ = validate_semantics(spec, self.allowed_roots)
-        if problems:
-            return
         request_file = rebalance_request_path(self.state_dir, m.namespace, m.name)
         request = request_file.read_text().strip() if request_file.is_file() else None
-        source = metrics_source(spec, app_name(m.namespace, m.name), self.status.get("endpoint"), self.metrics_urls)
-        placement = {g: list(v) for g, v in self._placement().items()}
-        if not placement:
-            return
-        p = self.autoscaler.step(f"{m.namespace}/{m.name}", spec, self.status, placement, source,
-                                 facts.expert_bytes(spec.model.dtype), request, now,
-                                 report=report_reader(self.status.get("endpoint")))
+        p = decide(self.autoscaler, f"{m.namespace}/{m.name}", spec, self.status, request,
+                   lambda: {g: list(v) for g, v in self._placement().items()}, self.allowed_roots,
+                   app_name(m.namespace, m.name), self.metrics_urls, now)
         if p is None:
             return
         self.status["autoscaling"] = p.autoscaling
