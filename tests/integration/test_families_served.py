@@ -139,7 +139,10 @@ def test_hot_swap_of_one_routed_expert_is_served(served):
     else:
         raise AssertionError(f"no expert of {candidates} changes the tokens of {prompt}")
     file = served["weights_dir"] / f"expert-{eid}.safetensors"
-    save_file({SHORT_NAMES[p]: t for p, t in new.items()}, str(file))
+    # a file in the compute dtype holds the expert as the bf16 release lays it out (gpt_oss mxfp4
+    # computes in [out, in]; its file is transformers' [in, out])
+    release = {p: t.t().contiguous() if cfg.experts_out_in and t.dim() == 2 else t for p, t in new.items()}
+    save_file({SHORT_NAMES[p]: t for p, t in release.items()}, str(file))
     served["apply"]({eid: {"path": str(file)}})
 
     def swapped():
