@@ -157,3 +157,40 @@ def test_the_plan_states_slots_per_group():
     assert p.autoscaling["slotsPerGroup"] == 3  # (8 experts + 4 spare) / 4 groups
     target = p.autoscaling["target"]
     assert all(len(es) <= 3 for es in target.values()) and sum(map(len, target.values())) <= 12
+
+
+def test_decide_reads_nothing_while_off_and_checks_the_files_before_the_placement(tmp_path):
+    """`driver.decide`, the pass the kopf timer and moectl up share: Off without a new rebalance
+    request reads no placement; a request already handled is no request; a spec whose model
+    files do not check out reads no placement either (the reconcile pass reports why)."""
+    from moe_operator.autoscaling.driver import decide
+
+    reads = []
+
+    def read_placement():
+        reads.append(1)
+        return PLACEMENT
+
+    off = spec(mode="Off")
+    handled = {"autoscaling": {"lastRequest": "r1"}}
+    assert decide(Autoscaler(), "ns/m", off, {}, None, read_placement, [], "app") is None
+    assert decide(Autoscaler(), "ns/m", off, handled, "r1", read_placement, [], "app") is None
+    assert reads == []
+    # a new request while Off gets past the first check; /models/m is outside the allowed roots
+    assert decide(Autoscaler(), "ns/m", off, handled, "r2", read_placement, [str(tmp_path)], "app") is None
+    assert reads == []
+
+
+def test_decide_reads_the_placement_once_the_files_check_out(tmp_path):
+    """With the model's files in order, a new request reads the deployed placement and steps the
+    autoscaler (no endpoint yet: a pass that says there is no metrics source)."""
+    from checkpoints import make_mixtral
+    from moe_operator.autoscaling.driver import decide
+
+    make_mixtral(tmp_path / "m", num_hidden_layers=1, num_local_experts=8)
+    s = MoEDeploymentSpec.model_validate({**spec(mode="Off").model_dump(by_alias=True),
+                                          "model": {"path": str(tmp_path / "m")}})
+    reads = []
+    p = decide(Autoscaler(), "ns/m", s, {}, "r1", lambda: reads.append(1) or PLACEMENT, [str(tmp_path)], "app")
+    assert reads == [1]
+    assert p is not None and "no metrics source" in p.autoscaling["message"]
