@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO / "workers"))
 from moe_workers.model import published  # noqa: E402
 from moe_workers.model.family import SUPPORTED  # noqa: E402
 from moe_workers.model.random_init import write_random_checkpoint  # noqa: E402
+from realshape import step_bytes  # noqa: E402  (the bytes a decode step reads, as bench/realshape counts them)
 
 RAN, SKIPPED, FAILED = "ran", "skipped", "failed"
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -202,16 +203,12 @@ def _decode_checkpoint(ctx, name: str, layers: int, experts: int | None) -> Path
 def check_decode(ctx) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from moe_workers.model.checkpoint import Checkpoint
     from moe_workers.model.inprocess import InProcessModel
 
     bandwidth = device_bandwidth(ctx.device, (256 << 20) if ctx.quick else (1 << 30))
     rows, figures = [], {}
     for name, layers, experts in DECODE_SHAPES:
         path = _decode_checkpoint(ctx, name, layers, experts)
-        ckpt = Checkpoint(path)
-        cfg = ckpt.config
-        dense = sum(ckpt.info(n).nbytes for n in ckpt.names() if ".experts." not in n and "embed_tokens" not in n)
         ours = InProcessModel(path, dtype=torch.bfloat16, max_len=64, max_sequences=max(ctx.batches), device=ctx.device)
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(ctx.device).eval()
         distinct: list[int] = []
@@ -243,7 +240,7 @@ def check_decode(ctx) -> dict:
                     distinct.clear()
                 step[side] = (_timed(run(17), ctx.device) - _timed(run(1), ctx.device)) / 16
             experts = sum(distinct) / max(1, len(distinct))  # distinct experts a layer read in a decode step
-            need = dense + experts * len(cfg.sparse_layers) * cfg.expert_bytes
+            need = step_bytes(path, experts, 8 + 8, b)  # 8-token prompts, 16 decode steps: 8 more on average
             row = {"shape": name, "batch": b, "ours_ms": step["ours"] * 1e3, "transformers_ms": step["transformers"] * 1e3,
                    "experts_a_step": experts, "bound_ms": need / bandwidth * 1e3, "vs_bandwidth": need / bandwidth / step["ours"],
                    "vs_transformers": step["transformers"] / step["ours"]}

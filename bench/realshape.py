@@ -281,12 +281,11 @@ class Served:
 
 # -- one shape --------------------------------------------------------------------------------------
 
-def measure(name: str, path: Path, sides: list, bandwidth: Bandwidth, rounds: int, batches: list[int]) -> dict:
-    """Rounds of every side in turn; per side and batch the step times, per round the bandwidth."""
-    from moe_workers.model.config import MoEConfig
-
-    vocab = MoEConfig.from_dir(path).vocab_size
+def measure(sides: list, bandwidth: Bandwidth, rounds: int, batches: list[int]) -> dict:
+    """Rounds of every side in turn (ours first); per side and batch the step times, per round
+    the bandwidth."""
     ours = sides[0]
+    vocab = ours.model.cfg.vocab_size
     runs: dict = {"bandwidth": [], "distinct": {b: [] for b in batches}}
     for side in sides:
         runs[side.label] = {f"decode{b}": [] for b in batches} | {"prefill": []}
@@ -409,7 +408,7 @@ def main() -> int:
                 if not a.no_served:
                     sides.append(stack.enter_context(served(path, a.threads, a.shard_threads, max(batches),
                                                             dict(kv.split("=", 1) for kv in a.serve_env))))
-                runs = measure(name, path, sides, bandwidth, a.rounds, batches)
+                runs = measure(sides, bandwidth, a.rounds, batches)
             labels = [s.label for s in sides]
             out, f = summarize(name, path, runs, batches, labels)
             for side in sides:

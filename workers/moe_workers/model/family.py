@@ -108,7 +108,7 @@ class Arch:
         """One routed expert's tensors as the store keeps them: (name, shape), sorted by name
         (the order of a slot and of a cold-cache file)."""
         h, i = self.hidden_size, self.intermediate_size
-        if self.expert_act == "gpt_oss" and self.experts_out_in:  # decoded from mxfp4's [out, in]
+        if self.experts_out_in:  # gpt_oss decoded from mxfp4's [out, in]
             return (("down", (h, i)), ("down_bias", (h,)), ("gate_up", (2 * i, h)), ("gate_up_bias", (2 * i,)))
         if self.expert_act == "gpt_oss":  # transformers' layout: x @ gate_up (interleaved), @ down
             return (("down", (i, h)), ("down_bias", (h,)), ("gate_up", (h, 2 * i)), ("gate_up_bias", (2 * i,)))

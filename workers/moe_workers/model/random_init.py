@@ -95,8 +95,8 @@ def write_random_checkpoint(path: str | Path, family: str = "mixtral", *, vocab_
                             scale_dtype: torch.dtype = torch.float32, overrides: dict | None = None) -> Path:
     """Returns the directory. `router_scale` > 1 sharpens routing; `progress(done, total)` is
     called per layer. `overrides`: config.json fields set over the family's random config (a
-    published shape: `published.overrides`); the tensors follow the merged config. `quantize` ("fp8" / "mxfp4"): each tensor is written in the layout the
-    quantized release ships as it is drawn (`quantize_tensor`), so a model larger than memory is
+    published shape: `published.overrides`); the tensors follow the merged config. `quantize`
+    ("fp8" / "mxfp4"): each tensor is written in the layout the quantized release ships as it is drawn (`quantize_tensor`), so a model larger than memory is
     written in one pass: tensors are drawn, quantized and written a shard (`max_shard_bytes`) at
     a time. The same seed draws the same weights with and without `quantize`."""
     path = Path(path)

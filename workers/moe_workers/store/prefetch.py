@@ -27,10 +27,10 @@ class Prefetch:
         (PREFETCH_EVICT_ACCURACY); unknown keys (hosted elsewhere) are ignored."""
         if not self.config.prefetch:
             return
-        keys = [k for k in keys if k in self.entries]
         with self._cv:
+            keys = [k for k in keys if k in self.entries]
             self.hints.hinted(keys)
-            self._queue(*[k for k in keys if k in self.entries and self.entries[k].tier != HOT])
+            self._queue(*[k for k in keys if self.entries[k].tier != HOT])
 
     def _queue(self, *items) -> None:
         """Work for the prefetch thread (started on first use): keys to promote to hot, or a
