@@ -132,6 +132,31 @@ def test_n_choices_are_independent_samples_and_seeded(app, client):
     assert a.usage.completion_tokens == sum(len(i) for i in ids)
 
 
+def test_the_sampling_set_reaches_the_engine(app, client):
+    """OpenAI's logit_bias and vLLM's extra fields (extra_body) act on the served tokens; an id
+    outside the vocabulary is a 400 naming the field. (Their values against transformers'
+    processors: tests/unit/test_sampling.py and test_engine_kv.py.)"""
+    _, _, reference = app
+    prompt = [5, 9, 11]
+    base = reference.generate([prompt], 6)[0]
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=6)
+    forced = client.completions.create(**kwargs, temperature=0, logit_bias={"77": 100})
+    assert forced.choices[0].model_extra["token_ids"] == [77] * 6
+    stop = base[1]
+    stopped = client.completions.create(**kwargs, temperature=0, extra_body={"stop_token_ids": [stop],
+                                                                             "ignore_eos": True})
+    assert stopped.choices[0].model_extra["token_ids"] == base[:base.index(stop) + 1]
+    assert stopped.choices[0].finish_reason == "stop"
+    top1 = client.completions.create(**kwargs, temperature=1.5, seed=3, extra_body={"top_k": 1, "ignore_eos": True})
+    assert top1.choices[0].model_extra["token_ids"] == base
+    held = client.completions.create(**kwargs, temperature=0, extra_body={"stop_token_ids": [base[0]],
+                                                                          "min_tokens": 6, "ignore_eos": True})
+    assert base[0] not in held.choices[0].model_extra["token_ids"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**kwargs, logit_bias={str(BYTE_VOCAB_SIZE): 1})
+    assert err.value.body["param"] == "logit_bias" and "outside the vocabulary" in err.value.message
+
+
 def test_logprobs(app, client):
     resp = client.completions.create(model="tiny", prompt=[5, 9, 11], max_tokens=5, temperature=0, logprobs=3)
     lp = resp.choices[0].logprobs

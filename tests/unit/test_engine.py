@@ -13,6 +13,7 @@ from moe_workers.model.dense import DenseModel
 from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.experts import LocalExperts
 from moe_workers.model.inprocess import InProcessModel
+from moe_workers.model.sampling import SamplingParams
 from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest, Overloaded
 from moe_workers.serve.routing import ExpertRouter
 
@@ -86,7 +87,8 @@ def test_seeded_sampling_is_reproducible(tmp_path):
 
     async def run_once():
         engine = _engine(tmp_path)
-        r = engine.submit(GenerationRequest(prompt=[4, 5, 6], max_tokens=10, temperature=1.0, top_p=0.9, seed=7,
+        r = engine.submit(GenerationRequest(prompt=[4, 5, 6], max_tokens=10, seed=7,
+                                            sampling=SamplingParams(temperature=1.0, top_p=0.9),
                                             stop_at_eos=False))
         return await _collect(r)
 

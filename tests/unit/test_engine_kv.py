@@ -16,7 +16,8 @@ from moe_workers.model.experts import LocalExperts
 from moe_workers.model.family import SUPPORTED
 from moe_workers.model.kv_blocks import sequence_blocks
 from moe_workers.model.kv_cache import PagedKVCache
-from moe_workers.serve.engine import Engine, GenerationRequest
+from moe_workers.model.sampling import SamplingParams
+from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest
 
 
 def _engine(path, blocks=None, block_size=4, max_batch=8, budget=512, prefix_caching=True, prefill_only_factor=1):
@@ -92,14 +93,54 @@ def test_seeded_sampling_is_the_same_with_the_prefix_cached_or_not(tmp_path):
 
     async def main(prefix_caching):
         engine = _engine(tmp_path, prefix_caching=prefix_caching)
-        warm, _ = await _run(engine, [prompt], 10, temperature=1.0, seed=5)
-        second, reqs = await _run(engine, [prompt], 10, temperature=1.0, seed=5)
+        warm, _ = await _run(engine, [prompt], 10, sampling=SamplingParams(temperature=1.0), seed=5)
+        second, reqs = await _run(engine, [prompt], 10, sampling=SamplingParams(temperature=1.0), seed=5)
         return warm[0], second[0], reqs[0].cached_tokens
 
     cold_first, cold_second, cold_hit = asyncio.run(main(False))
     warm_first, warm_second, warm_hit = asyncio.run(main(True))
     assert cold_hit == 0 and warm_hit == 36
     assert cold_first == cold_second == warm_first == warm_second
+
+
+def test_penalties_bias_min_tokens_and_stop_ids_match_transformers_generate_in_a_mixed_batch(tmp_path):
+    ref = make_family(tmp_path, "qwen3_moe")
+    eos = ref.config.eos_token_id
+    prompt = _prompt(12, 4) + [7, 7, 9]
+    shaped = SamplingParams(repetition_penalty=1.8, min_tokens=5, logit_bias=((eos, 9.0), (11, 1.5)))
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.8,
+                            min_new_tokens=5, sequence_bias=[[[eos], 9.0], [[11], 1.5]], eos_token_id=eos,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+    assert len(want) >= 6 and want[-1] == eos and eos not in want[:5]  # barred, then biased into coming
+    plain = [_prompt(9, 5), _prompt(14, 6)]
+
+    async def main():
+        engine = _engine(tmp_path)
+        with engine._work:  # one batch: the shaped row beside plain greedy ones
+            reqs = [engine.submit(GenerationRequest(prompt=prompt, max_tokens=12, sampling=shaped))]
+            reqs += [engine.submit(GenerationRequest(prompt=p, max_tokens=8, stop_at_eos=False)) for p in plain]
+        for r in reqs:
+            while await r.out.get() is not None:
+                pass
+        # a stop token id ends the sequence like the end of sequence, and is barred the same way
+        stop = engine.submit(GenerationRequest(prompt=plain[0], max_tokens=8, stop_at_eos=False,
+                                               stop_token_ids=frozenset({reqs[1].produced[2]})))
+        while await stop.out.get() is not None:
+            pass
+        held = engine.submit(GenerationRequest(prompt=plain[0], max_tokens=8, stop_at_eos=False,
+                                               stop_token_ids=frozenset({reqs[1].produced[0]}),
+                                               sampling=SamplingParams(min_tokens=8)))
+        while await held.out.get() is not None:
+            pass
+        return reqs, stop, held
+
+    reqs, stop, held = asyncio.run(main())
+    assert reqs[0].produced == want and reqs[0].finish_reason is FinishReason.STOP
+    assert [r.produced for r in reqs[1:]] == [reference_greedy(ref, p, 8) for p in plain]
+    cut = reqs[1].produced.index(reqs[1].produced[2]) + 1
+    assert stop.produced == reqs[1].produced[:cut] and stop.finish_reason is FinishReason.STOP
+    assert len(held.produced) == 8 and reqs[1].produced[0] not in held.produced
 
 
 def test_a_prefix_cache_reset_computes_everything_again(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_workers.model.sampling import sample
+from moe_workers.model.sampling import SamplingParams, sample
 from moe_workers.serve.protocol import (MAX_JSON_DEPTH, MIN_TEMPERATURE, CompletionRequest, RequestError,
                                         decode_body, parse_completion)
 
@@ -82,3 +82,44 @@ def test_error_body_shape():
     err = _error(json.dumps({"prompt": [1], "n": 17}).encode())
     assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": "n",
                                     "code": 400}}
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("top_k", -2, "top_k: Input should be greater than or equal to -1"),
+    ("min_p", 1.5, "min_p: Input should be less than or equal to 1"),
+    ("presence_penalty", 2.5, "presence_penalty: Input should be less than or equal to 2"),
+    ("frequency_penalty", -3, "frequency_penalty: Input should be greater than or equal to -2"),
+    ("repetition_penalty", 0, "repetition_penalty: Input should be greater than 0"),
+    ("logit_bias", {"abc": 1}, "logit_bias: key 'abc' is not a token id"),
+    ("logit_bias", {"5": 101}, "logit_bias: the bias of token 5 is 101"),
+    ("logit_bias", {"5": "1"}, "logit_bias.5: Input should be a valid number"),
+    ("logit_bias", {str(i): 1 for i in range(1025)}, "logit_bias: at most 1024 entries"),
+    ("stop_token_ids", list(range(65)), "stop_token_ids: List should have at most 64 items"),
+    ("stop_token_ids", [1.0], "stop_token_ids.0: Input should be a valid integer"),
+    ("ignore_eos", 1, "ignore_eos: Input should be a valid boolean"),
+    ("min_tokens", -1, "min_tokens: Input should be greater than or equal to 0"),
+])
+def test_the_sampling_set_is_validated_and_named(field, value, says):
+    err = _error(json.dumps({"prompt": [1], field: value}).encode())
+    assert err.param == field and err.message.startswith(says), err.message
+
+
+def test_sampling_params_check_ids_against_the_vocabulary_and_min_tokens_against_the_limit():
+    req = parse_completion(decode_body(json.dumps({
+        "prompt": [1], "max_tokens": 9, "temperature": 0.5, "top_k": -1, "min_p": 0.1, "presence_penalty": 1,
+        "frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {"7": -100, "3": 2.5},
+        "stop_token_ids": [4], "ignore_eos": True, "min_tokens": 9}).encode()))
+    p = req.sampling(vocab=8)
+    assert (p.temperature, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+            p.logit_bias, p.min_tokens) == (0.5, 0, 0.1, 1.0, 0.5, 1.2, ((3, 2.5), (7, -100.0)), 9)
+    with pytest.raises(RequestError) as info:
+        req.sampling(vocab=7)
+    assert (info.value.param, info.value.message) == ("logit_bias", "logit_bias: token id 7 is outside the "
+                                                      "vocabulary [0, 7)")
+    with pytest.raises(RequestError) as info:
+        req.model_copy(update={"logit_bias": None, "stop_token_ids": [4, 8]}).sampling(vocab=8)
+    assert info.value.param == "stop_token_ids"
+    with pytest.raises(RequestError) as info:
+        req.model_copy(update={"min_tokens": 10}).sampling(vocab=8)
+    assert info.value.param == "min_tokens" and "more than the request's limit of 9" in info.value.message
+    assert CompletionRequest(prompt=[1]).sampling(vocab=8) == SamplingParams(temperature=1.0)

@@ -40,6 +40,10 @@ SHAPES: dict[str, tuple[str, int, dict]] = {
     "gpt-oss-120b": ("gpt_oss", 36, {**_GPT_OSS, "num_local_experts": 128}),
 }
 
+# the published vocabularies (not written by `overrides`: truncated copies keep the byte tokenizer's)
+VOCAB_SIZES = {"mixtral-8x7b": 32000, "qwen3-30b-a3b": 151936, "deepseek-v3": 129280, "gpt-oss-20b": 201088,
+               "gpt-oss-120b": 201088}
+
 _EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts")
 
 

@@ -36,7 +36,7 @@ import torch
 from moe_workers.model.dense import Chunk, DenseModel, StepBatch
 from moe_workers.model.kv_blocks import NoFreeBlocks
 from moe_workers.model.kv_cache import PagedKVCache
-from moe_workers.model.sampling import sample
+from moe_workers.model.sampling import GREEDY, History, SamplingParams, sample_batch
 from moe_workers.transport.realtime import Realtime
 
 Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # runs in a step thread
@@ -71,10 +71,11 @@ class FinishReason(enum.StrEnum):
 class GenerationRequest:
     prompt: list[int]
     max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
+    sampling: SamplingParams = GREEDY
     seed: int | None = None
-    stop_at_eos: bool = True
+    stop_at_eos: bool = True  # False: ignore_eos
+    stop_token_ids: frozenset[int] = frozenset()  # each ends the sequence like the end of sequence
+    resumed: int = 0  # the last `resumed` tokens of `prompt` were produced before (a resumed stream)
     logprobs: int | None = None  # also record each token's logprob and this many alternatives
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then None
     # the reader needs the end only (a whole completion, no stop strings to watch): `out` gets the
@@ -82,6 +83,7 @@ class GenerationRequest:
     final_only: bool = False
     loop: asyncio.AbstractEventLoop | None = None  # the one that reads `out` (set on submit)
     generator: torch.Generator | None = None
+    history: History | None = None  # what penalties look at (penalized sampling only)
     finish_reason: FinishReason | None = None
     error: Exception | None = None  # what failed the step that ended this request
     cancelled: FinishReason | None = None  # why it ends early (CANCELLED, or STOP: a stop sequence): freed at the next step
@@ -98,6 +100,11 @@ class GenerationRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.produced)
+
+    @property
+    def num_output(self) -> int:
+        """Tokens of the completion so far, a resumed stream's earlier ones included."""
+        return self.resumed + len(self.produced)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Known tokens start..end-1 (the prompt, then what was produced)."""
@@ -202,6 +209,9 @@ class Engine:
             raise Overloaded(f"{len(self.waiting)} requests already waiting for KV cache space")
         if req.seed is not None:
             req.generator = torch.Generator().manual_seed(req.seed)
+        if req.sampling.penalized and req.history is None:
+            cut = len(req.prompt) - req.resumed
+            req.history = History(self.dense.cfg.vocab_size, req.prompt[:cut], req.prompt[cut:])
         req.t_submit = time.perf_counter()
         req.loop = asyncio.get_running_loop()
         with self._work:
@@ -397,6 +407,7 @@ class Engine:
             logits = torch.cat([first, *(f.result() for f in rest)])
         bs = self.manager.block_size
         done: set[int] = set()
+        ready: list[tuple[int, GenerationRequest]] = []  # (logits row, request): a token for each this step
         for row, (req, n) in enumerate(plan):
             before = req.num_computed_tokens
             req.num_computed_tokens += n
@@ -407,16 +418,18 @@ class Engine:
                     self.kv.chunked_prefills += 1
                 continue
             req.phase = Phase.DECODE
-            try:
-                tok = sample(logits[row], req.temperature, req.top_p, req.generator)
-            except Exception as err:  # this sequence's sampling failed: it ends, the batch goes on
-                req.error = err
+            ready.append((row, req))
+        for (row, req), tok in zip(ready, self._sample(logits, ready)):
+            if isinstance(tok, Exception):  # this sequence's sampling failed: it ends, the batch goes on
+                req.error = tok
                 self._finish(req, FinishReason.ERROR, out)
                 done.add(id(req))
                 continue
             if req.logprobs is not None:
                 req.token_logprobs.append(token_logprobs(logits[row], tok, req.logprobs))
             req.produced.append(tok)
+            if req.history is not None:
+                req.history.add(tok)
             now = time.perf_counter()
             if len(req.produced) == 1:
                 self.observer.first_token(now - req.t_submit)
@@ -428,7 +441,7 @@ class Engine:
             reason = None
             if len(req.produced) >= req.max_tokens:
                 reason = FinishReason.LENGTH
-            elif req.stop_at_eos and tok == self.dense.cfg.eos_token_id:
+            elif (req.stop_at_eos and tok == self.dense.cfg.eos_token_id) or tok in req.stop_token_ids:
                 reason = FinishReason.STOP
             elif req.num_tokens >= self.max_len:
                 reason = FinishReason.LENGTH
@@ -440,6 +453,37 @@ class Engine:
         self.timings.steps += 1
         self.timings.tokens += len(chunks)
         self.timings.computed_tokens += tokens
+
+    def _sample(self, logits: torch.Tensor, ready: list[tuple[int, GenerationRequest]]) -> list[int | Exception]:
+        """A token for each (row, request), all rows in one batched pass; if that fails, row by
+        row, so that only the row that fails ends (with its error in place of a token)."""
+        if not ready:
+            return []
+
+        def args(part):
+            reqs = [req for _, req in part]
+            return (logits[[row for row, _ in part]], [r.sampling for r in reqs], [r.generator for r in reqs],
+                    [r.history for r in reqs], [self._barred(r) for r in reqs])
+
+        try:
+            return sample_batch(*args(ready))
+        except Exception as err:
+            if len(ready) == 1:
+                return [err]
+        toks: list[int | Exception] = []
+        for one in ready:
+            try:
+                toks.extend(sample_batch(*args([one])))
+            except Exception as err:
+                toks.append(err)
+        return toks
+
+    def _barred(self, req: GenerationRequest) -> tuple[int, ...]:
+        """The ids that may not come yet: those that end the sequence, before min_tokens."""
+        if req.num_output >= req.sampling.min_tokens:
+            return ()
+        eos = (self.dense.cfg.eos_token_id,) if req.stop_at_eos and self.dense.cfg.eos_token_id is not None else ()
+        return eos + tuple(sorted(req.stop_token_ids))
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         """Embedding to logits in this thread: dense parts under the dense lock, each layer's

@@ -289,7 +289,8 @@ class Ingress:
                                param=RESUME_HEADER.decode())
         return parse_resume(value, self.dense.cfg.vocab_size, new_tokens)
 
-    def _resumed_finish(self, resume: Resume, ids: list[int], new_tokens: int, stream: TextStream) -> str | None:
+    def _resumed_finish(self, resume: Resume, ids: list[int], new_tokens: int, stream: TextStream,
+                        req) -> str | None:
         """How a resumed choice ends without another token, if it does: its finish was sent, or
         the tokens the client has already ended it (length, end of sequence, a stop sequence in
         `stream`, the choice's text stream with those tokens pushed)."""
@@ -298,7 +299,8 @@ class Ingress:
             return "sent"
         if len(tokens) >= new_tokens or len(ids) + len(tokens) >= self.max_len:
             return "length"
-        if tokens and tokens[-1] == self.dense.cfg.eos_token_id:
+        ends = set(req.stop_token_ids or ()) | ({self.dense.cfg.eos_token_id} if not req.ignore_eos else set())
+        if tokens and tokens[-1] in ends:
             return "stop"
         return "stop" if stream.stopped else None
 
@@ -320,14 +322,17 @@ class Ingress:
             raise RequestError(400, f"{param}: prompt ({len(ids)} tokens) + {param} ({new_tokens}) is more than "
                                f"the whole KV cache holds for one sequence ({held} tokens: "
                                f"spec.ingress.kvCacheBudget)", param=param)
+        sampling = req.sampling(self.dense.cfg.vocab_size)
         prefix = resume.token_ids if resume is not None else []
         # the choices' text streams; a resumed one holds the text its client has, and what is held back
         streams = [TextStream(self.render.decode, req.stops) for _ in range(req.n)]
         for tok in prefix:
             streams[0].push(tok)
-        finish = self._resumed_finish(resume, ids, new_tokens, streams[0]) if resume is not None else None
-        gens = [GenerationRequest(prompt=ids + prefix, max_tokens=new_tokens - len(prefix), temperature=req.temperature,
-                                  top_p=req.top_p, seed=None if req.seed is None else req.seed + i, logprobs=logprobs,
+        finish = self._resumed_finish(resume, ids, new_tokens, streams[0], req) if resume is not None else None
+        gens = [GenerationRequest(prompt=ids + prefix, max_tokens=new_tokens - len(prefix), sampling=sampling,
+                                  seed=None if req.seed is None else req.seed + i, logprobs=logprobs,
+                                  stop_at_eos=not req.ignore_eos, stop_token_ids=frozenset(req.stop_token_ids or ()),
+                                  resumed=len(prefix),
                                   final_only=not req.stream and not req.stops)  # _collect reads `produced` at the end
                 for i in range(req.n if finish is None else 0)]
         try:

@@ -19,6 +19,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from moe_workers.model.sampling import SamplingParams
+
 MAX_JSON_DEPTH = 32
 MAX_INT_DIGITS = 20  # int64 / uint64 need 20 at most
 MIN_TEMPERATURE = 1e-5  # below this (and above 0) logits / temperature leave floating point
@@ -30,6 +32,9 @@ MAX_N = 16  # choices per request
 MAX_STOPS = 4  # stop sequences per request (OpenAI's limit)
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 5  # alternatives per token (OpenAI's limit for completions)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bars a token, +100 all but forces it
+MAX_STOP_TOKEN_IDS = 64
 
 
 class StreamOptions(BaseModel):
@@ -53,6 +58,16 @@ class _Sampling(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     user: str | None = None  # accepted and ignored
+    # the rest of vLLM's sampling set (model/sampling.py says what each does, and in what order)
+    top_k: int = Field(default=0, ge=-1, le=2**31 - 1)  # 0 or -1: every token
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
 
     @field_validator("temperature")
     @classmethod
@@ -72,6 +87,39 @@ class _Sampling(BaseModel):
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"a stop sequence is longer than {MAX_STOP_CHARS} characters")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, v):
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries (got {len(v)})")
+        for key, bias in v.items():
+            if not key.isdigit() or len(key) > MAX_INT_DIGITS:
+                raise ValueError(f"key {key[:40]!r} is not a token id (a non-negative integer, as a string)")
+            if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"the bias of token {key} is {bias}; it must be within "
+                                 f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
+        return v
+
+    def sampling(self, vocab: int) -> SamplingParams:
+        """The engine's sampling parameters; a 400 naming the field for a token id outside the
+        vocabulary, or a min_tokens above the request's max_tokens."""
+        bias = {int(k): b for k, b in (self.logit_bias or {}).items()}
+        for param, ids in (("logit_bias", bias), ("stop_token_ids", self.stop_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                   param=param)
+        cap = self.new_tokens
+        if cap is not None and self.min_tokens > cap:
+            raise RequestError(400, f"min_tokens: {self.min_tokens} is more than the request's limit of {cap} "
+                               "new tokens", param="min_tokens")
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+                              min_p=self.min_p, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              logit_bias=tuple(sorted(bias.items())), min_tokens=self.min_tokens)
 
     @property
     def stops(self) -> list[str]:
