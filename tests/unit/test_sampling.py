@@ -163,3 +163,28 @@ def test_top_p_over_a_large_vocabulary_matches_transformers_either_way(scale):
         assert torch.equal(torch.isinf(got[i]), torch.isinf(want))
     kept = torch.isfinite(got).sum(dim=-1)
     assert (kept < 1024).all() if scale > 1 else (kept > 1024).all()
+
+
+def test_drawing_among_candidates_is_the_whole_vocabulary_distribution():
+    """The narrow path (top_k / top_p rows drawn among their most likely tokens) against softmax
+    of the fully shaped logits; a flat row, and a tie at the k-th token, go the whole way."""
+    from moe_workers.model.sampling import _candidates, _warp
+
+    vocab = 5000
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, vocab, generator=g, dtype=torch.float64) * torch.tensor([[6.0], [6.0], [6.0], [6.0], [0.01], [6.0]])
+    x[5, :3] = x[5].max() + 1  # three tied top tokens
+    params = [SamplingParams(temperature=0.7, top_k=40), SamplingParams(temperature=1.0, top_p=0.9),
+              SamplingParams(temperature=1.2, top_k=2000, top_p=0.8, min_p=0.01),
+              SamplingParams(temperature=0.5, top_p=0.97, min_p=0.2), SamplingParams(temperature=1.0, top_p=0.9),
+              SamplingParams(temperature=1.0, top_k=2)]
+    probs, ids, settled = _candidates(x, params)
+    assert settled.tolist() == [True, True, True, True, False, False]
+    want = torch.softmax(_warp(x, params), dim=-1)
+    for r in range(4):
+        got = torch.zeros(vocab, dtype=torch.float64).scatter_(0, ids[r], probs[r])
+        torch.testing.assert_close(got / got.sum(), want[r], rtol=1e-9, atol=1e-12)
+    # the unsettled rows still sample from the whole-vocabulary distribution
+    toks = sample_batch(x[4:].expand(2, 2, vocab).reshape(4, vocab), params[4:] * 2)
+    assert all(torch.isfinite(_warp(x[4:5], params[4:5]))[0, t] for t in toks[::2])
+    assert all(t in (0, 1, 2) for t in toks[1::2])  # every tied top token stays a candidate

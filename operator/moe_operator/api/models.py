@@ -224,6 +224,12 @@ class IngressSpec(ApiModel):
         "beyond them (and a few in flight) the Ray Serve proxy refuses requests with 503 and "
         "Retry-After: 1 before they reach a replica.",
     )
+    include_reasoning: bool = Field(
+        default=True,
+        description="For a model that thinks (think tags, gpt-oss' analysis channel), chat answers carry the "
+        "thinking as message.reasoning_content (streamed as delta.reasoning_content) and only the answer as "
+        "content; false drops the thinking. A request's include_reasoning overrides this default.",
+    )
     max_request_bytes: Bytes = Field(
         default="4Mi",
         description="Largest HTTP request body the API accepts; a larger one gets 413 before it is read.",

@@ -62,6 +62,7 @@ PROBES: dict[str, object] = {
     "ingress.prefixCaching": False,
     "ingress.maxNumBatchedTokens": 1024,
     "ingress.maxQueuedRequests": 128,
+    "ingress.includeReasoning": False,
     "ingress.maxRequestBytes": "8Mi",
     "ingress.cpuWakeLatencyMicroseconds": 20,
     "ingress.realtimePriority": 0,

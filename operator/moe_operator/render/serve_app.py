@@ -47,6 +47,7 @@ def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None
         prefix_caching=spec.ingress.prefix_caching,
         max_num_batched_tokens=spec.ingress.max_num_batched_tokens,
         max_queued_requests=spec.ingress.max_queued_requests,
+        include_reasoning=spec.ingress.include_reasoning,
         max_request_bytes=quantity_bytes(spec.ingress.max_request_bytes),
         cpu_wake_latency_us=spec.ingress.cpu_wake_latency_microseconds,
         realtime_priority=spec.ingress.realtime_priority,

@@ -1,6 +1,7 @@
 """Next-token choice for a step's sequences: the OpenAI / vLLM sampling set, batched (pure torch).
 
 For the rows of a step's logits, in this order (transformers' and vLLM's):
+0. a grammar's mask (structured output): the tokens it does not allow now are -inf;
 1. `logit_bias` added to the model's logits;
 2. penalties: `repetition_penalty` over the prompt and the output (a positive logit divided by
    it, a negative one multiplied, as transformers' RepetitionPenaltyLogitsProcessor does), then
@@ -10,11 +11,10 @@ For the rows of a step's logits, in this order (transformers' and vLLM's):
 3. greedy rows (temperature 0) take the argmax here;
 4. the others: temperature, `top_k`, `top_p` over what top_k kept, `min_p` (a token less likely
    than min_p x the most likely one goes; the ratio is the same before or after renormalising);
-5. one draw per row by the exponential race (the argmax of p / E with E ~ Exp(1), which picks
-   token i with probability p_i): a seeded row's noise comes from its own generator, the rest in
-   one call.
+5. one draw a row (torch.multinomial): the unseeded rows in one call, a seeded row alone from its
+   own generator, so that it draws the same tokens alone or in any batch.
 Each stage runs once over the rows that need it, as [rows, vocab] tensor operations; only a
-seeded row's noise is drawn row by row. A step whose rows are all plain greedy is one argmax.
+seeded row's draw is made row by row. A step whose rows are all plain greedy is one argmax.
 
 Computed in float64 so that every temperature and top_p the API accepts gives a proper
 distribution (a float32 top_p of 5e-324 is 0 and kept nothing; logits / 1e-5 overflowed float32);
@@ -28,7 +28,6 @@ from typing import Sequence
 
 import torch
 
-_TINY = torch.finfo(torch.float64).tiny
 TOP_P_CANDIDATES = 1024  # top_p looks at this many most likely tokens first (a partial sort)
 
 
@@ -81,28 +80,35 @@ class History:
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None] | None = None,
                  histories: Sequence[History | None] | None = None,
-                 barred: Sequence[Sequence[int]] | None = None) -> list[int]:
+                 barred: Sequence[Sequence[int]] | None = None,
+                 allowed: Sequence[torch.Tensor | None] | None = None) -> list[int]:
     """One token id per row of (rows, vocab) `logits`; row i samples with params[i], its
-    generator (None: torch's default), its history (needed when params[i].penalized) and the
-    ids barred for it now."""
+    generator (None: torch's default), its history (needed when params[i].penalized), the ids
+    barred for it now and the (vocab,) bool mask of the tokens its grammar allows (None: all)."""
     rows = logits.shape[0]
     barred = barred or [()] * rows
-    chosen = torch.argmax(logits, dim=-1)  # right as it is for plain greedy rows
-    work = [i for i, p in enumerate(params) if p.temperature > 0 or p.shaped or barred[i]]
+    allowed = allowed or [None] * rows
+    work = [i for i, p in enumerate(params) if p.temperature > 0 or p.shaped or barred[i] or allowed[i] is not None]
+    if len(work) < rows:  # plain greedy rows: the argmax as it is
+        chosen = torch.argmax(logits, dim=-1)
+    else:
+        chosen = torch.empty(rows, dtype=torch.long)
     if not work:
         return chosen.tolist()
     ps = [params[i] for i in work]
-    x = logits[work].to(torch.float64, copy=True)  # (a list index copies already; this says so)
+    x = _rows(logits, work).to(torch.float64, copy=True)
+    _mask(x, [allowed[i] for i in work])
     _bias(x, ps)
     _penalize(x, ps, [histories[i] for i in work] if histories else [None] * len(work))
     _bar(x, [barred[i] for i in work])
-    picks = torch.argmax(torch.nan_to_num(x, nan=float("-inf")), dim=-1)  # greedy rows, and the fallback
+    picks = torch.full((len(work),), -1, dtype=torch.long)
     hot = [j for j, p in enumerate(ps) if p.temperature > 0]
     if hot:
         gens = [generators[work[j]] if generators else None for j in hot]
-        drawn = _draw(_warp(x[hot], [ps[j] for j in hot]), gens)
-        ok = drawn >= 0  # -1: the row was not a distribution (it keeps its finite argmax)
-        picks[torch.as_tensor(hot)[ok]] = drawn[ok]
+        picks[hot] = _sample_hot(_rows(x, hot), [ps[j] for j in hot], gens)
+    cold = (picks < 0).nonzero().flatten()  # greedy rows, and rows that were no distribution
+    if len(cold):
+        picks[cold] = torch.argmax(torch.nan_to_num(x[cold], nan=float("-inf")), dim=-1)
     chosen[work] = picks
     return chosen.tolist()
 
@@ -147,6 +153,17 @@ def _penalize(x: torch.Tensor, params: list[SamplingParams], histories: list[His
         counts = torch.stack([histories[j].counts for j in rows]).double()
         sub = sub - freq * counts - pres * (counts > 0)
     x[idx] = sub
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows], without a copy when that is every row in order (a step's rows are mostly alike)."""
+    return t if rows == list(range(t.shape[0])) else t[rows]
+
+
+def _mask(x: torch.Tensor, allowed: list[torch.Tensor | None]) -> None:
+    rows = [j for j, m in enumerate(allowed) if m is not None]
+    if rows:
+        x[rows] = x[rows].masked_fill(~torch.stack([allowed[j] for j in rows]), float("-inf"))
 
 
 def _bias(x: torch.Tensor, params: list[SamplingParams]) -> None:
@@ -194,16 +211,82 @@ def _warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return y
 
 
-def _draw(y: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token a row of shaped logits `y` by the exponential race; -1 where a row is no
-    distribution (non-finite, or nothing left)."""
-    probs = torch.softmax(y, dim=-1)
-    noise = torch.empty_like(probs)
-    if any(g is None for g in generators):
-        noise.exponential_()
+def _sample_hot(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):
+    """A token for each row that samples (-1: no distribution). A row with top_k or top_p draws
+    among its most likely tokens only (`_candidates`); the others, and any whose candidates do not
+    settle it, through the whole vocabulary (`_warp`)."""
+    picked = torch.full((len(params),), -1, dtype=torch.long)
+    narrow = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    wide = [j for j, p in enumerate(params) if not (p.top_k > 0 or p.top_p < 1.0)]
+    if narrow:
+        probs, ids, settled = _candidates(_rows(x, narrow), [params[j] for j in narrow])
+        wide = sorted(wide + [narrow[r] for r in (~settled).nonzero().flatten().tolist()])
+        keep = settled.nonzero().flatten()
+        if len(keep):
+            drawn = _draw(probs[keep], [generators[narrow[r]] for r in keep.tolist()])
+            ok = drawn >= 0
+            picked[torch.as_tensor(narrow)[keep[ok]]] = ids[keep[ok]].gather(1, drawn[ok][:, None]).flatten()
+    if wide:
+        y = _warp(_rows(x, wide), [params[j] for j in wide])
+        probs = torch.exp(y - y.amax(dim=-1, keepdim=True))  # unnormalised: _draw needs no more
+        picked[wide] = _draw(probs, [generators[j] for j in wide])
+    return picked
+
+
+def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows that each have top_k or top_p: (rows, width) probabilities over their most likely
+    tokens (unnormalised, 0 for a token filtered out), those tokens' ids, and whether that settles
+    the row: the distribution `_warp` gives, with one pass over the vocabulary (the top-`width`
+    selection) plus a normaliser for rows without top_k. A row is not settled when its
+    TOP_P_CANDIDATES most likely tokens hold less than its top_p (without top_k), or when a tie
+    straddles its k-th token (transformers keeps every tied token); it then goes through the whole
+    vocabulary. Whether a row is settled, and its probabilities, depend on that row alone."""
+    vocab = x.shape[1]
+    ks = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
+    width = min(vocab, max((k + 1) if k else TOP_P_CANDIDATES for k in ks))
+    vals, ids = torch.topk(x, width, dim=-1)  # sorted; dividing by a temperature keeps the order
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float64)[:, None]
+    has_k = torch.tensor([k > 0 for k in ks])
+    k = torch.tensor([k if k else min(TOP_P_CANDIDATES, vocab) for k in ks])
+    settled = torch.ones(len(params), dtype=torch.bool)
+    inner = has_k & (k < width)
+    if bool(inner.any()):
+        at = k[:, None].clamp(max=width - 1)
+        settled &= ~(inner & (vals.gather(1, at - 1) == vals.gather(1, at)).flatten())
+    y = (vals / temp).masked_fill(torch.arange(width)[None, :] >= k[:, None], float("-inf"))
+    # probabilities within the top_k set (what top_p sees after top_k), else within the vocabulary
+    lse = torch.logsumexp(y, dim=-1)
+    if not bool(has_k.all()):
+        free = (~has_k).nonzero().flatten().tolist()
+        lse[free] = torch.logsumexp(_rows(x, free) / _rows(temp, free), dim=-1)
+    probs = torch.exp(y - lse[:, None])
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)[:, None]
+    if bool((top_p < 1.0).any()):
+        settled &= (probs.sum(dim=-1, keepdim=True) >= top_p).flatten() | has_k
+        drop = torch.cumsum(probs, dim=-1) - probs >= top_p
+        drop[:, 0] = False  # the most likely token always stays
+        probs = probs.masked_fill(drop, 0.0)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)[:, None]
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)  # column 0 is the most likely
+    return probs, ids, settled
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One column a row of `probs` (unnormalised) by the inverse of its cumulative sum: one uniform
+    number a row (a seeded row's from its own generator, so that it draws the same alone or in
+    any batch; the rest in one call), not one a token as torch.multinomial's exponential race
+    takes. -1 where a row is no distribution (non-finite, or nothing left)."""
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1:]
+    bad = ~(torch.isfinite(total) & (total > 0)).flatten()
+    u = torch.empty(len(generators), 1, dtype=torch.float64)
+    shared = [j for j, g in enumerate(generators) if g is None]
+    if shared:
+        u[shared] = torch.rand(len(shared), 1, dtype=torch.float64)
     for j, g in enumerate(generators):
         if g is not None:
-            noise[j].exponential_(generator=g)
-    picked = torch.argmax(probs / noise.clamp_min_(_TINY), dim=-1)
-    bad = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))
+            u[j] = torch.rand(1, generator=g, dtype=torch.float64)
+    # 1 - u is in (0, 1]: the first column whose cumulative sum reaches it has probability > 0
+    picked = torch.searchsorted(cdf, (1.0 - u) * total).flatten().clamp_(max=probs.shape[1] - 1)
     return picked.masked_fill(bad, -1)

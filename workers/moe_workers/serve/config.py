@@ -59,6 +59,8 @@ class AppArgs(BaseModel):
     max_num_batched_tokens: int = Field(default=512, ge=1, le=1_048_576, description="Tokens one engine step "
                                         "computes at most: decode tokens first, then prefill chunks.")
     max_queued_requests: int = Field(default=64, ge=0)
+    include_reasoning: bool = Field(default=True, description="A thinking model's reasoning goes to "
+                                    "reasoning_content (a request's include_reasoning overrides it); false drops it.")
     num_groups: int = Field(ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
     ingress_num_cpus: float = Field(default=0.5, gt=0)

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -38,6 +38,9 @@ from moe_workers.model.kv_blocks import NoFreeBlocks
 from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.sampling import GREEDY, History, SamplingParams, sample_batch
 from moe_workers.transport.realtime import Realtime
+
+if TYPE_CHECKING:
+    from moe_workers.serve.structured import Constraint
 
 Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # runs in a step thread
 
@@ -84,6 +87,7 @@ class GenerationRequest:
     loop: asyncio.AbstractEventLoop | None = None  # the one that reads `out` (set on submit)
     generator: torch.Generator | None = None
     history: History | None = None  # what penalties look at (penalized sampling only)
+    constraint: "Constraint | None" = None  # the response format's grammar state (structured output)
     finish_reason: FinishReason | None = None
     error: Exception | None = None  # what failed the step that ended this request
     cancelled: FinishReason | None = None  # why it ends early (CANCELLED, or STOP: a stop sequence): freed at the next step
@@ -420,6 +424,11 @@ class Engine:
             req.phase = Phase.DECODE
             ready.append((row, req))
         for (row, req), tok in zip(ready, self._sample(logits, ready)):
+            if req.constraint is not None and not isinstance(tok, Exception):
+                try:
+                    req.constraint.advance(tok)
+                except ValueError as err:
+                    tok = err
             if isinstance(tok, Exception):  # this sequence's sampling failed: it ends, the batch goes on
                 req.error = tok
                 self._finish(req, FinishReason.ERROR, out)
@@ -443,6 +452,8 @@ class Engine:
                 reason = FinishReason.LENGTH
             elif (req.stop_at_eos and tok == self.dense.cfg.eos_token_id) or tok in req.stop_token_ids:
                 reason = FinishReason.STOP
+            elif req.constraint is not None and req.constraint.done:  # the response format is complete
+                reason = FinishReason.STOP
             elif req.num_tokens >= self.max_len:
                 reason = FinishReason.LENGTH
             if reason is not None:
@@ -463,7 +474,8 @@ class Engine:
         def args(part):
             reqs = [req for _, req in part]
             return (logits[[row for row, _ in part]], [r.sampling for r in reqs], [r.generator for r in reqs],
-                    [r.history for r in reqs], [self._barred(r) for r in reqs])
+                    [r.history for r in reqs], [self._barred(r) for r in reqs],
+                    [r.constraint.allowed() if r.constraint is not None else None for r in reqs])
 
         try:
             return sample_batch(*args(ready))

@@ -43,7 +43,9 @@ from moe_workers.serve.http_gate import Gate, read_body
 from moe_workers.serve.openai_render import Renderer, finish_text, raise_failed, usage_object
 from moe_workers.serve.protocol import RequestError, decode_body, parse_chat, parse_completion
 from moe_workers.serve.proxy_gate import RETRY_AFTER_S
-from moe_workers.serve.textstream import TextStream
+from moe_workers.serve.structured import Grammars
+from moe_workers.serve.reasoning import Splitter, reasoning_format, split
+from moe_workers.serve.textstream import ChoiceText
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.serve.node import ray_placement
@@ -108,6 +110,10 @@ class Ingress:
             from tokenizers import Tokenizer
             self.tokenizer = Tokenizer.from_file(str(tok_file))
         self.render = Renderer(self.tokenizer)
+        self.reasoning_format = (reasoning_format(self.tokenizer.get_vocab(with_added_tokens=True), self.dense.cfg.family)
+                                 if self.tokenizer is not None else None)
+        self.grammars = Grammars(tok_file if tok_file.is_file() else None, self.dense.cfg.vocab_size,
+                                 self.dense.cfg.eos_token_id, self.dense.cfg.bos_token_id)
         # a text of more than max_len x the longest token's characters cannot fit: refused untokenized
         self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
         self.chat_template = ChatTemplate.from_checkpoint(self.args.model_path)
@@ -289,7 +295,7 @@ class Ingress:
                                param=RESUME_HEADER.decode())
         return parse_resume(value, self.dense.cfg.vocab_size, new_tokens)
 
-    def _resumed_finish(self, resume: Resume, ids: list[int], new_tokens: int, stream: TextStream,
+    def _resumed_finish(self, resume: Resume, ids: list[int], new_tokens: int, stream: ChoiceText,
                         req) -> str | None:
         """How a resumed choice ends without another token, if it does: its finish was sent, or
         the tokens the client has already ended it (length, end of sequence, a stop sequence in
@@ -303,6 +309,20 @@ class Ingress:
         if tokens and tokens[-1] in ends:
             return "stop"
         return "stop" if stream.stopped else None
+
+    def _constraints(self, fmt, n: int, prefix: list[int]) -> list:
+        """A grammar matcher for each of n choices (compiled once, cached), past a resumed
+        stream's tokens; a RequestError if the format cannot be served or the tokens do not fit."""
+        out = []
+        for _ in range(n):
+            c = self.grammars.constraint(fmt)
+            for tok in prefix:
+                try:
+                    c.advance(tok)
+                except ValueError as err:
+                    raise RequestError(400, f"{RESUME_HEADER.decode()}: {err}", param=RESUME_HEADER.decode()) from None
+            out.append(c)
+        return out
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.args.served_model_name:
@@ -325,11 +345,15 @@ class Ingress:
         sampling = req.sampling(self.dense.cfg.vocab_size)
         prefix = resume.token_ids if resume is not None else []
         # the choices' text streams; a resumed one holds the text its client has, and what is held back
-        streams = [TextStream(self.render.decode, req.stops) for _ in range(req.n)]
+        streams = [ChoiceText(self.render.decode, req.stops, self._splitter(req, ids, chat)) for _ in range(req.n)]
         for tok in prefix:
             streams[0].push(tok)
         finish = self._resumed_finish(resume, ids, new_tokens, streams[0], req) if resume is not None else None
+        constraints = [None] * req.n
+        if req.response_format is not None and req.response_format.type != "text" and finish is None:
+            constraints = await asyncio.to_thread(self._constraints, req.response_format, req.n, prefix)
         gens = [GenerationRequest(prompt=ids + prefix, max_tokens=new_tokens - len(prefix), sampling=sampling,
+                                  constraint=constraints[i],
                                   seed=None if req.seed is None else req.seed + i, logprobs=logprobs,
                                   stop_at_eos=not req.ignore_eos, stop_token_ids=frozenset(req.stop_token_ids or ()),
                                   resumed=len(prefix),
@@ -353,7 +377,7 @@ class Ingress:
                                   resume, finish)
             return StreamingResponse(self._stream(gens, events), media_type="text/event-stream")
         try:
-            done = await asyncio.gather(*(self._collect(gen, req.stops) for gen in gens))
+            done = await asyncio.gather(*(self._collect(gen, stream) for gen, stream in zip(gens, streams)))
         except asyncio.CancelledError:  # the client went away (Serve cancels the request)
             for gen in gens:
                 self.engine.cancel(gen)
@@ -361,10 +385,13 @@ class Ingress:
         for gen in gens:
             raise_failed(gen)
         choices = []
-        for i, (gen, (text, finish)) in enumerate(zip(gens, done)):
+        for i, (gen, (text, thinking, finish)) in enumerate(zip(gens, done)):
             lp = self.render.logprobs(gen, chat) if logprobs is not None else None
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                message = {"role": "assistant", "content": text}
+                if self._reports_reasoning(req, streams[i]):
+                    message["reasoning_content"] = thinking
+                choices.append({"index": i, "message": message,
                                 "token_ids": gen.produced, "finish_reason": finish, "logprobs": lp})
             else:
                 choices.append({"index": i, "text": text, "token_ids": gen.produced,
@@ -373,21 +400,36 @@ class Ingress:
         return {**head, "object": kind, "choices": choices,
                 "usage": usage_object(len(ids), completion, gens)}
 
-    async def _collect(self, gen: GenerationRequest, stops: list[str]) -> tuple[str, str | None]:
-        """One choice's whole text and finish reason; a stop sequence ends it ("stop", the stop
-        not included)."""
-        if not stops:  # nothing to watch for: decode once at the end (the engine hands over the end only)
+    async def _collect(self, gen: GenerationRequest, stream: ChoiceText) -> tuple[str, str, str | None]:
+        """One choice's whole answer, its reasoning ("" for a model that does not think) and its
+        finish reason; a stop sequence in the answer ends it ("stop", the stop not included)."""
+        if gen.final_only:  # nothing to watch for: the engine hands over the end only
             while await gen.out.get() is not None:
                 pass
-            return self.render.decode(gen.produced), finish_text(gen)
-        stream = TextStream(self.render.decode, stops)
+            if stream.splitter is None:
+                return self.render.decode(gen.produced), "", finish_text(gen)
+            thinking, answer = split(stream.splitter.fmt, gen.prompt, gen.produced, self.render.decode)
+            return self.render.decode(answer), self.render.decode(thinking), finish_text(gen)
         while (tok := await gen.out.get()) is not None:
             stream.push(tok)
             if stream.stopped:
                 self._stopped(gen)
                 break
         stream.finish()
-        return stream.text, "stop" if stream.stopped else finish_text(gen)
+        thinking = stream.reasoning.text if stream.reasoning is not None else ""
+        return stream.content.text, thinking, "stop" if stream.stopped else finish_text(gen)
+
+    def _splitter(self, req, prompt: list[int], chat: bool) -> Splitter | None:
+        """A chat choice's reasoning splitter, for a model whose vocabulary marks its thinking."""
+        if not chat or self.reasoning_format is None:
+            return None
+        return Splitter(self.reasoning_format, prompt, self.render.decode)
+
+    def _reports_reasoning(self, req, stream: ChoiceText) -> bool:
+        """Whether the answer carries reasoning_content: the model thinks, and neither the request
+        (include_reasoning) nor the app's default (spec.ingress.includeReasoning) says no."""
+        wanted = req.include_reasoning if req.include_reasoning is not None else self.args.include_reasoning
+        return stream.reasoning is not None and wanted
 
     def _stopped(self, gen: GenerationRequest) -> None:
         self.engine.cancel(gen, FinishReason.STOP)
@@ -400,7 +442,7 @@ class Ingress:
             for gen in gens:
                 self.engine.cancel(gen)
 
-    async def _events(self, gens: list[GenerationRequest], streams: list[TextStream], req, head: dict, kind: str,
+    async def _events(self, gens: list[GenerationRequest], streams: list[ChoiceText], req, head: dict, kind: str,
                       chat: bool, prompt: int, resume: Resume | None = None, finish: str | None = None):
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -413,9 +455,16 @@ class Ingress:
         prefix = resume.token_ids if resume is not None else []
         usage = {"usage": None} if req.include_usage else {}
 
-        def event(i: int, text: str, token_ids: list[int], finish: str | None, lp=None, first=False) -> str:
+        reasoning = [self._reports_reasoning(req, s) for s in streams]
+
+        def event(i: int, text: str | tuple[str, str], token_ids: list[int], finish: str | None, lp=None,
+                  first=False) -> str:
+            text, thinking = (text, "") if isinstance(text, str) else text
+            thinking = thinking if reasoning[i] else ""
             if chat:
                 delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+                if thinking:
+                    delta = {**delta, "reasoning_content": thinking}
                 choice = {"index": i, "delta": delta, "token_ids": token_ids, "finish_reason": finish, "logprobs": lp}
             else:
                 choice = {"index": i, "text": text, "token_ids": token_ids, "finish_reason": finish, "logprobs": lp}
@@ -438,7 +487,7 @@ class Ingress:
                 if stream.stopped:
                     continue
                 text = stream.push(tok)
-                k = len(stream.tokens) - 1 - len(prefix)  # this token's index in this replica's part
+                k = stream.count - 1 - len(prefix)  # this token's index in this replica's part
                 lp = (self.render.logprobs(gen, chat, since=k, upto=k + 1, prefix=prefix)
                       if gen.logprobs is not None else None)
                 if stream.stopped:

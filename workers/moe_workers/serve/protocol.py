@@ -43,6 +43,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchema(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # accepted: the grammar always holds the output to the schema
+
+
+class ResponseFormat(BaseModel):
+    """`{"type": "text"}`, `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
+    "json_schema": {...}}` (serve/structured.py enforces it token by token)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_with_its_type(cls, v, info):
+        if v is not None and info.data.get("type") != "json_schema":
+            raise ValueError("only with type json_schema")
+        return v
+
+    def model_post_init(self, _context) -> None:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: required with type json_schema")
+
+
 class _Sampling(BaseModel):
     """What both endpoints take besides the prompt."""
 
@@ -68,6 +100,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
+    response_format: ResponseFormat | None = None
 
     @field_validator("temperature")
     @classmethod
@@ -172,6 +205,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    include_reasoning: bool | None = None  # a thinking model's reasoning_content (None: the app's default)
 
     @property
     def new_tokens(self) -> int | None:

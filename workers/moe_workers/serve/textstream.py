@@ -62,3 +62,32 @@ class TextStream:
                     longest = k
                     break
         return longest
+
+
+class ChoiceText:
+    """One chat choice's text as it comes: a reasoning model's thinking (serve/reasoning.py's
+    Splitter decides, token by token) in one stream, the answer, where stop sequences apply, in
+    another; without a splitter, everything is the answer."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str], splitter=None):
+        self.content = TextStream(decode, stops)
+        self.reasoning = TextStream(decode, []) if splitter is not None else None
+        self.splitter = splitter
+        self.count = 0  # tokens pushed, markers included
+
+    @property
+    def stopped(self) -> bool:
+        return self.content.stopped
+
+    def push(self, token: int) -> tuple[str, str]:
+        """(new answer text, new reasoning text) safe to send now."""
+        self.count += 1
+        side = self.splitter.route(token) if self.splitter is not None else "content"
+        if side == "content":
+            return self.content.push(token), ""
+        if side == "reasoning" and not self.content.stopped:
+            return "", self.reasoning.push(token)
+        return "", ""
+
+    def finish(self) -> tuple[str, str]:
+        return self.content.finish(), self.reasoning.finish() if self.reasoning is not None else ""

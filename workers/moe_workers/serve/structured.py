@@ -1,0 +1,123 @@
+"""Structured output: a request's `response_format` compiled to a grammar once and cached, and one
+matcher a sequence that says, token by token, which tokens may come next (llguidance; pure: no
+Ray, no HTTP here).
+
+Why llguidance: `bench/structured.py` measures it beside xgrammar (vLLM's default) on the same
+schemas and vocabulary; it has no dependencies (xgrammar needs transformers and triton in the
+worker image), compiles a schema in well under a millisecond and computes a mask for a
+150k-token vocabulary in tens of microseconds.
+
+What is allowed between JSON tokens is bounded (`WHITESPACE`: one optional space, or a new line
+and an indent of up to 32 spaces or tabs), so that a weak model cannot loop on whitespace until
+max_tokens, while pretty-printed JSON still fits. A schema keyword llguidance does not implement
+is a 400 naming it (`response_format.json_schema.schema: unsupported: Unimplemented keys: ["if"]`).
+A sequence whose grammar is complete ends there (finish_reason "stop"); one cut by max_tokens
+ends with what it has (finish_reason "length": not whole JSON), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from moe_workers.serve.protocol import RequestError, ResponseFormat
+
+WHITESPACE = r"(\n[ \t]{0,32}|[ ]?)"
+CACHE_SIZE = 256  # compiled grammars kept (least recently used goes)
+ANY_OBJECT = {"type": "object"}  # json_object: any JSON object, as OpenAI's JSON mode gives
+
+
+class Constraint:
+    """One sequence's grammar state: the tokens allowed next, advanced by each token chosen."""
+
+    def __init__(self, matcher, vocab: int):
+        self.matcher, self.vocab = matcher, vocab
+        self._bits = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
+
+    def allowed(self) -> torch.Tensor:
+        """A (vocab,) bool mask of the tokens that may come next."""
+        # what llguidance.torch.fill_next_token_bitmask does, without importing that module
+        # (it sets up torch.compile on import)
+        self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        return unpack_bits(self._bits, self.vocab)[0]
+
+    def advance(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"token {token} does not fit the response format: {self.matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but the end of sequence may follow."""
+        return self.matcher.is_stopped()
+
+
+def unpack_bits(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(rows, words) int32 bitmasks, bit i of word w for token 32w + i, as (rows, vocab) bools."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((bits[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+
+
+class Grammars:
+    """The checkpoint's tokenizer as llguidance sees it (built at the first structured request) and
+    the grammars compiled from response formats, cached by their JSON."""
+
+    def __init__(self, tokenizer_path: Path | None, vocab_size: int, eos_token_id: int | None,
+                 bos_token_id: int | None = None):
+        self.path, self.vocab, self.eos, self.bos = tokenizer_path, vocab_size, eos_token_id, bos_token_id
+        self._tokenizer = None
+        self._cache: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiled = 0  # grammars compiled since start (the rest came from the cache)
+
+    def constraint(self, fmt: ResponseFormat | None) -> Constraint | None:
+        """A fresh matcher for one sequence (None for plain text); a RequestError if the format
+        cannot be served. Compiling can take milliseconds: call it off the event loop."""
+        if fmt is None or fmt.type == "text":
+            return None
+        schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else ANY_OBJECT
+        key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        with self._lock:
+            proto = self._cache.get(key)
+            if proto is not None:
+                self._cache.move_to_end(key)
+            else:
+                proto = self._compile(schema, fmt.type)
+                self._cache[key] = proto
+                if len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            return Constraint(proto.deep_copy(), self.vocab)
+
+    def _compile(self, schema: dict, kind: str):
+        import llguidance
+
+        param = "response_format.json_schema.schema" if kind == "json_schema" else "response_format"
+        tokenizer = self._llg_tokenizer()
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE})
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if failed:
+            raise RequestError(400, f"{param}: unsupported: {messages[0]}", param="response_format")
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise RequestError(400, f"{param}: unsupported: {matcher.get_error()}", param="response_format")
+        self.compiled += 1
+        return matcher
+
+    def _llg_tokenizer(self):
+        if self._tokenizer is None:
+            if self.path is None or not Path(self.path).is_file():
+                raise RequestError(400, "response_format: this checkpoint has no tokenizer.json, which structured "
+                                   "output needs", param="response_format")
+            import llguidance
+            from tokenizers import AddedToken, Tokenizer
+
+            # the model's end and start of sequence are never text inside JSON, even where the
+            # tokenizer does not mark them special (then "</s>" would be five allowed characters)
+            tok = Tokenizer.from_file(str(self.path))
+            names = [tok.id_to_token(i) for i in (self.eos, self.bos) if i is not None]
+            tok.add_special_tokens([AddedToken(n, special=True) for n in names if n is not None])
+            self._tokenizer = llguidance.LLTokenizer(tok.to_str(), n_vocab=self.vocab, eos_token=self.eos)
+        return self._tokenizer
