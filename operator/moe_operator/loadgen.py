@@ -88,7 +88,7 @@ class LoadGen:
                               "stream": True}, timeout=self.timeout_s, stream=True) as r:
                 status = r.status_code
                 if status == 200:
-                    for line in r.iter_lines():
+                    for line in r.iter_lines(chunk_size=None):  # as it arrives: 512-byte reads joined events
                         if line.startswith(b"data: {"):
                             choice = json.loads(line[6:])["choices"][0]
                             times += [time.monotonic()] * len(choice["token_ids"])

@@ -24,7 +24,7 @@ from moe_workers.serve.protocol import ChatMessage
 from serve_rest import delete_all, deploy
 
 pytestmark = pytest.mark.ray
-MAX_LEN = 256
+MAX_LEN = 2048  # room for the tools a prompt carries (byte tokens)
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 PLACEMENT = {"ExpertShard-0": ["0.0", "0.1", "1.0", "1.1"], "ExpertShard-1": ["0.2", "0.3", "1.2", "1.3"]}
 
@@ -169,7 +169,7 @@ def test_response_format_holds_sampled_output_to_the_schema(app, client):
     keyword the grammar cannot serve: a 400 naming it."""
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     texts = []
-    for seed in range(3):
+    for seed in (0, 100, 200):  # choice i samples with seed + i
         resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=120,
                                               temperature=1.0, n=8, seed=seed, response_format=fmt)
         assert all(c.finish_reason == "stop" for c in resp.choices)
@@ -194,6 +194,69 @@ def test_response_format_holds_sampled_output_to_the_schema(app, client):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=8, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "if": {}, "then": {}}}})
     assert err.value.body["param"] == "response_format" and '"if"' in err.value.message
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                                   "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+                                  "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def test_tool_calls_round_trip_through_the_template(app, client):
+    """A forced call (required, then named) comes back as message.tool_calls whose arguments fit
+    the function's parameters, the same streamed; its result goes back through the template as
+    transformers renders it; with tool_choice none the answer is text."""
+    from transformers import PreTrainedTokenizerFast
+
+    _, path, _ = app
+    tools = [WEATHER, ADD]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    # one call each (a random model would add calls to a parallel list until max tokens)
+    kwargs = dict(model="tiny", messages=ask, tools=tools, max_completion_tokens=400, temperature=1.0,
+                  parallel_tool_calls=False)
+    resp = client.chat.completions.create(**kwargs, tool_choice="required", seed=3, n=4)
+    for choice in resp.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        assert len(choice.message.tool_calls) == 1
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    named = client.chat.completions.create(**kwargs, seed=4, tool_choice={"type": "function",
+                                                                          "function": {"name": "add"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+    # streamed: the calls come whole in one chunk, then finish_reason tool_calls
+    chunks = list(client.chat.completions.create(**kwargs, seed=4, stream=True,
+                                                 tool_choice={"type": "function", "function": {"name": "add"}}))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "add", call.function.arguments)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    # the call and its result go back; the template renders them as transformers does
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "add", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    answer = client.chat.completions.create(model="tiny", messages=history, tools=tools, tool_choice="none",
+                                            max_completion_tokens=6, temperature=0)
+    assert answer.choices[0].message.tool_calls is None and isinstance(answer.choices[0].message.content, str)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
+    hf.chat_template = ChatTemplate.from_checkpoint(path).template_source
+    hf_history = [dict(m) for m in history]
+    hf_history[1] = {**history[1], "tool_calls": [{**history[1]["tool_calls"][0], "function": {
+        "name": "add", "arguments": json.loads(call.function.arguments)}}]}
+    text = hf.apply_chat_template(hf_history, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert "[TOOL_RESULTS]" in text and answer.usage.prompt_tokens == len(
+        Tokenizer.from_file(str(path / "tokenizer.json")).encode(text, add_special_tokens=False).ids)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=ask, tools=tools, max_completion_tokens=8,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert err.value.body["param"] == "tool_choice"
 
 
 def test_logprobs(app, client):

@@ -58,11 +58,15 @@ def test_harmony_channels_split_analysis_from_final(tmp_path):
     completion = ("<|channel|>analysis<|message|>Simple sum: 4.<|end|><|start|>assistant<|channel|>final"
                   "<|message|>2 + 2 = 4.<|return|>")
     assert _stream(tok, fmt, prompt, completion) == ("Simple sum: 4.", "2 + 2 = 4.", "Simple sum: 4.", "2 + 2 = 4.")
-    # a tool call's preamble and call go to the answer side (commentary); headers never show
-    tool = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
-            "to=functions.get_weather <|constrain|>json<|message|>{\"city\":\"Paris\"}<|call|>")
-    got = _stream(tok, fmt, prompt, tool)
-    assert got[0] == got[2] == "Need weather." and got[1] == got[3] == '{"city":"Paris"}'
+    # a preamble on commentary is answer; a message to a function (in the channel or the role
+    # header) is a tool call, neither side (serve/tools.py reads it); headers never show
+    tool = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary"
+            "<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
+            "<|constrain|>json<|message|>{\"city\":\"Paris\"}<|call|>")
+    assert _stream(tok, fmt, prompt, tool) == ("Need weather.", "Checking.", "Need weather.", "Checking.")
+    header = "<|channel|>analysis<|message|>ok<|end|><|start|>assistant to=functions.f<|channel|>commentary json" \
+             "<|message|>{}<|call|>"
+    assert _stream(tok, fmt, prompt, header) == ("ok", "", "ok", "")
 
 
 def test_stop_sequences_apply_to_the_answer_only(tmp_path):

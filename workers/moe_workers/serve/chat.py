@@ -11,6 +11,7 @@ template cannot reach Python objects, files or the network).
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 from moe_workers.serve.protocol import ChatMessage, RequestError
@@ -37,11 +38,13 @@ class ChatTemplate:
         # as transformers renders them (templates test `if tools` and the like on undefined names)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson  # Jinja's own escapes HTML characters; transformers' does not
         try:
             self.template = env.from_string(source)
         except TemplateSyntaxError as err:
             raise TemplateError(f"the chat template does not parse: {err}") from None
-        self.special = special
+        self.template_source, self.special = source, special
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path) -> "ChatTemplate | None":
@@ -58,11 +61,19 @@ class ChatTemplate:
                           None)
         return cls(source, special) if isinstance(source, str) and source else None
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
-                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in messages]
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """The prompt; `tools` as OpenAI sends them ({"type": "function", "function": {...}}), which
+        transformers' apply_chat_template passes to the template as they are. An assistant
+        message's tool calls go in with their arguments as an object where they are JSON (as
+        templates expect them, and as vLLM passes them)."""
+        msgs = [{"role": m.role, "content": m.text() if m.content is not None or not m.tool_calls else None,
+                 **({"name": m.name} if m.name else {}),
+                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}),
+                 **({"tool_calls": [_call(c) for c in m.tool_calls]} if m.tool_calls else {})} for m in messages]
+        extra = {"tools": tools} if tools else {}
         try:
-            text = self.template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+            text = self.template.render(messages=msgs, add_generation_prompt=add_generation_prompt, **extra,
                                         **{k: v for k, v in self.special.items() if v is not None})
         except _Refused as err:
             raise RequestError(400, f"messages: the chat template refuses this conversation: {err}",
@@ -80,13 +91,33 @@ class _Refused(Exception):
     pass
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _call(call) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
 def _raise(message: str):
     raise _Refused(message)
 
 
-# The template `moectl init-model` writes (tokenizer_config.json), so the quickstart can chat.
+# The template `moectl init-model` writes (tokenizer_config.json), so the quickstart can chat and
+# call tools: tools, calls and results as Mistral's published templates write them (the
+# convention serve/tools.py reads for the mixtral family), spelled out in text.
 SIMPLE_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}[TOOL_RESULTS] {{ {'call_id': m['tool_call_id'], 'content': m['content']} | tojson }}"
+    "[/TOOL_RESULTS]\n"
+    "{% elif m['tool_calls'] %}<|assistant|>\n[TOOL_CALLS] {{ m['tool_calls'] | map(attribute='function') | list "
+    "| tojson }}{{ eos_token }}\n"
+    "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -46,6 +46,7 @@ from moe_workers.serve.proxy_gate import RETRY_AFTER_S
 from moe_workers.serve.structured import Grammars
 from moe_workers.serve.reasoning import Splitter, reasoning_format, split
 from moe_workers.serve.textstream import ChoiceText
+from moe_workers.serve.tools import parse, start_marker, tool_format
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.serve.node import ray_placement
@@ -112,6 +113,7 @@ class Ingress:
         self.render = Renderer(self.tokenizer)
         self.reasoning_format = (reasoning_format(self.tokenizer.get_vocab(with_added_tokens=True), self.dense.cfg.family)
                                  if self.tokenizer is not None else None)
+        self.tool_format = tool_format(self.dense.cfg.family)
         self.grammars = Grammars(tok_file if tok_file.is_file() else None, self.dense.cfg.vocab_size,
                                  self.dense.cfg.eos_token_id, self.dense.cfg.bos_token_id)
         # a text of more than max_len x the longest token's characters cannot fit: refused untokenized
@@ -276,7 +278,8 @@ class Ingress:
         if self.chat_template is None:
             raise RequestError(400, "messages: this checkpoint has no chat template (tokenizer_config.json "
                                "chat_template or chat_template.jinja); use /v1/completions", param="messages")
-        text = self.chat_template.render(req.messages, add_generation_prompt=True)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        text = self.chat_template.render(req.messages, add_generation_prompt=True, tools=tools)
         ids = self._prompt_ids(text, param="messages", special_tokens=False)
         new_tokens = req.new_tokens if req.new_tokens is not None else self.max_len - len(ids)
         return await self._respond(req, ids, new_tokens, req.top_k_logprobs, chat=True,
@@ -310,12 +313,17 @@ class Ingress:
             return "stop"
         return "stop" if stream.stopped else None
 
-    def _constraints(self, fmt, n: int, prefix: list[int]) -> list:
-        """A grammar matcher for each of n choices (compiled once, cached), past a resumed
-        stream's tokens; a RequestError if the format cannot be served or the tokens do not fit."""
+    def _constraints(self, req, forced, prefix: list[int]) -> list:
+        """A grammar matcher for each of the request's choices (compiled once, cached): its
+        response_format, or the tool call it must make; past a resumed stream's tokens. A
+        RequestError if the format cannot be served or the tokens do not fit."""
         out = []
-        for _ in range(n):
-            c = self.grammars.constraint(fmt)
+        for _ in range(req.n):
+            if forced:
+                c = self.grammars.tool_constraint(self.tool_format, [f.model_dump(exclude_none=True) for f in forced],
+                                                  req.parallel_tool_calls)
+            else:
+                c = self.grammars.constraint(req.response_format)
             for tok in prefix:
                 try:
                     c.advance(tok)
@@ -345,19 +353,23 @@ class Ingress:
         sampling = req.sampling(self.dense.cfg.vocab_size)
         prefix = resume.token_ids if resume is not None else []
         # the choices' text streams; a resumed one holds the text its client has, and what is held back
-        streams = [ChoiceText(self.render.decode, req.stops, self._splitter(req, ids, chat)) for _ in range(req.n)]
+        calls = chat and req.calls_tools
+        marker = start_marker(self.tool_format) if calls else None
+        streams = [ChoiceText(self.render.decode, req.stops, self._splitter(req, ids, chat), marker,
+                              self._single_token(marker)) for _ in range(req.n)]
         for tok in prefix:
             streams[0].push(tok)
         finish = self._resumed_finish(resume, ids, new_tokens, streams[0], req) if resume is not None else None
         constraints = [None] * req.n
-        if req.response_format is not None and req.response_format.type != "text" and finish is None:
-            constraints = await asyncio.to_thread(self._constraints, req.response_format, req.n, prefix)
+        forced = req.forced_functions() if chat else None
+        if finish is None and (forced or (req.response_format is not None and req.response_format.type != "text")):
+            constraints = await asyncio.to_thread(self._constraints, req, forced, prefix)
         gens = [GenerationRequest(prompt=ids + prefix, max_tokens=new_tokens - len(prefix), sampling=sampling,
                                   constraint=constraints[i],
                                   seed=None if req.seed is None else req.seed + i, logprobs=logprobs,
                                   stop_at_eos=not req.ignore_eos, stop_token_ids=frozenset(req.stop_token_ids or ()),
                                   resumed=len(prefix),
-                                  final_only=not req.stream and not req.stops)  # _collect reads `produced` at the end
+                                  final_only=not req.stream and not req.stops and not calls)  # _collect reads `produced` at the end
                 for i in range(req.n if finish is None else 0)]
         try:
             for gen in gens:
@@ -391,6 +403,10 @@ class Ingress:
                 message = {"role": "assistant", "content": text}
                 if self._reports_reasoning(req, streams[i]):
                     message["reasoning_content"] = thinking
+                tool_calls = self._tool_calls(streams[i]) if calls else []
+                if tool_calls:
+                    message.update(content=text or None, tool_calls=[c.openai() for c in tool_calls])
+                    finish = "tool_calls" if finish == "stop" else finish
                 choices.append({"index": i, "message": message,
                                 "token_ids": gen.produced, "finish_reason": finish, "logprobs": lp})
             else:
@@ -419,6 +435,16 @@ class Ingress:
         thinking = stream.reasoning.text if stream.reasoning is not None else ""
         return stream.content.text, thinking, "stop" if stream.stopped else finish_text(gen)
 
+    def _single_token(self, text: str | None) -> int | None:
+        """The id of `text` if the vocabulary has it as one token (a tool-call marker), else None."""
+        return self.tokenizer.token_to_id(text) if text and self.tokenizer is not None else None
+
+    def _tool_calls(self, stream: ChoiceText) -> list:
+        """The tool calls a choice made, read from its raw text (special tokens spelled out)."""
+        if not stream.calling and self.tool_format != "harmony":
+            return []
+        return parse(self.tool_format, self.render.decode_raw(stream.tokens))[1]
+
     def _splitter(self, req, prompt: list[int], chat: bool) -> Splitter | None:
         """A chat choice's reasoning splitter, for a model whose vocabulary marks its thinking."""
         if not chat or self.reasoning_format is None:
@@ -428,8 +454,9 @@ class Ingress:
     def _reports_reasoning(self, req, stream: ChoiceText) -> bool:
         """Whether the answer carries reasoning_content: the model thinks, and neither the request
         (include_reasoning) nor the app's default (spec.ingress.includeReasoning) says no."""
-        wanted = req.include_reasoning if req.include_reasoning is not None else self.args.include_reasoning
-        return stream.reasoning is not None and wanted
+        if stream.reasoning is None:  # not a chat choice of a thinking model
+            return False
+        return req.include_reasoning if req.include_reasoning is not None else self.args.include_reasoning
 
     def _stopped(self, gen: GenerationRequest) -> None:
         self.engine.cancel(gen, FinishReason.STOP)
@@ -457,14 +484,18 @@ class Ingress:
 
         reasoning = [self._reports_reasoning(req, s) for s in streams]
 
+        calls = chat and req.calls_tools
+
         def event(i: int, text: str | tuple[str, str], token_ids: list[int], finish: str | None, lp=None,
-                  first=False) -> str:
+                  first=False, tool_calls=None) -> str:
             text, thinking = (text, "") if isinstance(text, str) else text
             thinking = thinking if reasoning[i] else ""
             if chat:
                 delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
                 if thinking:
                     delta = {**delta, "reasoning_content": thinking}
+                if tool_calls:
+                    delta = {**delta, "tool_calls": [c.openai(index=k) for k, c in enumerate(tool_calls)]}
                 choice = {"index": i, "delta": delta, "token_ids": token_ids, "finish_reason": finish, "logprobs": lp}
             else:
                 choice = {"index": i, "text": text, "token_ids": token_ids, "finish_reason": finish, "logprobs": lp}
@@ -482,7 +513,13 @@ class Ingress:
                 gen, stream = gens[i], streams[i]
                 if tok is None:
                     open_choices -= 1  # (a failed choice ends with finish_reason "error: ...")
-                    yield event(i, stream.finish(), [], "stop" if stream.stopped else finish_text(gen))
+                    end = "stop" if stream.stopped else finish_text(gen)
+                    tool_calls = self._tool_calls(stream) if calls else []
+                    if tool_calls:  # the calls whole, in one chunk, then the finish
+                        yield event(i, stream.finish(), [], None, tool_calls=tool_calls)
+                        yield event(i, "", [], "tool_calls" if end == "stop" else end)
+                    else:
+                        yield event(i, stream.finish(), [], end)
                     continue
                 if stream.stopped:
                     continue

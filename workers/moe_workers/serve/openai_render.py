@@ -41,6 +41,10 @@ class Renderer:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
 
+    def decode_raw(self, tokens: list[int]) -> str:
+        """With the special tokens spelled out (tool-call markers are special in some vocabularies)."""
+        return self.tokenizer.decode(tokens, skip_special_tokens=False) if self.tokenizer is not None else ""
+
     def token_text(self, token: int) -> str:
         """A token as the vocabulary spells it (unique per id, unlike its decoded text, which is
         U+FFFD for every part of a split character)."""

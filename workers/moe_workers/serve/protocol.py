@@ -186,6 +186,27 @@ class TextPart(BaseModel):
     text: str
 
 
+MAX_TOOLS = 128
+_FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=_FUNCTION_NAME)
+    arguments: str  # JSON text
+
+
+class ToolCallIn(BaseModel):
+    """A tool call an assistant message of the conversation made (sent back with its result)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -193,6 +214,8 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    reasoning_content: str | None = None  # an earlier answer's, as clients send it back: not rendered
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -200,12 +223,70 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # accepted: a forced call always follows its parameters
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     include_reasoning: bool | None = None  # a thinking model's reasoning_content (None: the app's default)
+
+    def model_post_init(self, _context) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two functions have the same name")
+        choice = self.tool_choice
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if not names:
+                raise ValueError("tool_choice: a call is required but no tools are given")
+            if self.response_format is not None and self.response_format.type != "text":
+                raise ValueError("tool_choice: a required call and a response_format cannot both hold the output")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: function {choice.function.name!r} is not among the tools")
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer is read for tool calls (tools given, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_functions(self) -> list[FunctionDef] | None:
+        """The functions one of which must be called (tool_choice "required" or named), or None."""
+        if self.tool_choice == "required":
+            return [t.function for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t.function for t in self.tools if t.function.name == self.tool_choice.function.name]
+        return None
 
     @property
     def new_tokens(self) -> int | None:
@@ -358,6 +439,9 @@ def _parse(model: type[BaseModel], body: object):
         loc = ".".join(str(p) for p in first["loc"] if str(p) != "str" and not str(p).startswith("list["))
         field = str(first["loc"][0]) if first["loc"] else ""
         msg = first["msg"].removeprefix("Value error, ")
+        if not first["loc"] and re.match(r"^\w+: ", msg):  # a check across fields names its field first
+            field, msg = msg.split(": ", 1)
+            loc = field
         if first["type"] == "extra_forbidden":
             msg = "unknown field"
         elif field == "prompt" and first["type"] in ("string_type", "int_type", "list_type"):

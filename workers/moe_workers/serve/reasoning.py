@@ -7,7 +7,8 @@ ids as they come (a stream needs no look-ahead, and text that merely looks like 
   `<think>\\n`) leaves the prompt inside thinking: the completion starts as reasoning.
 - harmony (gpt-oss): messages `<|start|>{header}<|channel|>{channel}<|message|>{body}<|end|>`,
   ended by `<|return|>` or `<|call|>`; the `analysis` channel is reasoning, `final` the answer,
-  `commentary` (tool calls and preambles) the answer too. Headers and channel names are neither.
+  `commentary` (a preamble) the answer too; a message addressed to a function (`to=functions.f`)
+  is a tool call, which serve/tools.py reads: neither side. Headers and channel names are neither.
 
 The markers themselves are dropped; everything else goes to exactly one side.
 """
@@ -51,8 +52,9 @@ class Splitter:
             # the generation prompt ends with "<|start|>assistant": the model writes a header next
             last = max((k for k, t in enumerate(prompt) if t in self._by_id), default=None)
             self.state = "header" if last is not None and self._by_id[prompt[last]] == "<|start|>" else "body"
-            self.channel: list[int] = []
-            self.side = CONTENT
+            self.header: list[int] = []  # the current message's role header ("assistant to=functions.f")
+            self.channel: list[int] = []  # and its channel ("commentary to=functions.f json")
+            self.side: str | None = CONTENT
 
     def route(self, token: int) -> str | None:
         marker = self._by_id.get(token)
@@ -65,18 +67,21 @@ class Splitter:
                 return None
             return self.side
         if marker is None:
-            if self.state == "channel":
+            if self.state == "header":
+                self.header.append(token)
+            elif self.state == "channel":
                 self.channel.append(token)
-                return None
             return self.side if self.state == "body" else None
         if marker == "<|channel|>":
-            self.state, self.channel = "channel", []
+            self.state = "channel"
         elif marker == "<|message|>":
-            name = self.decode(self.channel).strip().split(" ")[0] if self.channel else ""
-            self.side = REASONING if name == "analysis" else CONTENT
+            channel = self.decode(self.channel).split()  # e.g. "commentary to=functions.f json"
+            addressed = "to=" in self.decode(self.header) or any(w.startswith("to=") for w in channel)
+            # a message to a function is a tool call (serve/tools.py reads it), neither side
+            self.side = None if addressed else REASONING if channel[:1] == ["analysis"] else CONTENT
             self.state = "body"
         elif marker == "<|start|>":
-            self.state = "header"
+            self.state, self.header, self.channel = "header", [], []
         else:  # <|end|>, <|return|>, <|call|>
             self.state = "between"
         return None

@@ -69,6 +69,7 @@ class Grammars:
                  bos_token_id: int | None = None):
         self.path, self.vocab, self.eos, self.bos = tokenizer_path, vocab_size, eos_token_id, bos_token_id
         self._tokenizer = None
+        self._special_ids: dict[str, int] = {}  # the tokenizer's special added tokens (a grammar names them by id)
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
         self.compiled = 0  # grammars compiled since start (the rest came from the cache)
@@ -79,30 +80,52 @@ class Grammars:
         if fmt is None or fmt.type == "text":
             return None
         schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else ANY_OBJECT
-        key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        key = "json:" + json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        where = "response_format.json_schema.schema" if fmt.type == "json_schema" else "response_format"
+
+        def grammar():
+            import llguidance
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE})
+
+        return self._constraint(key, grammar, where, "response_format")
+
+    def tool_constraint(self, fmt: str, functions: list[dict], parallel: bool) -> Constraint:
+        """A matcher that holds the completion to tool calls of `functions` in the family's
+        convention `fmt` (serve/tools.py), their arguments to each one's parameters."""
+        from moe_workers.serve.tools import call_grammar, markers
+
+        key = "tools:" + json.dumps([fmt, functions, parallel], sort_keys=True, separators=(",", ":"))
+
+        def grammar():
+            import llguidance
+            special = {m: self._special_ids[m] for m in markers(fmt) if m in self._special_ids}
+            return llguidance.LLMatcher.grammar_from_lark(call_grammar(fmt, functions, parallel, special, WHITESPACE))
+
+        return self._constraint(key, grammar, "tools", "tools")
+
+    def _constraint(self, key: str, grammar, where: str, param: str) -> Constraint:
         with self._lock:
             proto = self._cache.get(key)
             if proto is not None:
                 self._cache.move_to_end(key)
             else:
-                proto = self._compile(schema, fmt.type)
+                proto = self._compile(grammar, where, param)
                 self._cache[key] = proto
                 if len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
             return Constraint(proto.deep_copy(), self.vocab)
 
-    def _compile(self, schema: dict, kind: str):
+    def _compile(self, grammar, where: str, param: str):
         import llguidance
 
-        param = "response_format.json_schema.schema" if kind == "json_schema" else "response_format"
         tokenizer = self._llg_tokenizer()
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE})
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        text = grammar()
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
         if failed:
-            raise RequestError(400, f"{param}: unsupported: {messages[0]}", param="response_format")
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            raise RequestError(400, f"{where}: unsupported: {messages[0]}", param=param)
+        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise RequestError(400, f"{param}: unsupported: {matcher.get_error()}", param="response_format")
+            raise RequestError(400, f"{where}: unsupported: {matcher.get_error()}", param=param)
         self.compiled += 1
         return matcher
 
@@ -117,6 +140,7 @@ class Grammars:
             # the model's end and start of sequence are never text inside JSON, even where the
             # tokenizer does not mark them special (then "</s>" would be five allowed characters)
             tok = Tokenizer.from_file(str(self.path))
+            self._special_ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
             names = [tok.id_to_token(i) for i in (self.eos, self.bos) if i is not None]
             tok.add_special_tokens([AddedToken(n, special=True) for n in names if n is not None])
             self._tokenizer = llguidance.LLTokenizer(tok.to_str(), n_vocab=self.vocab, eos_token=self.eos)

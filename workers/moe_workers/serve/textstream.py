@@ -18,6 +18,7 @@ class TextStream:
         self.sent = 0  # characters of the text already given out
         self.text = ""
         self.stopped = False
+        self.stop_found: str | None = None  # the stop sequence that ended it
 
     def push(self, token: int) -> str:
         """Add a token; the new text that is safe to send now ("" while it may still be a stop)."""
@@ -50,8 +51,11 @@ class TextStream:
     def _first_stop(self) -> int | None:
         # only text after what was sent can hold a new stop; a stop may start inside held-back text
         start = max(0, self.sent - max((len(s) for s in self.stops), default=0))
-        found = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
-        return min(found) if found else None
+        found = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if not found:
+            return None
+        cut, self.stop_found = min(found)
+        return cut
 
     def _held_back(self, text: str) -> int:
         """How many characters at the end of `text` could begin a stop sequence."""
@@ -67,27 +71,41 @@ class TextStream:
 class ChoiceText:
     """One chat choice's text as it comes: a reasoning model's thinking (serve/reasoning.py's
     Splitter decides, token by token) in one stream, the answer, where stop sequences apply, in
-    another; without a splitter, everything is the answer."""
+    another; without a splitter, everything is the answer. With tools, the answer's text stops
+    where a tool call begins (`tool_marker`, as text or as its single token id): the tokens after
+    it are kept for serve/tools.py to read at the end, and generation goes on."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: list[str], splitter=None):
-        self.content = TextStream(decode, stops)
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str], splitter=None,
+                 tool_marker: str | None = None, tool_marker_id: int | None = None):
+        self.content = TextStream(decode, stops + ([tool_marker] if tool_marker else []))
         self.reasoning = TextStream(decode, []) if splitter is not None else None
         self.splitter = splitter
-        self.count = 0  # tokens pushed, markers included
+        self.tool_marker, self.tool_marker_id = tool_marker, tool_marker_id
+        self.calling = False  # a tool call has begun
+        self.tokens: list[int] = []  # every token pushed, markers included
+        self.count = 0
 
     @property
     def stopped(self) -> bool:
-        return self.content.stopped
+        """A stop sequence ended the answer (not a tool call's start)."""
+        return self.content.stopped and not self.calling
 
     def push(self, token: int) -> tuple[str, str]:
         """(new answer text, new reasoning text) safe to send now."""
         self.count += 1
+        self.tokens.append(token)
         side = self.splitter.route(token) if self.splitter is not None else "content"
-        if side == "content":
-            return self.content.push(token), ""
-        if side == "reasoning" and not self.content.stopped:
-            return "", self.reasoning.push(token)
-        return "", ""
+        if self.calling or side is None:
+            return "", ""
+        if side == "reasoning":
+            return ("", self.reasoning.push(token)) if not self.content.stopped else ("", "")
+        if token == self.tool_marker_id:
+            self.calling = True
+            return self.content.finish(), ""
+        text = self.content.push(token)
+        if self.content.stopped and self.content.stop_found == self.tool_marker:
+            self.calling = True
+        return text, ""
 
     def finish(self) -> tuple[str, str]:
         return self.content.finish(), self.reasoning.finish() if self.reasoning is not None else ""
