@@ -6,15 +6,18 @@ For the rows of a step's logits, in this order (transformers' and vLLM's):
 2. penalties: `repetition_penalty` over the prompt and the output (a positive logit divided by
    it, a negative one multiplied, as transformers' RepetitionPenaltyLogitsProcessor does), then
    `frequency_penalty` x the token's count in the output and `presence_penalty` once it appears
-   there (OpenAI's definition: the output only); the ids that may not come yet (end of sequence
-   and stop token ids before `min_tokens`) barred;
+   there (OpenAI's definition: the output only), each over the ids of the sequence's History only;
+   the ids that may not come yet (end of sequence and stop token ids before `min_tokens`) barred;
 3. greedy rows (temperature 0) take the argmax here;
 4. the others: temperature, `top_k`, `top_p` over what top_k kept, `min_p` (a token less likely
    than min_p x the most likely one goes; the ratio is the same before or after renormalising);
 5. one draw a row (torch.multinomial): the unseeded rows in one call, a seeded row alone from its
    own generator, so that it draws the same tokens alone or in any batch.
-Each stage runs once over the rows that need it, as [rows, vocab] tensor operations; only a
-seeded row's draw is made row by row. A step whose rows are all plain greedy is one argmax.
+Each stage runs once over a group of the rows that need it, as [rows, vocab] tensor operations
+(a group's float64 logits about GROUP_BYTES: larger passes left the cache and ran slower than row
+by row); penalties gather and scatter each row's own history ids (a few thousand, not the
+vocabulary), and a seeded row's draw is made row by row. A step whose rows are all plain greedy
+is one argmax.
 
 Computed in float64 so that every temperature and top_p the API accepts gives a proper
 distribution (a float32 top_p of 5e-324 is 0 and kept nothing; logits / 1e-5 overflowed float32);
@@ -29,6 +32,7 @@ from typing import Sequence
 import torch
 
 TOP_P_CANDIDATES = 1024  # top_p looks at this many most likely tokens first (a partial sort)
+GROUP_BYTES = 4 * 2**20  # rows sampled together: their float64 logits about this size
 
 
 @dataclass(frozen=True)
@@ -60,21 +64,28 @@ GREEDY = SamplingParams()
 
 
 class History:
-    """What a sequence's penalties look at, as vocabulary-wide tensors kept up to date one token
-    at a time: the ids seen in the prompt or the output (repetition), and each id's count in the
-    output (frequency, presence)."""
+    """What a sequence's penalties look at: the ids of its prompt, and each id's count in its
+    output, kept up to date one token at a time. Penalties touch only these ids (a gather and a
+    scatter a row), not the whole vocabulary."""
 
     def __init__(self, vocab: int, prompt: Sequence[int], output: Sequence[int] = ()):
-        self.seen = torch.zeros(vocab, dtype=torch.bool)
-        if prompt:
-            self.seen[torch.as_tensor(list(prompt), dtype=torch.long)] = True
-        self.counts = torch.zeros(vocab, dtype=torch.int32)
+        self.vocab = vocab
+        self.prompt_ids = torch.as_tensor(sorted(set(prompt)), dtype=torch.long)
+        self.counts: dict[int, int] = {}
+        self._output: tuple[torch.Tensor, torch.Tensor] | None = None
         for tok in output:
             self.add(tok)
 
     def add(self, token: int) -> None:
-        self.seen[token] = True
-        self.counts[token] += 1
+        self.counts[token] = self.counts.get(token, 0) + 1
+        self._output = None
+
+    def output(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the distinct ids of the output, their counts as float64)."""
+        if self._output is None:
+            self._output = (torch.tensor(list(self.counts), dtype=torch.long),
+                            torch.tensor(list(self.counts.values()), dtype=torch.float64))
+        return self._output
 
 
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -93,24 +104,32 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
         chosen = torch.argmax(logits, dim=-1)
     else:
         chosen = torch.empty(rows, dtype=torch.long)
-    if not work:
-        return chosen.tolist()
-    ps = [params[i] for i in work]
-    x = _rows(logits, work).to(torch.float64, copy=True)
-    _mask(x, [allowed[i] for i in work])
+    # rows go through in groups whose float64 copy fits a core's cache: [rows, vocab] passes over
+    # more than that ran slower together than row by row (bench/sampling.py)
+    group = max(1, GROUP_BYTES // (8 * logits.shape[1]))
+    for start in range(0, len(work), group):
+        part = work[start:start + group]
+        chosen[part] = _sample_rows(_rows(logits, part), [params[i] for i in part],
+                                    [generators[i] if generators else None for i in part],
+                                    [histories[i] if histories else None for i in part],
+                                    [barred[i] for i in part], [allowed[i] for i in part])
+    return chosen.tolist()
+
+
+def _sample_rows(logits, ps, generators, histories, barred, allowed) -> torch.Tensor:
+    x = logits.to(torch.float64, copy=True)
+    _mask(x, allowed)
     _bias(x, ps)
-    _penalize(x, ps, [histories[i] for i in work] if histories else [None] * len(work))
-    _bar(x, [barred[i] for i in work])
-    picks = torch.full((len(work),), -1, dtype=torch.long)
+    _penalize(x, ps, histories)
+    _bar(x, barred)
+    picks = torch.full((len(ps),), -1, dtype=torch.long)
     hot = [j for j, p in enumerate(ps) if p.temperature > 0]
     if hot:
-        gens = [generators[work[j]] if generators else None for j in hot]
-        picks[hot] = _sample_hot(_rows(x, hot), [ps[j] for j in hot], gens)
+        picks[hot] = _sample_hot(_rows(x, hot), [ps[j] for j in hot], [generators[j] for j in hot])
     cold = (picks < 0).nonzero().flatten()  # greedy rows, and rows that were no distribution
     if len(cold):
         picks[cold] = torch.argmax(torch.nan_to_num(x[cold], nan=float("-inf")), dim=-1)
-    chosen[work] = picks
-    return chosen.tolist()
+    return picks
 
 
 def shaped_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -135,24 +154,20 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
 
 
 def _penalize(x: torch.Tensor, params: list[SamplingParams], histories: list[History | None]) -> None:
-    rows = [j for j, p in enumerate(params) if p.penalized]
-    if not rows:
-        return
-    for j in rows:
-        if histories[j] is None:
+    for j, p in enumerate(params):
+        if not p.penalized:
+            continue
+        h = histories[j]
+        if h is None:
             raise ValueError("a penalized sequence needs its History")
-    idx = torch.as_tensor(rows)
-    sub = x[idx]
-    rep = torch.tensor([params[j].repetition_penalty for j in rows], dtype=torch.float64)[:, None]
-    if bool((rep != 1.0).any()):
-        seen = torch.stack([histories[j].seen for j in rows])
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([params[j].frequency_penalty for j in rows], dtype=torch.float64)[:, None]
-    pres = torch.tensor([params[j].presence_penalty for j in rows], dtype=torch.float64)[:, None]
-    if bool((freq != 0).any() or (pres != 0).any()):
-        counts = torch.stack([histories[j].counts for j in rows]).double()
-        sub = sub - freq * counts - pres * (counts > 0)
-    x[idx] = sub
+        row = x[j]
+        out_ids, counts = h.output()
+        if p.repetition_penalty != 1.0:
+            ids = torch.cat([h.prompt_ids, out_ids])  # an id in both is written twice, with one value
+            v = row[ids]
+            row[ids] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and len(out_ids):
+            row[out_ids] -= counts * p.frequency_penalty + p.presence_penalty
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -80,7 +80,7 @@ def parse(fmt: str, raw: str) -> tuple[str | None, list[ToolCall]]:
             if isinstance(obj, dict) and isinstance(obj.get("name"), str):
                 calls.append(ToolCall(obj["name"], _arguments(obj.get("arguments", obj.get("parameters", {})))))
     elif fmt == "mistral":
-        obj = _load(rest[len(START[fmt]):].strip())
+        obj = _first_value(rest[len(START[fmt]):].strip())  # the list; an end token may follow
         for item in obj if isinstance(obj, list) else [obj] if isinstance(obj, dict) else []:
             if isinstance(item, dict) and isinstance(item.get("name"), str):
                 calls.append(ToolCall(item["name"], _arguments(item.get("arguments", {})), str(item.get("id") or "")))
@@ -96,6 +96,13 @@ def parse(fmt: str, raw: str) -> tuple[str | None, list[ToolCall]]:
 def _load(text: str):
     try:
         return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _first_value(text: str):
+    try:
+        return json.JSONDecoder().raw_decode(text)[0]
     except ValueError:
         return None
 
