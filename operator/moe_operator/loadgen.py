@@ -33,6 +33,7 @@ class Record:
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    structured: bool | None = None  # with a schema or tools: whether the answer parsed / called a tool
 
     @property
     def ok(self) -> bool:
@@ -63,8 +64,12 @@ class LoadGen:
 
     def __init__(self, base: str, concurrency: int, prompt_len: int = 32, max_tokens: int = 32,
                  vocab_hi: int = 256, seed: int = 0, headers: dict | None = None, hammer: bool = False,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, json_schema: dict | None = None, tools: list[dict] | None = None):
+        """`json_schema`: every completion asks for JSON that fits it (response_format), sampled
+        at temperature 1; `tools`: chat completions with these tools and tool_choice "required"
+        (prompts of random words; needs the checkpoint's tokenizer and chat template)."""
         self.base, self.prompt_len, self.max_tokens, self.vocab_hi = base, prompt_len, max_tokens, vocab_hi
+        self.json_schema, self.tools = json_schema, tools
         self.headers, self.hammer, self.timeout_s = dict(headers or {}), hammer, timeout_s
         self.records: list[Record] = []
         self._lock = threading.Lock()
@@ -82,17 +87,24 @@ class LoadGen:
         t0 = time.monotonic()
         times: list[float] = []
         wait, error = 0.0, ""
+        text, calls = [], 0
+        path, body = self._request()
         try:
-            with s.post(self.base + "/v1/completions",
-                        json={"prompt": self._prompt(), "max_tokens": self.max_tokens, "temperature": 0,
-                              "stream": True}, timeout=self.timeout_s, stream=True) as r:
+            with s.post(self.base + path, json=body, timeout=self.timeout_s, stream=True) as r:
                 status = r.status_code
                 if status == 200:
                     for line in r.iter_lines(chunk_size=None):  # as it arrives: 512-byte reads joined events
                         if line.startswith(b"data: {"):
-                            choice = json.loads(line[6:])["choices"][0]
-                            times += [time.monotonic()] * len(choice["token_ids"])
-                            if choice["finish_reason"] and choice["finish_reason"] not in ("length", "stop"):
+                            chunks = json.loads(line[6:])["choices"]
+                            if not chunks:  # the usage chunk
+                                continue
+                            choice = chunks[0]
+                            times += [time.monotonic()] * len(choice.get("token_ids", []))
+                            delta = choice.get("delta", {})
+                            text.append(choice.get("text") or delta.get("content") or "")
+                            calls += len(delta.get("tool_calls") or [])
+                            if choice["finish_reason"] and choice["finish_reason"] not in ("length", "stop",
+                                                                                           "tool_calls"):
                                 status, error = MID_STREAM_ERROR, f"finish_reason {choice['finish_reason']}"
                 else:
                     error = r.text[:200]
@@ -104,7 +116,25 @@ class LoadGen:
         rec = Record(t0, time.monotonic(), status, len(times) if ok else 0,
                      times[0] - t0 if ok and times else None,
                      [b - a for a, b in zip(times, times[1:])] if ok else [], error)
+        if ok and self.tools:
+            rec.structured = calls > 0
+        elif ok and self.json_schema is not None:
+            rec.structured = _parses("".join(text))
         return rec, wait
+
+    def _request(self) -> tuple[str, dict]:
+        """The route and body of the next request."""
+        if self.tools:
+            with self._lock:
+                words = " ".join(self._rng.choice(WORDS) for _ in range(max(1, self.prompt_len // 2)))
+            return "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": words}], "max_tokens": self.max_tokens, "temperature": 1.0,
+                "stream": True, "tools": self.tools, "tool_choice": "required", "parallel_tool_calls": False}
+        body = {"prompt": self._prompt(), "max_tokens": self.max_tokens, "temperature": 0, "stream": True}
+        if self.json_schema is not None:
+            body.update(temperature=1.0, response_format={"type": "json_schema", "json_schema": {
+                "name": "bench", "schema": self.json_schema}})
+        return "/v1/completions", body
 
     def _client(self) -> None:
         s = requests.Session()
@@ -150,6 +180,17 @@ class LoadGen:
         self.stop()
 
 
+WORDS = ("weather", "city", "add", "numbers", "please", "what", "is", "the", "in", "Paris", "two", "and")
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
 def percentiles(values: list[float]) -> dict:
     """p50 / p90 / p99 (nearest rank; NaN when empty)."""
     v = sorted(values)
@@ -171,4 +212,6 @@ def summarize(records: list[Record], wall_s: float, since: float | None = None, 
             "latency_s": percentiles([r.end - r.start for r in ok]),
             "ttft_s": percentiles([r.ttft for r in ok if r.ttft is not None]),
             "itl_s": percentiles([x for r in ok for x in r.itl]),
+            **({"structured_ok": sum(bool(r.structured) for r in ok if r.structured is not None)}
+               if any(r.structured is not None for r in ok) else {}),
             "errors": sorted({r.error for r in failed if r.error})[:5]}

@@ -116,6 +116,17 @@ def test_moectl_up_serves_reconciles_and_stops(tmp_path):
         assert result["requests"] > 0 and result["failed"] == 0 and result["latency_s"]["p50"] > 0
         # streamed: time to first token within the request, gaps between its 3 tokens measured
         assert 0 < result["ttft_s"]["p50"] <= result["latency_s"]["p99"] and result["itl_s"]["p50"] > 0
+        # the agent workloads: JSON that fits a schema, and forced tool calls (init-model's template renders tools)
+        (tmp_path / "schema.json").write_text(json.dumps({"type": "object", "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"], "additionalProperties": False}))
+        (tmp_path / "tools.json").write_text(json.dumps([{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"],
+                                        "additionalProperties": False}}}]))
+        for flag, file in (("--json-schema", "schema.json"), ("--tools", "tools.json")):
+            agent = json.loads(_moectl("bench", "tiny", "--local", "--duration", "2", "--concurrency", "2",
+                                       "--prompt-len", "4", "--max-tokens", "150", flag, str(tmp_path / file),
+                                       "-o", "json", env=env).stdout)
+            assert agent["failed"] == 0 and agent["ok"] > 0 and agent["structured_ok"] == agent["ok"], agent
         assert _moectl("experts", "tiny", "--local", "-o", "xml", env=env, check=False).returncode == 2
         down = _moectl("bench", "--endpoint", "http://127.0.0.1:9", "--duration", "1", env=env, check=False)
         assert down.returncode == 1 and len(down.stderr.strip().splitlines()) == 1 and "cannot reach" in down.stderr

@@ -28,6 +28,11 @@ def bench(
     seed: int = typer.Option(0, "--seed"),
     hammer: bool = typer.Option(False, "--hammer", help="Resend a refused request at once instead of "
                                 "waiting for its Retry-After (the worst case for a server under overload)."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="A JSON schema file: every "
+                                               "completion asks for JSON that fits it (sampled); counts those "
+                                               "that parse."),
+    tools: Optional[Path] = typer.Option(None, "--tools", help="A JSON file of OpenAI tools: chat requests "
+                                         "that must call one (tool_choice required); counts the calls."),
     output: str = typer.Option("", "-o", "--output", help="json for machine-readable results."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOE_API_KEY",
                                           help="Sent as Authorization: Bearer (when the app has API keys)."),
@@ -52,7 +57,17 @@ def bench(
     if prompt_len + max_tokens > models.get("max_model_len", 1 << 30):
         fail(f"--prompt-len + --max-tokens ({prompt_len + max_tokens}) exceeds the model's context "
              f"({models['max_model_len']})", 2)
-    load = LoadGen(base, concurrency, prompt_len, max_tokens, int(models.get("vocab_size", 256)), seed, headers, hammer)
+    workload = {}
+    for flag, path in (("--json-schema", json_schema), ("--tools", tools)):
+        if path is not None:
+            try:
+                workload[flag] = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                fail(f"{flag} {path}: {e}", 2)
+    if "--tools" in workload and not isinstance(workload["--tools"], list):
+        fail(f"--tools {tools}: expected a JSON list of tools", 2)
+    load = LoadGen(base, concurrency, prompt_len, max_tokens, int(models.get("vocab_size", 256)), seed, headers, hammer,
+                   json_schema=workload.get("--json-schema"), tools=workload.get("--tools"))
     with Progress(TextColumn("load"), BarColumn(), TextColumn("{task.fields[done]} requests"),
                   TimeElapsedColumn(), console=err, transient=output == "json") as progress:
         task = progress.add_task("load", total=duration, done=0)
@@ -67,6 +82,9 @@ def bench(
         rows = [("requests", f"{summary['requests']}: {summary['ok']} answered, {summary['refused']} refused "
                              f"(503/429), {summary['failed']} failed"),
                 ("goodput", f"{summary['goodput_rps']} req/s, {summary['tokens_per_s']} tokens/s")]
+        if "structured_ok" in summary:
+            what = "called a tool" if tools else "parsed as JSON"
+            rows.append((what, f"{summary['structured_ok']} of {summary['ok']} answered"))
         for label, key in (("latency", "latency_s"), ("time to first token", "ttft_s"), ("inter-token latency", "itl_s")):
             rows.append((f"{label} p50 / p90 / p99", " / ".join(f"{summary[key][q] * 1e3:.0f} ms" for q in ("p50", "p90", "p99"))))
         for k, v in rows:
