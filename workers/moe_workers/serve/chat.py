@@ -67,14 +67,27 @@ class ChatTemplate:
         transformers' apply_chat_template passes to the template as they are. An assistant
         message's tool calls go in with their arguments as an object where they are JSON (as
         templates expect them, and as vLLM passes them)."""
-        msgs = [{"role": m.role, "content": m.text() if m.content is not None or not m.tool_calls else None,
-                 **({"name": m.name} if m.name else {}),
-                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}),
-                 **({"tool_calls": [_call(c) for c in m.tool_calls]} if m.tool_calls else {})} for m in messages]
+        def conversation(parsed: bool) -> list[dict]:
+            return [{"role": m.role, "content": m.text() if m.content is not None or not m.tool_calls else None,
+                     **({"name": m.name} if m.name else {}),
+                     **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}),
+                     **({"tool_calls": [_call(c, parsed) for c in m.tool_calls]} if m.tool_calls else {})}
+                    for m in messages]
+
         extra = {"tools": tools} if tools else {}
+        special = {k: v for k, v in self.special.items() if v is not None}
         try:
-            text = self.template.render(messages=msgs, add_generation_prompt=add_generation_prompt, **extra,
-                                        **{k: v for k, v in self.special.items() if v is not None})
+            try:
+                text = self.template.render(messages=conversation(True), add_generation_prompt=add_generation_prompt,
+                                            **extra, **special)
+            except _Refused:
+                raise
+            except Exception:
+                if not any(m.tool_calls for m in messages):
+                    raise
+                # a template that joins arguments as text (DeepSeek-V3's does) gets them as sent
+                text = self.template.render(messages=conversation(False), add_generation_prompt=add_generation_prompt,
+                                            **extra, **special)
         except _Refused as err:
             raise RequestError(400, f"messages: the chat template refuses this conversation: {err}",
                                param="messages") from None
@@ -95,11 +108,13 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _call(call) -> dict:
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        arguments = call.function.arguments
+def _call(call, parsed: bool = True) -> dict:
+    arguments = call.function.arguments
+    if parsed:
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
