@@ -94,7 +94,7 @@ def test_a_checkpoint_without_tokenizer_json_says_so(tmp_path):
 
 
 def test_the_engine_holds_random_weight_models_to_the_schema_in_a_mixed_batch(tmp_path):
-    """A random qwen3_moe with the byte vocabulary: 48 sampled completions under the schema beside
+    """A random qwen3_moe with the byte vocabulary: 200 sampled completions under the schema beside
     unconstrained ones in the same steps; each ends when its JSON is whole, and validates."""
     from tokenizers import Tokenizer
 
@@ -105,17 +105,21 @@ def test_the_engine_holds_random_weight_models_to_the_schema_in_a_mixed_batch(tm
 
     async def main():
         engine = _engine(tmp_path)
-        reqs = []
-        with engine._work:
-            for i in range(48):
-                reqs.append(engine.submit(GenerationRequest(
-                    prompt=[5 + i % 7, 40, 41], max_tokens=200, seed=i, sampling=SamplingParams(temperature=1.0),
-                    constraint=grammars.constraint(_fmt(SCHEMA)))))
-            plain = [engine.submit(GenerationRequest(prompt=[9, 9], max_tokens=30, stop_at_eos=False, seed=i,
-                                                     sampling=SamplingParams(temperature=1.0))) for i in range(4)]
-        for r in reqs + plain:
-            while await r.out.get() is not None:
-                pass
+        reqs, plain = [], []
+        for wave in range(4):  # 50 at a time: the engine's wait queue holds 64
+            batch = []
+            with engine._work:
+                for i in range(50 * wave, 50 * (wave + 1)):
+                    batch.append(engine.submit(GenerationRequest(
+                        prompt=[5 + i % 7, 40, 41], max_tokens=200, seed=i, sampling=SamplingParams(temperature=1.0),
+                        constraint=grammars.constraint(_fmt(SCHEMA)))))
+                batch.append(engine.submit(GenerationRequest(prompt=[9, 9], max_tokens=30, stop_at_eos=False,
+                                                             seed=wave, sampling=SamplingParams(temperature=1.0))))
+            for r in batch:
+                while await r.out.get() is not None:
+                    pass
+            reqs += batch[:-1]
+            plain.append(batch[-1])
         return reqs, plain
 
     reqs, plain = asyncio.run(main())
@@ -123,4 +127,4 @@ def test_the_engine_holds_random_weight_models_to_the_schema_in_a_mixed_batch(tm
         assert r.error is None and r.finish_reason is FinishReason.STOP, (r.error, r.finish_reason)
         jsonschema.validate(json.loads(tok.decode(r.produced)), SCHEMA)
     assert all(len(r.produced) == 30 for r in plain)
-    assert len({tuple(r.produced) for r in reqs}) > 40
+    assert len({tuple(r.produced) for r in reqs}) > 190
