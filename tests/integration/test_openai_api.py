@@ -25,6 +25,7 @@ from serve_rest import delete_all, deploy
 
 pytestmark = pytest.mark.ray
 MAX_LEN = 2048  # room for the tools a prompt carries (byte tokens)
+VOCAB = BYTE_VOCAB_SIZE + 2  # the bytes, then <think> and </think>
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 PLACEMENT = {"ExpertShard-0": ["0.0", "0.1", "1.0", "1.1"], "ExpertShard-1": ["0.2", "0.3", "1.2", "1.3"]}
 
@@ -38,9 +39,11 @@ def _args(path) -> AppArgs:
 def app(ray_head, tmp_path_factory):
     ray = ray_head.connect_driver(namespace="openai-test")
     path = tmp_path_factory.mktemp("ckpt-openai")
-    make_mixtral(path, vocab_size=BYTE_VOCAB_SIZE, num_local_experts=4, num_hidden_layers=2,
+    make_mixtral(path, vocab_size=VOCAB, num_local_experts=4, num_hidden_layers=2,
                  max_position_embeddings=MAX_LEN)
-    write_byte_tokenizer(path)
+    tok = Tokenizer.from_file(str(write_byte_tokenizer(path)))
+    tok.add_tokens(["<think>", "</think>"])  # ids 259, 260: single tokens, as in Qwen3's vocabulary
+    tok.save(str(path / "tokenizer.json"))
     write_tokenizer_config(path)
     args = _args(path)
     deploy(ray_head, [serve_application("openai", "/", args, PLACEMENT)])
@@ -154,7 +157,7 @@ def test_the_sampling_set_reaches_the_engine(app, client):
                                                                           "min_tokens": 6, "ignore_eos": True})
     assert base[0] not in held.choices[0].model_extra["token_ids"]
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(**kwargs, logit_bias={str(BYTE_VOCAB_SIZE): 1})
+        client.completions.create(**kwargs, logit_bias={str(VOCAB): 1})
     assert err.value.body["param"] == "logit_bias" and "outside the vocabulary" in err.value.message
 
 
@@ -257,6 +260,31 @@ def test_tool_calls_round_trip_through_the_template(app, client):
         client.chat.completions.create(model="tiny", messages=ask, tools=tools, max_completion_tokens=8,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert err.value.body["param"] == "tool_choice"
+
+
+def test_a_thinking_model_answers_with_reasoning_content(app, client):
+    """The vocabulary marks thinking (<think>, </think> single tokens): what comes before </think>
+    is message.reasoning_content, the rest content, the same streamed; include_reasoning false
+    drops it. The prompt ends inside thinking, as DeepSeek-R1's template leaves it."""
+    _, path, _ = app
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    think, done = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Think first.<think>"}], max_completion_tokens=24,
+                  temperature=1.0, seed=5, logit_bias={str(done): 3})
+    message = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0]
+    ids = message.model_extra["token_ids"]
+    assert done in ids and think not in ids, ids
+    cut = ids.index(done)
+    answer = [t for t in ids[cut:] if t != done]
+    assert message.message.model_extra["reasoning_content"] == tok.decode(ids[:cut])
+    assert message.message.content == tok.decode(answer)
+    chunks = list(client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True}, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == tok.decode(ids[:cut])
+    assert "".join(d.content or "" for d in deltas) == tok.decode(answer)
+    quiet = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True, "include_reasoning": False})
+    assert "reasoning_content" not in quiet.choices[0].message.model_extra
+    assert quiet.choices[0].message.content == tok.decode(answer)
 
 
 def test_logprobs(app, client):

@@ -26,41 +26,16 @@ a row the model itself made non-finite falls back to the argmax over its finite 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from .sampling_params import GREEDY, SamplingParams  # noqa: F401 (the parameters live without torch)
 
 TOP_P_CANDIDATES = 1024  # top_p looks at this many most likely tokens first (a partial sort)
 GROUP_BYTES = 4 * 2**20  # rows sampled together: their float64 logits about this size
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """One sequence's sampling; the defaults are neutral (plain greedy)."""
-
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: every token
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids in the vocabulary
-    min_tokens: int = 0  # the end of sequence and the stop token ids are barred until this many
-
-    @property
-    def penalized(self) -> bool:
-        """Whether the sequence's history shapes its logits (then it keeps a `History`)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-    @property
-    def shaped(self) -> bool:
-        """Whether anything besides temperature changes the logits or the candidates."""
-        return bool(self.penalized or self.logit_bias or self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0)
-
-
-GREEDY = SamplingParams()
 
 
 class History:

@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from moe_workers.model.sampling import SamplingParams
+from moe_workers.model.sampling_params import SamplingParams
 
 MAX_JSON_DEPTH = 32
 MAX_INT_DIGITS = 20  # int64 / uint64 need 20 at most
