@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_workers.model.sampling import SamplingParams, sample
-from moe_workers.serve.protocol import (MAX_JSON_DEPTH, MIN_TEMPERATURE, CompletionRequest, RequestError,
+from moe_workers.serve.protocol import (MAX_JSON_DEPTH, MIN_TEMPERATURE, CompletionRequest, RequestError, parse_chat,
                                         decode_body, parse_completion)
 
 
@@ -123,3 +123,48 @@ def test_sampling_params_check_ids_against_the_vocabulary_and_min_tokens_against
         req.model_copy(update={"min_tokens": 10}).sampling(vocab=8)
     assert info.value.param == "min_tokens" and "more than the request's limit of 9" in info.value.message
     assert CompletionRequest(prompt=[1]).sampling(vocab=8) == SamplingParams(temperature=1.0)
+
+
+def _chat_error(body: dict) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        parse_chat(decode_body(json.dumps({"messages": [{"role": "user", "content": "hi"}], **body}).encode()))
+    return info.value
+
+
+@pytest.mark.parametrize("body,param,says", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"city": {"type": 5}}}}}]},
+     "tools", "tools.0.function.parameters: properties.city.type: 5 is not a JSON schema type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": "a"}}}]},
+     "tools", "tools.0.function.parameters: required: expected a list of property names"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "tools.0.function.name: String should"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools", "tools: two functions have the same"),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice: a call is required but no tools are given"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice", "tool_choice: function 'g' is not among the tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice", "tool_choice: a required call and a response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"anyOf": [3]}}}},
+     "response_format", "response_format.json_schema.schema: anyOf.0: expected an object (a JSON schema)"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "response_format: json_schema: required"),
+    ({"response_format": {"type": "xml"}}, "response_format", "response_format.type: Input should be"),
+    ({"include_reasoning": 1}, "include_reasoning", "include_reasoning: Input should be a valid boolean"),
+])
+def test_tools_and_response_formats_are_checked_and_named(body, param, says):
+    err = _chat_error(body)
+    assert err.param == param and err.message.startswith(says), err.message
+
+
+def test_a_tool_call_sent_back_and_a_forced_choice_read_as_the_client_means():
+    req = parse_chat(decode_body(json.dumps({
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}}).encode()))
+    assert req.calls_tools and [f.name for f in req.forced_functions()] == ["g"]
+    assert req.messages[1].tool_calls[0].function.name == "f"
+    assert req.model_copy(update={"tool_choice": "none"}).calls_tools is False
+    assert req.model_copy(update={"tool_choice": "auto"}).forced_functions() is None

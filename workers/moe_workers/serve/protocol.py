@@ -43,6 +43,48 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+_SCHEMA_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def schema_problem(schema, path: str = "") -> str | None:
+    """What makes `schema` not a JSON schema, with where (a dotted path), or None. Only the
+    structure is checked here; what a grammar cannot enforce is refused when it is compiled."""
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, dict):
+        return f"{path or 'schema'}: expected an object (a JSON schema), got {type(schema).__name__}"
+    where = f"{path}." if path else ""
+    kind = schema.get("type")
+    for k in ([kind] if isinstance(kind, str) else kind if isinstance(kind, list) else [kind] if "type" in schema else []):
+        if k not in _SCHEMA_TYPES:
+            return f"{where}type: {k!r} is not a JSON schema type ({', '.join(sorted(_SCHEMA_TYPES))})"
+    for key in _SCHEMA_MAPS:
+        if key in schema:
+            if not isinstance(schema[key], dict):
+                return f"{where}{key}: expected an object of schemas"
+            for name, sub in schema[key].items():
+                if (bad := schema_problem(sub, f"{where}{key}.{name}")) is not None:
+                    return bad
+    for key in _SCHEMA_LISTS:
+        if key in schema:
+            if not isinstance(schema[key], list):
+                return f"{where}{key}: expected a list of schemas"
+            for i, sub in enumerate(schema[key]):
+                if (bad := schema_problem(sub, f"{where}{key}.{i}")) is not None:
+                    return bad
+    for key in ("items", "additionalProperties", "not"):
+        if key in schema and (bad := schema_problem(schema[key], f"{where}{key}")) is not None:
+            return bad
+    if "required" in schema and not (isinstance(schema["required"], list)
+                                     and all(isinstance(r, str) for r in schema["required"])):
+        return f"{where}required: expected a list of property names"
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        return f"{where}enum: expected a list"
+    return None
+
+
 class JsonSchema(BaseModel):
     """OpenAI's `response_format.json_schema`."""
 
@@ -52,6 +94,13 @@ class JsonSchema(BaseModel):
     description: str | None = None
     schema_: dict = Field(default_factory=dict, alias="schema")
     strict: bool | None = None  # accepted: the grammar always holds the output to the schema
+
+    @field_validator("schema_")
+    @classmethod
+    def _a_schema(cls, v):
+        if (bad := schema_problem(v)) is not None:
+            raise ValueError(bad)
+        return v
 
 
 class ResponseFormat(BaseModel):
@@ -230,6 +279,13 @@ class FunctionDef(BaseModel):
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments
     strict: bool | None = None  # accepted: a forced call always follows its parameters
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_schema(cls, v):
+        if v is not None and (bad := schema_problem(v)) is not None:
+            raise ValueError(bad)
+        return v
 
 
 class Tool(BaseModel):
