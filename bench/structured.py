@@ -18,6 +18,15 @@ Figures: mask-us-<engine>-<schema> (median microseconds a mask), compile-ms-<eng
 xgrammar-over-llguidance-mask-<schema>, mask-over-sampling-<schema> (llguidance's mask over the
 sampling step). xgrammar is not a dependency: without it installed, only llguidance runs
 (pip install xgrammar).
+
+`--only engine`: what the agent features cost a decode step, in the engine (in process, no
+Ray) on one Qwen3-30B-A3B layer at its published dimensions (hidden 2048, 128 experts of 768,
+top-8, bf16) with the published vocabulary (151,936: embeddings and lm_head at full size; the
+synthetic tokenizer above): batch-16 decode of 32 tokens, each side in turn over 3 rounds,
+medians. structured-tps-ratio: tokens/s with every sequence held to a JSON schema (the order
+schema; temperature 1) over the same sampling without; penalties-tps-ratio: repetition,
+presence and frequency penalties on (2,048-token prompts) over off. schema-compile-ms-first /
+-cached: a 20-property schema's first constraint and a cached one.
 """
 
 from __future__ import annotations
@@ -65,6 +74,8 @@ EOS = 2
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["masks", "engine"], default=None)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--compiles", type=int, default=5)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "structured.json"))
@@ -172,33 +183,111 @@ def sampling_step_us(vocab: int) -> float:
     return median_us(times[5:])
 
 
+TWENTY = {"type": "object", "additionalProperties": False, "required": [f"f{i}" for i in range(0, 20, 2)],
+          "properties": {f"f{i}": [{"type": "string", "maxLength": 16}, {"type": "integer", "minimum": 0},
+                                   {"enum": ["a", "b", "c"]}, {"type": "boolean"},
+                                   {"type": "array", "items": {"type": "number"}, "maxItems": 4}][i % 5]
+                         for i in range(20)}}
+
+
+def engine_figures(tmp: Path, rounds: int) -> tuple[dict, dict]:
+    """structured-tps-ratio, penalties-tps-ratio, schema-compile-ms at one Qwen3-30B-A3B layer."""
+    import asyncio
+
+    from engine import engine_for
+    from moe_workers.model import published
+    from moe_workers.model.random_init import write_random_checkpoint
+    from moe_workers.model.sampling import SamplingParams
+    from moe_workers.serve.engine import GenerationRequest
+
+    vocab = published.VOCAB_SIZES["qwen3-30b-a3b"]
+    model = tmp / "qwen3"
+    write_random_checkpoint(model, "qwen3_moe", vocab_size=vocab, dtype=torch.bfloat16, max_position_embeddings=4096,
+                            overrides=published.overrides("qwen3-30b-a3b", num_layers=1))
+    write_tokenizer(model, byte_vocab(vocab))
+    grammars = Grammars(model / "tokenizer.json", vocab, EOS, 1)
+    grammars._llg_tokenizer()  # built once a replica, at its first structured request
+    fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "o", "schema":
+                                                                                  SCHEMAS["order"][0]}})
+    twenty = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "t", "schema": TWENTY}})
+    t0 = time.perf_counter()
+    grammars.constraint(twenty)
+    first = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    grammars.constraint(twenty)
+    cached = (time.perf_counter() - t0) * 1e3
+    engine = engine_for(model, blocks=16 * 2200 // 16 + 64, max_batch=16, budget=4096)
+    g = torch.Generator().manual_seed(0)
+    long = [torch.randint(300, vocab, (2048,), generator=g).tolist() for _ in range(16)]
+    short = [torch.randint(300, vocab, (8,), generator=g).tolist() for _ in range(16)]
+    hot = SamplingParams(temperature=1.0)
+    pen = SamplingParams(temperature=1.0, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3)
+
+    async def decode(prompts, params, constrained=False) -> float:
+        """Tokens a second of a batch-16 decode, from the step after every prompt is in."""
+        reqs = [engine.submit(GenerationRequest(prompt=p, max_tokens=33, stop_at_eos=False, seed=i, sampling=params,
+                                                constraint=grammars.constraint(fmt) if constrained else None))
+                for i, p in enumerate(prompts)]
+        firsts = [await r.out.get() for r in reqs]
+        assert None not in firsts
+        t0 = time.perf_counter()
+        n = 0
+        for r in reqs:
+            while await r.out.get() is not None:
+                n += 1
+        return n / (time.perf_counter() - t0)
+
+    runs = {"plain": [], "structured": [], "no-penalties": [], "penalties": []}
+    for _ in range(rounds):
+        runs["plain"].append(asyncio.run(decode(short, hot)))
+        runs["structured"].append(asyncio.run(decode(short, hot, constrained=True)))
+        runs["no-penalties"].append(asyncio.run(decode(long, hot)))
+        runs["penalties"].append(asyncio.run(decode(long, pen)))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"decode b16 tokens/s: plain {med['plain']:.1f}, structured {med['structured']:.1f}; "
+          f"2k prompts: penalties off {med['no-penalties']:.1f}, on {med['penalties']:.1f}")
+    return ({"engine_tps": runs, "schema_compile_ms": {"first": first, "cached": cached}},
+            {"structured-tps-ratio": med["structured"] / med["plain"],
+             "penalties-tps-ratio": med["penalties"] / med["no-penalties"],
+             "schema-compile-ms-first": first, "schema-compile-ms-cached": cached})
+
+
 def main() -> int:
     a = parse_args()
     vocab_strings = byte_vocab(a.vocab)
     results, figures = {"vocab": a.vocab, "whitespace": WHITESPACE, "schemas": {}}, {}
     with tempfile.TemporaryDirectory(prefix="moe-bench-structured-") as tmp:
         path = write_tokenizer(Path(tmp), vocab_strings)
-        step = sampling_step_us(a.vocab)
-        results["sampling_step_us"] = step
-        print(f"sampling step (1 row, temperature + top_p, vocab {a.vocab}): {step:.0f} us")
-        for name, (schema, answer) in SCHEMAS.items():
-            tokens = walk_tokens(path, answer)
-            llg = run_llguidance(path, a.vocab, schema, tokens, a.compiles)
-            xg = run_xgrammar(vocab_strings, schema, tokens, a.compiles)
-            results["schemas"][name] = {"tokens": len(tokens), "llguidance": llg, "xgrammar": xg}
-            figures[f"mask-us-llguidance-{name}"] = llg["mask_us"]
-            figures[f"compile-ms-llguidance-{name}"] = llg["compile_ms"]
-            figures[f"mask-over-sampling-{name}"] = llg["mask_us"] / step
-            line = (f"{name:>12} ({len(tokens)} tokens): llguidance mask {llg['mask_us']:7.0f} us "
-                    f"(p90 {llg['mask_p90_us']:.0f}), compile {llg['compile_ms']:7.2f} ms")
-            if xg is not None:
-                figures[f"mask-us-xgrammar-{name}"] = xg["mask_us"]
-                figures[f"compile-ms-xgrammar-{name}"] = xg["compile_ms"]
-                figures[f"xgrammar-over-llguidance-mask-{name}"] = xg["mask_us"] / llg["mask_us"]
-                line += (f"; xgrammar mask {xg['mask_us']:7.0f} us (p90 {xg['mask_p90_us']:.0f}), "
-                         f"compile {xg['compile_ms']:7.2f} ms")
-            print(line, flush=True)
-    return report(a.out, results, figures, digits=2)
+        if a.only != "engine":  # first: torch's threads, busy after the engine's steps, slowed the masks 3x
+            masks(a, path, vocab_strings, results, figures)
+        if a.only != "masks":
+            got, figs = engine_figures(Path(tmp), a.rounds)
+            results.update(got)
+            figures.update(figs)
+    return report(a.out if a.only is None else a.out.replace(".json", f"-{a.only}.json"), results, figures, digits=3)
+
+
+def masks(a, path: Path, vocab_strings: list[str], results: dict, figures: dict) -> None:
+    step = sampling_step_us(a.vocab)
+    results["sampling_step_us"] = step
+    print(f"sampling step (1 row, temperature + top_p, vocab {a.vocab}): {step:.0f} us")
+    for name, (schema, answer) in SCHEMAS.items():
+        tokens = walk_tokens(path, answer)
+        llg = run_llguidance(path, a.vocab, schema, tokens, a.compiles)
+        xg = run_xgrammar(vocab_strings, schema, tokens, a.compiles)
+        results["schemas"][name] = {"tokens": len(tokens), "llguidance": llg, "xgrammar": xg}
+        figures[f"mask-us-llguidance-{name}"] = llg["mask_us"]
+        figures[f"compile-ms-llguidance-{name}"] = llg["compile_ms"]
+        figures[f"mask-over-sampling-{name}"] = llg["mask_us"] / step
+        line = (f"{name:>12} ({len(tokens)} tokens): llguidance mask {llg['mask_us']:7.0f} us "
+                f"(p90 {llg['mask_p90_us']:.0f}), compile {llg['compile_ms']:7.2f} ms")
+        if xg is not None:
+            figures[f"mask-us-xgrammar-{name}"] = xg["mask_us"]
+            figures[f"compile-ms-xgrammar-{name}"] = xg["compile_ms"]
+            figures[f"xgrammar-over-llguidance-mask-{name}"] = xg["mask_us"] / llg["mask_us"]
+            line += (f"; xgrammar mask {xg['mask_us']:7.0f} us (p90 {xg['mask_p90_us']:.0f}), "
+                     f"compile {xg['compile_ms']:7.2f} ms")
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ matcher a sequence that says, token by token, which tokens may come next (llguid
 Ray, no HTTP here).
 
 Why llguidance: `bench/structured.py` measures it beside xgrammar (vLLM's default) on the same
-schemas and a 152k-token vocabulary: a mask in 61-136 us (median) against 88-1,165, a schema
-compiled in about 30 ms against 55-162; and it has no dependencies (xgrammar needs transformers
+schemas and a 152k-token vocabulary: a mask in 53-99 us (median) against 78-1,459, a schema
+compiled in about 30 ms against 54-168; and it has no dependencies (xgrammar needs transformers
 and triton in the worker image).
 
 What is allowed between JSON tokens is bounded (`WHITESPACE`: one optional space, or a new line
