@@ -355,7 +355,7 @@ class Ingress:
         # the choices' text streams; a resumed one holds the text its client has, and what is held back
         calls = chat and req.calls_tools
         marker = start_marker(self.tool_format) if calls else None
-        streams = [ChoiceText(self.render.decode, req.stops, self._splitter(req, ids, chat), marker,
+        streams = [ChoiceText(self.render.decode, req.stops, self._splitter(ids, chat), marker,
                               self._single_token(marker)) for _ in range(req.n)]
         for tok in prefix:
             streams[0].push(tok)
@@ -445,7 +445,7 @@ class Ingress:
             return []
         return parse(self.tool_format, self.render.decode_raw(stream.tokens))[1]
 
-    def _splitter(self, req, prompt: list[int], chat: bool) -> Splitter | None:
+    def _splitter(self, prompt: list[int], chat: bool) -> Splitter | None:
         """A chat choice's reasoning splitter, for a model whose vocabulary marks its thinking."""
         if not chat or self.reasoning_format is None:
             return None
@@ -524,7 +524,7 @@ class Ingress:
                 if stream.stopped:
                     continue
                 text = stream.push(tok)
-                k = stream.count - 1 - len(prefix)  # this token's index in this replica's part
+                k = len(stream.tokens) - 1 - len(prefix)  # this token's index in this replica's part
                 lp = (self.render.logprobs(gen, chat, since=k, upto=k + 1, prefix=prefix)
                       if gen.logprobs is not None else None)
                 if stream.stopped:

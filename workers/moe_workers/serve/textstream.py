@@ -83,7 +83,6 @@ class ChoiceText:
         self.tool_marker, self.tool_marker_id = tool_marker, tool_marker_id
         self.calling = False  # a tool call has begun
         self.tokens: list[int] = []  # every token pushed, markers included
-        self.count = 0
 
     @property
     def stopped(self) -> bool:
@@ -92,7 +91,6 @@ class ChoiceText:
 
     def push(self, token: int) -> tuple[str, str]:
         """(new answer text, new reasoning text) safe to send now."""
-        self.count += 1
         self.tokens.append(token)
         side = self.splitter.route(token) if self.splitter is not None else "content"
         if self.calling or side is None:
