@@ -450,7 +450,7 @@ class Engine:
             reason = None
             if len(req.produced) >= req.max_tokens:
                 reason = FinishReason.LENGTH
-            elif (req.stop_at_eos and tok == self.dense.cfg.eos_token_id) or tok in req.stop_token_ids:
+            elif tok in self._ending_ids(req):
                 reason = FinishReason.STOP
             elif req.constraint is not None and req.constraint.done:  # the response format is complete
                 reason = FinishReason.STOP
@@ -492,8 +492,11 @@ class Engine:
 
     def _barred(self, req: GenerationRequest) -> tuple[int, ...]:
         """The ids that may not come yet: those that end the sequence, before min_tokens."""
-        if req.num_output >= req.sampling.min_tokens:
-            return ()
+        return self._ending_ids(req) if req.num_output < req.sampling.min_tokens else ()
+
+    def _ending_ids(self, req: GenerationRequest) -> tuple[int, ...]:
+        """The ids that end `req` (finish_reason stop): the end of sequence unless ignored, and its
+        stop token ids."""
         eos = (self.dense.cfg.eos_token_id,) if req.stop_at_eos and self.dense.cfg.eos_token_id is not None else ()
         return eos + tuple(sorted(req.stop_token_ids))
 
