@@ -199,3 +199,31 @@ def test_the_api_offers_exactly_the_supported_families():
 
     literal = next(a for a in typing.get_args(ModelSource.model_fields["family"].annotation) if a is not type(None))
     assert typing.get_args(literal) == SUPPORTED
+
+
+def test_end_of_sequence_ids_come_from_config_and_generation_config(tmp_path):
+    """config.json's eos_token_id (one id or a list) and generation_config.json's, as transformers'
+    generate ends on them; a malformed or out-of-vocabulary one names its file."""
+    from moe_workers.model.config import MoEConfig
+    from moe_workers.model.random_init import random_config
+
+    raw = random_config("gpt_oss", vocab_size=96, hidden_size=32, intermediate_size=24, num_layers=2, num_heads=4,
+                        num_kv_heads=2, num_experts=4, top_k=2, max_position_embeddings=64, dtype=torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "eos_token_id": [90, 91]}))
+    assert MoEConfig.from_dir(tmp_path).eos_token_ids == (90, 91)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [91, 93, 93]}))
+    cfg = MoEConfig.from_dir(tmp_path)
+    assert (cfg.eos_token_id, cfg.eos_token_ids) == (90, (90, 91, 93))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(CheckpointError, match=r"generation_config.json: eos_token_id must be a token id or a list"):
+        MoEConfig.from_dir(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 96}))
+    with pytest.raises(CheckpointError, match=r"generation_config.json: eos_token_id \[96\] names an id outside the "
+                                              r"vocabulary of 96"):
+        MoEConfig.from_dir(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "eos_token_id": None}))
+    assert MoEConfig.from_dir(tmp_path).eos_token_ids == ()
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "eos_token_id": 200}))
+    with pytest.raises(CheckpointError, match=r"config.json: eos_token_id \[200\] names an id outside"):
+        MoEConfig.from_dir(tmp_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .dtypes import COMPUTE
-from .family import Arch, CheckpointError, UnsupportedModel, parse
+from .family import Arch, CheckpointError, UnsupportedModel, parse, token_ids
 
 __all__ = ["CheckpointError", "MoEConfig", "UnsupportedModel"]
 
@@ -40,7 +40,26 @@ class MoEConfig(Arch):
             raw = json.loads(config_file.read_text())
         except json.JSONDecodeError as err:
             raise CheckpointError(f"{config_file}: not valid JSON ({err})") from None
-        return cls.from_dict(raw, str(config_file), family)
+        config = cls.from_dict(raw, str(config_file), family)
+        return config.with_generation_config(Path(path) / "generation_config.json")
+
+    def with_generation_config(self, path: Path) -> "MoEConfig":
+        """With the end-of-sequence ids of generation_config.json added, where there is one
+        (transformers' generate reads its eos_token_id, one id or a list: gpt-oss ends a turn at
+        <|return|> and at a tool call's <|call|>, only the first being config.json's)."""
+        if not path.is_file():
+            return self
+        try:
+            raw = json.loads(path.read_text())
+            extra = token_ids(raw.get("eos_token_id") if isinstance(raw, dict) else None, "eos_token_id")
+        except (json.JSONDecodeError, ValueError) as err:
+            raise CheckpointError(f"{path}: {err}") from None
+        ids = self.eos_token_ids + tuple(i for i in dict.fromkeys(extra) if i not in self.eos_token_ids)
+        if any(i >= self.vocab_size for i in ids):
+            raise CheckpointError(f"{path}: eos_token_id {list(extra)} names an id outside the vocabulary "
+                                  f"of {self.vocab_size}")
+        return MoEConfig(**{**self.__dict__, "eos_token_ids": ids,
+                            "eos_token_id": self.eos_token_id if self.eos_token_id is not None else ids[0] if ids else None})
 
     def with_dtype(self, dtype: str | torch.dtype | None) -> "MoEConfig":
         if dtype in (None, "auto"):

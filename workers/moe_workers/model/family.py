@@ -49,6 +49,7 @@ class Arch:
     dtype_name: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends a sequence (the first is eos_token_id)
     family: str = "mixtral"
     moe_layers: tuple[int, ...] | None = None  # None: every layer
     dense_intermediate_size: int = 0  # the MLP of layers without experts
@@ -404,8 +405,18 @@ def _common(raw: dict) -> dict:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         dtype_name=str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch."),
         bos_token_id=raw.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        eos_token_ids=token_ids(eos, "eos_token_id"),
         rope=tuple(sorted((k, v) for k, v in rope.items() if k != "type")),
     )
+
+
+def token_ids(value, field: str) -> tuple[int, ...]:
+    """A config's token id field, one id or a list of them (as config.json and
+    generation_config.json write eos_token_id), as a tuple; None: none."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{field} must be a token id or a list of them, not {value!r}")
+    return tuple(ids)
 
 
 def _mixtral(raw: dict, c: dict) -> Arch:
@@ -513,6 +524,9 @@ def _check(a: Arch, raw: dict, source: str) -> None:
     if not a.sparse_layers:
         raise CheckpointError(f"{source}: no layer has routed experts (check decoder_sparse_step, mlp_only_layers "
                               f"or first_k_dense_replace): this is not a mixture-of-experts model")
+    if any(i >= a.vocab_size for i in a.eos_token_ids):
+        raise CheckpointError(f"{source}: eos_token_id {list(a.eos_token_ids)} names an id outside the vocabulary "
+                              f"of {a.vocab_size}")
     if a.layer_types is not None and len(a.layer_types) != a.num_layers:
         raise CheckpointError(f"{source}: layer_types has {len(a.layer_types)} entries for {a.num_layers} layers")
     if a.router in ("sigmoid_group", "softmax_group") and (a.num_experts % a.n_group or a.topk_group > a.n_group):

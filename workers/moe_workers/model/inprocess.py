@@ -69,7 +69,7 @@ class InProcessModel:
                     outputs[i].append(tok)
                     c = chunks[i]
                     chunks[i] = Chunk(c.slot, c.start + len(c.tokens), [tok])
-                    done = len(outputs[i]) >= max_tokens or (stop_at_eos and tok == self.cfg.eos_token_id)
+                    done = len(outputs[i]) >= max_tokens or (stop_at_eos and tok in self.cfg.eos_token_ids)
                     if not done:
                         still.append(i)
                 active = still

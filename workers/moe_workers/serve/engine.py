@@ -154,6 +154,14 @@ class KVStats:
     prefix_hit_tokens: int = 0  # of those, found computed
 
 
+
+def ending_ids(cfg, stop_at_eos: bool, stop_token_ids) -> tuple[int, ...]:
+    """The ids that end a sequence (finish_reason stop): the model's end-of-sequence ids (config.json
+    and generation_config.json) unless ignored, and the request's stop token ids."""
+    eos = cfg.eos_token_ids if stop_at_eos else ()
+    return eos + tuple(sorted(set(stop_token_ids or ()) - set(eos)))
+
+
 class Engine:
     def __init__(self, dense: DenseModel, cache: PagedKVCache, dispatch: Dispatcher, max_batch_size: int,
                  max_queued: int, micro_batches: int = 1, micro_batch_min_tokens: int = 256,
@@ -495,10 +503,7 @@ class Engine:
         return self._ending_ids(req) if req.num_output < req.sampling.min_tokens else ()
 
     def _ending_ids(self, req: GenerationRequest) -> tuple[int, ...]:
-        """The ids that end `req` (finish_reason stop): the end of sequence unless ignored, and its
-        stop token ids."""
-        eos = (self.dense.cfg.eos_token_id,) if req.stop_at_eos and self.dense.cfg.eos_token_id is not None else ()
-        return eos + tuple(sorted(req.stop_token_ids))
+        return ending_ids(self.dense.cfg, req.stop_at_eos, req.stop_token_ids)
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         """Embedding to logits in this thread: dense parts under the dense lock, each layer's

@@ -33,7 +33,7 @@ from moe_workers.model.dense import DenseModel
 from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.layers import combine, group_by_expert
 from moe_workers.serve.config import AppArgs, admission_capacity, engine_queue_limit
-from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest, Overloaded
+from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest, Overloaded, ending_ids
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
 from moe_workers.serve.migration import RESUME_HEADER, Resume, parse_resume
@@ -308,8 +308,7 @@ class Ingress:
             return "sent"
         if len(tokens) >= new_tokens or len(ids) + len(tokens) >= self.max_len:
             return "length"
-        ends = set(req.stop_token_ids or ()) | ({self.dense.cfg.eos_token_id} if not req.ignore_eos else set())
-        if tokens and tokens[-1] in ends:
+        if tokens and tokens[-1] in ending_ids(self.dense.cfg, not req.ignore_eos, req.stop_token_ids):
             return "stop"
         return "stop" if stream.stopped else None
 
