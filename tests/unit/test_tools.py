@@ -1,6 +1,7 @@
 """Tool calls (serve/tools.py): each family's convention read back from recorded completions, and
 the grammar that forces a call, sampled over random logits under its mask for every convention
-(markers as single special tokens, as in the published vocabularies, and spelled out in text)."""
+(markers as single special tokens, as in the published vocabularies, as added tokens that are not
+special, as Qwen's <tool_call> is, and spelled out in text)."""
 
 from __future__ import annotations
 
@@ -63,17 +64,18 @@ def test_text_without_calls_or_with_broken_ones_stays_text():
         "hermes", "mistral", "deepseek", "harmony", "hermes"]
 
 
-def _grammars(tmp_path, special: bool, eos="</s>"):
-    """The byte tokenizer, with the convention's markers as added special tokens or not."""
+def _grammars(tmp_path, special: bool | str, eos="</s>"):
+    """The byte tokenizer, with the convention's markers as added special tokens, as added tokens
+    ("added": not special), or as text (False)."""
     tok = Tokenizer.from_file(str(write_byte_tokenizer(tmp_path)))
     if special:
-        tok.add_special_tokens([AddedToken(m, special=True) for f in RECORDED for m in markers(f)])
+        tok.add_tokens([AddedToken(m, special=special is True) for f in RECORDED for m in markers(f)])
     tok.save(str(tmp_path / "tokenizer.json"))
     vocab = tok.get_vocab_size(with_added_tokens=True)
     return tok, Grammars(tmp_path / "tokenizer.json", vocab, tok.token_to_id(eos), 1), vocab
 
 
-@pytest.mark.parametrize("special", [True, False], ids=["marker-tokens", "marker-text"])
+@pytest.mark.parametrize("special", [True, "added", False], ids=["marker-tokens", "marker-added", "marker-text"])
 @pytest.mark.parametrize("fmt", sorted(RECORDED))
 def test_a_forced_call_is_always_one_that_parses_and_fits_its_parameters(tmp_path, fmt, special):
     tok, grammars, vocab = _grammars(tmp_path, special)

@@ -140,8 +140,11 @@ class Grammars:
             # the model's end and start of sequence are never text inside JSON, even where the
             # tokenizer does not mark them special (then "</s>" would be five allowed characters)
             tok = Tokenizer.from_file(str(self.path))
-            self._special_ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
             names = [tok.id_to_token(i) for i in (self.eos, self.bos) if i is not None]
             tok.add_special_tokens([AddedToken(n, special=True) for n in names if n is not None])
             self._tokenizer = llguidance.LLTokenizer(tok.to_str(), n_vocab=self.vocab, eos_token=self.eos)
+            # llguidance holds every added token apart from text, special or not (Qwen's <tool_call>
+            # is not): a grammar can only name such a token by its id
+            self._special_ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items()
+                                 if self._tokenizer.is_special_token(i)}
         return self._tokenizer
