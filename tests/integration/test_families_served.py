@@ -3,20 +3,34 @@ model, prefetch on): greedy tokens and their log-probabilities equal transformer
 checkpoint (written by transformers itself), and one routed expert is hot-swapped and served.
 
 Log-probabilities come back through the OpenAI API (`logprobs`), so the fp32 logits are compared
-through the whole served path, not only the chosen tokens.
+through the whole served path, not only the chosen tokens. Each checkpoint carries a byte-level
+vocabulary with its family's tool-call markers (and gpt-oss's harmony tokens) as added tokens and
+its family's chat template (tests/templates), so a tool call's round trip goes through the openai
+client in every family's convention.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
 import pytest
 import requests
 import torch
 from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer
 
-from checkpoints import make_family
+from checkpoints import make_family, reference_greedy
 from moe_operator.planner.initial import initial_placement
 from moe_workers.model.family import SUPPORTED
 from moe_workers.model.inprocess import InProcessModel
+from moe_workers.model.tokenizer import write_byte_tokenizer
+from moe_workers.serve.chat import ChatTemplate, write_tokenizer_config
+from moe_workers.serve.protocol import ChatMessage
+from moe_workers.serve.reasoning import HARMONY, reasoning_format, split
+from moe_workers.serve.tools import markers, tool_format
 from moe_workers.serve.config import AppArgs, serve_application
 from serve_rest import delete_all, deploy
 from waiting import wait_for
@@ -29,6 +43,22 @@ QUANTIZED = {"deepseek_v3-fp8": ("deepseek_v3", "fp8"), "gpt_oss-mxfp4": ("gpt_o
 SHORT_NAMES = {"w1": "gate_proj.weight", "w2": "down_proj.weight", "w3": "up_proj.weight",
                "gate_up": "gate_up_proj", "gate_up_bias": "gate_up_proj_bias", "down": "down_proj",
                "down_bias": "down_proj_bias"}
+TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+TEMPLATE = {"hermes": "qwen3_tools.jinja", "deepseek": "deepseek_v3_tools.jinja", "harmony": "gpt_oss_tools.jinja"}
+MAX_LEN = 2048  # room for a template's tool definitions in byte tokens
+
+
+def _vocabulary(model_dir: Path, family: str) -> tuple[Tokenizer, dict]:
+    """The byte tokenizer with the family's markers added as its published vocabulary has them
+    (special tokens, but Qwen's <tool_call>); the config overrides that end gpt-oss at <|return|>."""
+    tok = Tokenizer.from_file(str(write_byte_tokenizer(model_dir)))
+    fmt = tool_format(family)
+    # (harmony's channel names are single tokens of gpt-oss's vocabulary too)
+    added = dict.fromkeys((HARMONY + ("analysis", "final") if fmt == "harmony" else ()) + tuple(markers(fmt)))
+    tok.add_tokens([AddedToken(m, special=fmt != "hermes" and m not in ("analysis", "final")) for m in added])
+    tok.save(str(model_dir / "tokenizer.json"))
+    write_tokenizer_config(model_dir, (TEMPLATES / TEMPLATE[fmt]).read_text())
+    return tok, {"eos_token_id": tok.token_to_id("<|return|>")} if fmt == "harmony" else {}
 
 
 @pytest.fixture(scope="module", params=FAMILIES + list(QUANTIZED))
@@ -38,16 +68,25 @@ def served(request, ray_head, tmp_path_factory):
     from ray import serve
 
     root = tmp_path_factory.mktemp(request.param)
+    (root / "model").mkdir()
+    tok, eos = _vocabulary(root / "model", family)
+    dims = dict(num_layers=3, num_experts=8, max_position_embeddings=MAX_LEN, config_overrides=eos,
+                vocab_size=tok.get_vocab_size(with_added_tokens=True))
     if quantize is None:
-        hf = make_family(root / "model", family, num_layers=3, num_experts=8, max_position_embeddings=96)
+        hf = make_family(root / "model", family, **dims)
     else:
         from transformers import AutoModelForCausalLM
 
         from moe_workers.model.random_init import quantize_checkpoint
 
-        make_family(root / "model", family, num_layers=3, num_experts=8, max_position_embeddings=96, hidden_size=64,
-                    intermediate_size=32)
+        make_family(root / "model", family, **dims, hidden_size=64, intermediate_size=32)
         quantize_checkpoint(root / "model", quantize, block=(8, 8))
+    if eos:  # as published: generation_config.json ends a turn at a tool call's <|call|> too
+        ends = [eos["eos_token_id"], tok.token_to_id("<|call|>")]
+        (root / "model" / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+        if quantize is None:
+            hf.generation_config.eos_token_id = ends
+    if quantize is not None:
         hf = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
     ours = InProcessModel(root / "model")
     cfg = ours.cfg
@@ -57,7 +96,8 @@ def served(request, ray_head, tmp_path_factory):
     weights_dir = root / "weights"
     weights_dir.mkdir()
     args = AppArgs(model_path=str(root / "model"), served_model_name=family, num_groups=2, max_batch_size=8,
-                   kv_cache_budget_bytes=8 * 2**20, max_queued_requests=16, allowed_weight_roots=[str(weights_dir)])
+                   kv_cache_budget_bytes=8 * 2**20, max_queued_requests=16, allowed_weight_roots=[str(weights_dir)],
+                   max_model_len=MAX_LEN)
 
     def apply(overrides=None):
         deploy(ray_head, [serve_application("fam", "/", args, placement, tiers=tiers, overrides=overrides,
@@ -66,7 +106,7 @@ def served(request, ray_head, tmp_path_factory):
     apply()
     try:
         yield dict(family=family, hf=hf, ours=ours, placement=placement, apply=apply, weights_dir=weights_dir,
-                   url=f"http://127.0.0.1:{ray_head.serve_http_port}", root=root,
+                   url=f"http://127.0.0.1:{ray_head.serve_http_port}", root=root, tok=tok,
                    shard=lambda g: serve.get_deployment_handle(g, app_name="fam"))
     finally:
         delete_all(ray_head)
@@ -86,7 +126,10 @@ def _prompts(count, seed):
 
 
 def _reference(hf, prompt, n):
-    """transformers' greedy tokens (up to and with EOS, where the server stops) and each one's log-probability."""
+    """transformers' greedy tokens (up to and with an end of sequence, as its generation config
+    lists them, where the server stops) and each one's log-probability."""
+    ends = hf.generation_config.eos_token_id
+    ends = set(ends if isinstance(ends, list) else [ends])
     ids, tokens, logprobs = list(prompt), [], []
     with torch.no_grad():
         for _ in range(n):
@@ -95,7 +138,7 @@ def _reference(hf, prompt, n):
             tokens.append(tok)
             logprobs.append(float(lp[tok]))
             ids.append(tok)
-            if tok == hf.config.eos_token_id:
+            if tok in ends:
                 break
     return tokens, logprobs
 
@@ -107,6 +150,73 @@ def test_served_tokens_and_logprobs_equal_transformers(served):
         assert choice["token_ids"] == want_tokens
         got_lp = choice["logprobs"]["token_logprobs"]
         assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-4
+
+
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two numbers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                    "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def test_a_tool_call_round_trip_in_the_family_convention_through_the_openai_client(served):
+    """A call forced by name comes back as message.tool_calls (the same streamed) whose arguments
+    fit the parameters; the call and its result go back through the family's template, and the
+    answer is transformers' greedy tokens on that prompt. gpt-oss: its analysis channel is
+    reasoning_content, the rest content, as the harmony splitter reads the same tokens."""
+    family, tok = served["family"], served["tok"]
+    client = openai.OpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    ask = [{"role": "user", "content": "What is 2 + 3?"}]
+    kwargs = dict(model=family, messages=ask, tools=[ADD], max_completion_tokens=300, temperature=1.0, seed=7,
+                  parallel_tool_calls=False,
+                  tool_choice={"type": "function", "function": {"name": "add"}})
+    resp = client.chat.completions.create(**kwargs).choices[0]
+    assert resp.finish_reason == "tool_calls" and len(resp.message.tool_calls) == 1, resp
+    call = resp.message.tool_calls[0]
+    assert call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), ADD["function"]["parameters"])
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [("add", call.function.arguments)]
+
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "add", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    text = ChatTemplate.from_checkpoint(served["root"] / "model").render(
+        [ChatMessage.model_validate(m) for m in history], tools=[ADD])
+    prompt = tok.encode(text, add_special_tokens=False).ids
+    answer = client.chat.completions.create(model=family, messages=history, tools=[ADD], tool_choice="none",
+                                            max_completion_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert answer.choices[0].model_extra["token_ids"] == reference_greedy(served["hf"], prompt, 4)
+    if tool_format(family) != "harmony":
+        return
+    # random weights biased to harmony's markers and channel names write messages of every kind:
+    # each choice's split is the splitter's on its tokens, and some choice has both sides
+    fmt = reasoning_format(tok.get_vocab(with_added_tokens=True), family)
+    bias = {str(tok.token_to_id(m)): 8 for m in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>",
+                                                 "analysis", "final")}
+    think = dict(model=family, messages=ask, max_completion_tokens=64, temperature=1.0, seed=3, n=8,
+                 logit_bias=bias, extra_body={"ignore_eos": True})
+    ask_ids = tok.encode(ChatTemplate.from_checkpoint(served["root"] / "model").render(
+        [ChatMessage.model_validate(m) for m in ask]), add_special_tokens=False).ids
+    both = 0
+    for choice in client.chat.completions.create(**think).choices:
+        ids = choice.model_extra["token_ids"]
+        reasoning, content = split(fmt, ask_ids, ids, lambda t: tok.decode(t, skip_special_tokens=False))
+        assert (choice.message.model_extra.get("reasoning_content") or "") == tok.decode(reasoning)
+        assert (choice.message.content or "") == tok.decode(content)
+        both += bool(reasoning and content)
+    assert both, "no choice wrote both an analysis message and an answer"
+    streamed = {}
+    for c in client.chat.completions.create(**think, stream=True):
+        for ch in c.choices:
+            got = streamed.setdefault(ch.index, ["", ""])
+            got[0] += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            got[1] += ch.delta.content or ""
+    whole = client.chat.completions.create(**think).choices
+    assert {i: [(c.message.model_extra.get("reasoning_content") or ""), c.message.content or ""]
+            for i, c in enumerate(whole)} == streamed
 
 
 def test_per_expert_load_is_counted_by_expert_id_on_sparse_layers_only(served):
