@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import yaml
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from invalid_manifests import VALID
@@ -332,6 +332,7 @@ _WHERE = [("spec",), ("spec", "model"), ("spec", "model", "path"), ("spec", "exp
 
 @settings(max_examples=300, deadline=None)
 @given(edits=st.lists(st.tuples(st.sampled_from(_WHERE), _SHAPES), min_size=1, max_size=3))
+@example(edits=[(("spec", "model", "path"), "\x00")])  # a relative path with a NUL byte crashed moectl up
 def test_generated_shapes_never_raise_and_each_problem_names_a_path(tmp_path_factory, edits):
     """What `moectl up` reads: any shape at any of these places is a spec or a list of problems,
     each starting with the path it is about, never an exception."""

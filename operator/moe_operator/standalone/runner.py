@@ -117,20 +117,23 @@ def load_manifest(path: Path) -> Manifest:
     if shape:
         return Manifest(name, namespace, None, shape, doc)
     base = path.resolve().parent
-    model = spec_raw.get("model") or {}
-    if isinstance(model.get("path"), str) and model["path"] and not model["path"].startswith("/"):
-        model["path"] = str((base / model["path"]).resolve())
     cold = ((spec_raw.get("experts") or {}).get("tiers") or {}).get("cold") or {}
-    if isinstance(cold.get("path"), str) and cold["path"] and not cold["path"].startswith("/"):
-        cold["path"] = str((base / cold["path"]).resolve())
-    for o in (spec_raw.get("experts") or {}).get("overrides") or []:
-        w = o.get("weights") or {}
-        if isinstance(w.get("path"), str) and w["path"] and not w["path"].startswith("/"):
-            w["path"] = str((base / w["path"]).resolve())
+    overrides = [o.get("weights") or {} for o in (spec_raw.get("experts") or {}).get("overrides") or []]
+    for holder in [spec_raw.get("model") or {}, cold, *overrides]:
+        _beside_manifest(holder, base)
     try:
         return Manifest(name, namespace, parse_spec(spec_raw), [], doc, spec_raw, dropped)
     except SpecError as err:
         return Manifest(name, namespace, None, err.problems, doc, spec_raw, dropped)
+
+
+def _beside_manifest(holder: dict, base: Path) -> None:
+    """A relative `path` of the manifest, made absolute beside it (moectl up's convenience; the
+    apiserver takes absolute ones only). One that names no file (a NUL byte) is left as it is,
+    for the spec's own check to name."""
+    value = holder.get("path")
+    if isinstance(value, str) and value and not value.startswith("/") and "\x00" not in value:
+        holder["path"] = str((base / value).resolve())
 
 
 @dataclass
