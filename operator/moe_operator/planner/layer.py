@@ -140,6 +140,18 @@ class LayerState:
         listed = {g: sorted(self.hosts[g], key=key.__getitem__) for g in set(tops) | set(lightest)}
         wt = {x: self.weight(x) for g in listed for x in listed[g]}
         by_weight = {g: sorted((wt[x], key[x], x) for x in listed[g]) for g in lightest}
+        in_order: dict[int, list[str]] = {}  # a group's experts in id order, sorted once a call
+
+        def ordered(g: int) -> list[str]:
+            if g not in in_order:
+                in_order[g] = listed[g] if g in listed else sorted(self.hosts[g], key=key.__getitem__)
+            return in_order[g]
+
+        def weight(x: str) -> float:
+            if x not in wt:
+                wt[x] = self.weight(x)
+            return wt[x]
+
         for gm in tops:
             for e in listed[gm]:
                 w = wt[e]
@@ -186,10 +198,10 @@ class LayerState:
                         s = self._score(d, order, top, n_top)
                         if s:
                             yield s, top, n_top, self._cost([(g, e)]), ("replicate", e, g)
-                    for f in sorted(self.hosts[g], key=key.__getitem__):  # replace a spare copy in g
+                    for f in ordered(g):  # replace a spare copy in g
                         if self.copies[f] < 2:
                             continue
-                        wf, wf2 = self.weight(f), self.load[f] / (self.copies[f] - 1)
+                        wf, wf2 = weight(f), self.load[f] / (self.copies[f] - 1)
                         d = dict(mine)
                         for h in range(G):
                             if h != g and f in self.hosts[h]:
