@@ -109,6 +109,14 @@ def test_moectl_up_serves_reconciles_and_stops(tmp_path):
         assert [r["expert"] for r in rows] == [f"{l}.{e}" for l in range(2) for e in range(4)]
         assert all(r["version"].startswith("sha256:") and r["replicas"] == 1 for r in rows)
         assert sum(r["tokens"] for r in rows) > 0
+        picked = json.loads(_moectl("experts", "tiny", "--local", "--layer", "1", "--top", "2", "-o", "json",
+                                    env=env).stdout)["experts"]
+        assert [r["expert"] for r in picked] == [r["expert"] for r in sorted(
+            (r for r in rows if r["expert"].startswith("1.")), key=lambda r: -r["tokens"])][:2]
+        group = _moectl("experts", "tiny", "--local", "--group", "0", env=env).stdout.splitlines()[1:]
+        assert group and all("0" in line.split()[1].split(",") for line in group)
+        bad = _moectl("experts", "tiny", "--local", "--layer", "2-1", env=env, check=False)
+        assert bad.returncode == 2 and "--layer: '2-1' is not a layer or a range" in bad.stderr
         frame = _moectl("top", "tiny", "--local", "--once", env=env).stdout
         assert "layer" in frame and "imbalance" in frame
         result = json.loads(_moectl("bench", "tiny", "--local", "--duration", "2", "--concurrency", "2",

@@ -55,34 +55,115 @@ def expert_rows(report: dict) -> list[dict]:
     return out
 
 
-def load_grid(report: dict) -> tuple[list[list[int]], int, int]:
-    """tokens[layer][expert] summed over replicas (pure)."""
+def select_rows(rows: list[dict], layers: set[int] | None = None, group: str | None = None,
+                top: int | None = None) -> list[dict]:
+    """The expert rows of these layers and this group (a name, or its number), the `top` most
+    loaded first when given (pure)."""
+    if group is not None and group.isdigit():
+        group = f"ExpertShard-{group}"
+    out = [r for r in rows if (layers is None or expert_key(r["expert"])[0] in layers)
+           and (group is None or group in r["groups"])]
+    if top is not None:
+        out = sorted(out, key=lambda r: (-r["tokens"], expert_key(r["expert"])))[:top]
+    return out
+
+
+def parse_layers(text: str) -> set[int]:
+    """'3', '3-5', '3-5,9' -> the layer numbers; ValueError naming what is wrong."""
+    layers: set[int] = set()
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (hi.isdigit() and int(hi) < int(lo)):
+            raise ValueError(f"{part.strip()!r} is not a layer or a range of layers (like 3, 3-5 or 3-5,9)")
+        layers.update(range(int(lo), int(hi or lo) + 1))
+    return layers
+
+
+def layer_summary(rows: list[dict]) -> list[dict]:
+    """Per layer: experts, copies (replicas over groups), copies per tier, tokens and the most
+    loaded expert, from expert rows (pure): what moectl experts shows when one row an expert is
+    more than a person reads."""
+    layers: dict[int, dict] = {}
+    for r in rows:
+        layer = expert_key(r["expert"])[0]
+        s = layers.setdefault(layer, {"layer": layer, "experts": 0, "copies": 0, "tiers": {}, "tokens": 0,
+                                      "hottest": None, "hottest_tokens": -1})
+        s["experts"] += 1
+        s["copies"] += r["replicas"]
+        for tier, n in r["tiers"].items():
+            s["tiers"][tier] = s["tiers"].get(tier, 0) + n
+        s["tokens"] += r["tokens"]
+        if r["tokens"] > s["hottest_tokens"]:
+            s["hottest"], s["hottest_tokens"] = r["expert"], r["tokens"]
+    return [layers[k] for k in sorted(layers)]
+
+
+def summary_table(summary: list[dict], total: int) -> Table:
+    """moectl experts' table of `layer_summary` rows; `total`: every expert's tokens."""
+    table = Table(box=None, header_style="bold")
+    for col in ("LAYER", "EXPERTS", "COPIES", "TIERS", "LOAD", "BUSIEST"):
+        table.add_column(col, justify="left" if col in ("TIERS", "BUSIEST") else "right", no_wrap=True)
+    for s in summary:
+        tiers = " ".join(f"{t} {n}" for t, n in sorted(s["tiers"].items()))
+        share = 100 * s["hottest_tokens"] / s["tokens"] if s["tokens"] else 0.0
+        table.add_row(str(s["layer"]), str(s["experts"]), str(s["copies"]), tiers,
+                      f"{s['tokens']} ({100 * s['tokens'] / total:.1f}%)",
+                      f"{s['hottest']} ({share:.1f}% of the layer)" if s["tokens"] else "-")
+    return table
+
+
+def load_grid(report: dict) -> tuple[list[list[int]], list[int], int]:
+    """tokens[row][expert] summed over replicas, a row for each layer that has routed experts
+    (the layers, in order; the number of experts a layer) (pure)."""
     cells: dict[tuple[int, int], int] = {}
     for r in report.get("replicas") or []:
         for eid, v in (r.get("versions") or {}).items():
             layer, expert = expert_key(eid)
             cells[(layer, expert)] = cells.get((layer, expert), 0) + int(v.get("tokens", 0))
-    layers = max((l for l, _ in cells), default=-1) + 1
+    layers = sorted({layer for layer, _ in cells})
     experts_ = max((e for _, e in cells), default=-1) + 1
-    return [[cells.get((l, e), 0) for e in range(experts_)] for l in range(layers)], layers, experts_
+    return [[cells.get((layer, e), 0) for e in range(experts_)] for layer in layers], layers, experts_
 
 
-def heatmap(grid: list[list[float]], title: str) -> Table:
-    """Rows = layers, columns = experts; cell shade by share of the layer's load."""
-    shades = ["grey23", "grey42", "dark_cyan", "cyan", "yellow", "orange1", "red1"]
-    table = Table(title=title, box=None, header_style="bold", pad_edge=False)
+SHADES = ["grey23", "grey42", "dark_cyan", "cyan", "yellow", "orange1", "red1"]
+CELL = 8  # "██ 12345": one expert's column with its count
+
+
+def _shade(share: float, experts: int) -> str:
+    """An expert's colour by its share of the layer's load: grey well under the even share
+    (1 / experts), cyan about it, red at 2x and over."""
+    return SHADES[min(len(SHADES) - 1, int(share * experts * (len(SHADES) - 1) / 2))]
+
+
+def heatmap(grid: list[list[float]], title: str, layers: list[int] | None = None, width: int = 200) -> Table:
+    """Rows = layers, columns = experts; a cell's shade is the expert's share of its layer's load.
+    Wider than `width` characters (DeepSeek-V3: 256 experts), a column stands for a run of
+    adjacent experts, shaded by the busiest of them, without counts; each row then names its
+    busiest expert."""
+    experts = len(grid[0]) if grid else 0
+    layers = list(range(len(grid))) if layers is None else layers
+    fit = max(1, (width - 30) // CELL)
+    per = 1 if experts <= fit else -(-experts // max(1, width - 40))  # experts a column
+    table = Table(title=title, box=None, header_style="bold", pad_edge=False,
+                  caption=None if per == 1 else f"a column: {per} adjacent experts, shaded by the busiest")
     table.add_column("layer", justify="right")
-    for e in range(len(grid[0]) if grid else 0):
-        table.add_column(str(e), justify="right")
+    if per == 1:
+        for e in range(experts):
+            table.add_column(str(e), justify="right")
+    else:
+        table.add_column(f"experts 0-{experts - 1}", no_wrap=True)
+        table.add_column("busiest", justify="right")
     table.add_column("imbalance", justify="right")
-    for l, row in enumerate(grid):
+    for layer, row in zip(layers, grid):
         total = sum(row)
-        peak = max(row) if row else 0
-        cells = []
-        for v in row:
-            share = v / total if total else 0.0
-            level = min(len(shades) - 1, int(share * len(row) * (len(shades) - 1) / 2)) if total else 0
-            cells.append(f"[{shades[level]}]{'█' * 2} {v:>5.0f}[/]")
         mean = total / len(row) if row else 0
-        table.add_row(str(l), *cells, f"{peak / mean:.2f}" if mean else "-")
+        peak = max(row) if row else 0
+        shares = [v / total if total else 0.0 for v in row]
+        if per == 1:
+            cells = [f"[{_shade(sh, experts)}]{'█' * 2} {v:>5.0f}[/]" for v, sh in zip(row, shares)]
+        else:
+            strip = "".join(f"[{_shade(max(shares[k:k + per]), experts)}]█[/]" for k in range(0, experts, per))
+            busiest = max(range(experts), key=lambda e: row[e]) if total else None
+            cells = [strip, "-" if busiest is None else f"{layer}.{busiest} {100 * shares[busiest]:.1f}%"]
+        table.add_row(str(layer), *cells, f"{peak / mean:.2f}" if mean else "-")
     return table
