@@ -50,7 +50,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -59,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator")]
 
 import requests  # noqa: E402
+from figures import scratch  # noqa: E402
 import yaml  # noqa: E402
 
 from moe_operator.loadgen import LoadGen, model_info, percentiles, summarize  # noqa: E402
@@ -422,7 +422,7 @@ def main() -> int:
     a = parse_args()
     if a.quick:
         a.phase_s, a.steady_s, a.stall_s = 10.0, 8.0, 10.0
-    work = Path(tempfile.mkdtemp(prefix="moe-bench-chaos-"))
+    work = scratch("moe-bench-chaos-")
     result = {"phase_s": a.phase_s, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens}
     if a.kubernetes:
         a.only = "kubernetes"

@@ -1,10 +1,21 @@
-"""How every benchmark ends: its results as JSON, and its figures as `name: value` lines (what the
-README quotes and CI logs keep)."""
+"""How every benchmark ends: its results as JSON, its figures as `name: value` lines (what the
+README quotes and CI logs keep), and its scratch directories gone."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
+import tempfile
 from pathlib import Path
+
+
+def scratch(prefix: str) -> Path:
+    """A new directory under the system's temporary one, removed when the benchmark exits (its
+    checkpoints and Ray sessions run to gigabytes)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def report(out: str | Path, results: dict, figures: dict[str, float], digits: int = 3) -> int:

@@ -29,6 +29,7 @@ sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator"), str(REPO / "bench
 import requests  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from figures import scratch  # noqa: E402
 from serving import ensure_checkpoint, model_shape, prompts  # noqa: E402
 
 EID = "0.1"
@@ -54,7 +55,7 @@ def main() -> int:
     a = parse_args()
     shape = model_shape(a.quick)
     path = ensure_checkpoint(a.cache_dir, shape)
-    work = Path(tempfile.mkdtemp(prefix="moe-bench-hotswap-"))
+    work = scratch("moe-bench-hotswap-")
     weights = work / "weights"
     weights.mkdir()
     from moe_workers.model.checkpoint import Checkpoint
@@ -86,7 +87,7 @@ def main() -> int:
     args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=groups, max_batch_size=a.clients,
                    kv_cache_budget_bytes=2**30, max_queued_requests=256, max_model_len=256, ingress_num_cpus=1,
                    shard_num_cpus=1, ingress_torch_threads=2, allowed_weight_roots=[str(weights)])
-    head = LocalRayHead(work_dir=Path(tempfile.mkdtemp(prefix="moe-bench-ray-")), num_cpus=8).start()
+    head = LocalRayHead(work_dir=scratch("moe-bench-ray-"), num_cpus=8).start()
     try:
         ray = head.connect_driver(namespace="bench")
         from ray import serve

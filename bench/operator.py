@@ -27,13 +27,12 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import requests
-from figures import report
+from figures import report, scratch
 
 REPO = Path(__file__).resolve().parents[1]
 KOPF = str(Path(sys.executable).with_name("kopf"))
@@ -222,7 +221,7 @@ def node_bench(out: str) -> int:
     from moe_workers.model.random_init import write_random_mixtral
 
     subprocess.run([str(REPO / "scripts" / "testenv"), "install"], check=True)
-    work = Path(tempfile.mkdtemp(prefix="moe-bench-node-"))
+    work = scratch("moe-bench-node-")
     models = work / "models"
     write_random_mixtral(models / "tiny", num_layers=2, num_experts=4, hidden_size=32, intermediate_size=64,
                          vocab_size=128)
@@ -330,7 +329,7 @@ def main() -> int:
     from moe_operator.standalone.local_ray import free_port
     from moe_workers.model.random_init import write_random_mixtral
 
-    work = Path(tempfile.mkdtemp(prefix="moe-bench-op-"))
+    work = scratch("moe-bench-op-")
     model = write_random_mixtral(work / "models" / "tiny", num_layers=2, num_experts=4, hidden_size=32,
                                  intermediate_size=64, vocab_size=128)
     cp = start_control_plane(work / "k8s")

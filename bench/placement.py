@@ -44,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator"), str(REPO / "bench")]
 
-from figures import report  # noqa: E402
+from figures import report, scratch  # noqa: E402
 
 from moe_operator.planner.initial import initial_placement, moved_experts  # noqa: E402
 from moe_operator.planner.layer import slots_per_group  # noqa: E402
@@ -163,7 +163,6 @@ def onset_to_balanced() -> dict:
     import os
     import signal
     import subprocess
-    import tempfile
     import threading
 
     import requests
@@ -174,7 +173,7 @@ def onset_to_balanced() -> dict:
     from moe_operator.standalone.local_ray import free_port
 
     moectl = str(Path(sys.executable).with_name("moectl"))
-    work = Path(tempfile.mkdtemp(prefix="moe-bench-onset-"))
+    work = scratch("moe-bench-onset-")
     env = {**os.environ, "MOE_STATE_DIR": str(work / "state")}
     make_skewed_mixtral(work / "models" / "skewed", num_local_experts=8, hot_experts=(0, 4))
     defaults = {"mode": "Auto", "redundantExpertSlots": 4}  # every timing at its default

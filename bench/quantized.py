@@ -42,7 +42,7 @@ sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator"), str(REPO / "bench
 import requests  # noqa: E402
 import torch  # noqa: E402
 
-from figures import report  # noqa: E402
+from figures import report, scratch  # noqa: E402
 from serving import prompts  # noqa: E402
 from tiering import direct_read  # noqa: E402
 from moe_workers.store.fileread import drop_from_page_cache  # noqa: E402
@@ -224,7 +224,7 @@ def bench_served(paths: dict[str, Path], work: Path, batches: tuple[int, ...], t
     ram = per_shard * bf16.nbytes(HOT) // 4  # 25% of a shard's experts in bf16, for both checkpoints
     placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in layers for e in range(experts) if e % groups == g]
                  for g in range(groups)}
-    head = LocalRayHead(work_dir=Path(tempfile.mkdtemp(prefix="moe-bench-ray-")), num_cpus=8).start()
+    head = LocalRayHead(work_dir=scratch("moe-bench-ray-"), num_cpus=8).start()
     cap = MemoryCap("moe-bench-shard")
     out: dict = {"ram_per_shard_bytes": ram, "experts_per_shard": per_shard, "cap": None}
     try:
@@ -296,7 +296,7 @@ def bench_served(paths: dict[str, Path], work: Path, batches: tuple[int, ...], t
 def main() -> int:
     a = parse_args()
     cache = Path(a.cache_dir)
-    work = Path(tempfile.mkdtemp(prefix="moe-bench-quantized-"))
+    work = scratch("moe-bench-quantized-")
     results: dict = {"torch_threads": torch.get_num_threads()}
     figures: dict = {}
     if a.only in (None, "store"):

@@ -34,14 +34,13 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "workers"), str(REPO / "bench")]
 
-from figures import report  # noqa: E402
+from figures import report, scratch  # noqa: E402
 from placement import reference  # noqa: E402
 from rich.console import Console  # noqa: E402
 
@@ -100,7 +99,7 @@ def rates_for(placement: dict[str, list[str]], load: dict[str, float]) -> dict[t
 
 
 def one(shape: str, groups: int) -> dict:
-    root = tempfile.mkdtemp(prefix="moe-bench-scale-")
+    root = str(scratch("moe-bench-scale-"))
     settings = Settings(allowed_roots=(root,))
     obj = ObjectRef("default", "big", 1, uid="00000000-0000-0000-0000-000000000000")
     raw = manifest(root, shape, groups)

@@ -26,7 +26,7 @@ from pathlib import Path
 import requests
 import torch
 
-from figures import report  # the bench directory: this script's own, or its importer's
+from figures import report, scratch  # the bench directory: this script's own, or its importer's
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -213,7 +213,7 @@ def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_la
     from moe_operator.standalone.local_ray import LocalRayHead
     from moe_workers.serve.config import AppArgs, serve_application
 
-    head = LocalRayHead(work_dir=Path(tempfile.mkdtemp(prefix="moe-bench-ray-")), num_cpus=8).start()
+    head = LocalRayHead(work_dir=scratch("moe-bench-ray-"), num_cpus=8).start()
     try:
         ray = head.connect_driver(namespace="bench")
         from ray import serve
@@ -446,7 +446,7 @@ def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
 
     rows, figures = [], {}
     for n in layer_counts:
-        out = Path(tempfile.mkdtemp(prefix="moe-bench-deep-")) / "point.json"
+        out = scratch("moe-bench-deep-") / "point.json"
         cmd = [sys.executable, __file__, "--deep-point", str(n), "--out", str(out), "--threads", str(a.threads),
                "--shard-threads", str(a.shard_threads), "--cache-dir", a.cache_dir, "--deep-threads", str(a.deep_threads),
                "--deep-rounds", str(a.deep_rounds), "--family", a.family, "--deep-channels", a.deep_channels,

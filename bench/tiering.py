@@ -43,7 +43,7 @@ sys.path[:0] = [str(REPO / "workers"), str(REPO / "operator"), str(REPO / "bench
 import requests  # noqa: E402
 import torch  # noqa: E402
 
-from figures import report  # noqa: E402
+from figures import report, scratch  # noqa: E402
 from serving import ensure_checkpoint, model_shape, prompts  # noqa: E402
 from moe_workers.store.fileread import drop_from_page_cache  # noqa: E402
 
@@ -382,7 +382,7 @@ def bench_served(path: Path, shape: dict, work_dir: Path, batches: tuple[int, ..
     placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in range(layers) for e in range(experts) if e % groups == g]
                  for g in range(groups)}
     cold_dir = work_dir / "served-cold"
-    head = LocalRayHead(work_dir=Path(tempfile.mkdtemp(prefix="moe-bench-ray-")), num_cpus=8).start()
+    head = LocalRayHead(work_dir=scratch("moe-bench-ray-"), num_cpus=8).start()
     out = {}
     try:
         head.connect_driver(namespace="bench")
@@ -465,7 +465,7 @@ def main() -> int:
     a = parse_args()
     shape = model_shape(a.quick)
     path = ensure_checkpoint(a.cache_dir, shape)
-    work = Path(tempfile.mkdtemp(prefix="moe-bench-tiering-"))
+    work = scratch("moe-bench-tiering-")
     print(f"model {shape}", flush=True)
     results: dict = {"shape": shape}
 
