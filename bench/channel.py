@@ -2,6 +2,15 @@
 
     python bench/channel.py            # batch 1 and 64 x hidden 1024 fp32, to 2 and 4 peers
     python bench/channel.py --quick
+    python bench/channel.py --netns    # and across nodes: the peers in their own network
+                                       # namespace behind a veth pair, as a Pod on the node's
+                                       # bridge is (needs root and `ip`)
+
+--netns adds, per batch and peer count, the channel over TCP to peers in another network
+namespace (their ExchangeServers bound to that namespace's address only, token checked, as in a
+Pod) against the raw TCP round trip between the same namespaces. Figures:
+`cross-node-dispatch-ms-per-layer-batch{1,64}` (one exchange a layer to 2 peers) and
+`cross-node-over-raw-tcp-batch{1,64}`.
 
 Peers are separate processes. Ours: `ExpertChannel.exchange` to `ExchangeServer`s whose compute
 copies the rows back (transport only: framing, routing to replicas, tensors in and out), over TCP
@@ -16,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,12 +47,15 @@ def parse_args():
     p.add_argument("--batches", default="1,64")
     p.add_argument("--peers", default="2,4")
     p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--netns", action="store_true", help="also across a veth pair into another network namespace")
+    p.add_argument("--serve", choices=["raw", "channel"], help=argparse.SUPPRESS)  # a peer (inside the namespace)
+    p.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "channel.json"))
     return p.parse_args()
 
 
-def _raw_server(ready, port_out):
-    s = socket.create_server(("127.0.0.1", 0))
+def _raw_server(ready, port_out, host="127.0.0.1"):
+    s = socket.create_server((host, 0))
     port_out.value = s.getsockname()[1]
     ready.set()
     c, _ = s.accept()
@@ -59,7 +73,7 @@ def _raw_server(ready, port_out):
         c.sendmsg([h, mv[:n]])
 
 
-def _channel_server(ready, port_out, name_out):
+def _channel_server(ready, port_out, name_out, host="127.0.0.1"):
     import torch
 
     torch.set_num_threads(1)
@@ -68,9 +82,9 @@ def _channel_server(ready, port_out, name_out):
     def compute(layer, x, experts, counts, prefetch, out, top1=None):
         out.copy_(x)
 
-    server = ExchangeServer(compute, lambda: ["bench"])
+    server = ExchangeServer(compute, lambda: ["bench"], host=host)
     port_out.value = server.port
-    name_out.value = server.local_endpoint.encode()
+    name_out.value = (server.local_endpoint or "").encode()
     ready.set()
     while True:
         time.sleep(3600)
@@ -91,6 +105,66 @@ def _start(target, n, named: bool = False):
     return (procs, ports, names) if named else (procs, ports)
 
 
+class _Value:  # what a peer in another namespace reports, as mp.Value / mp.Array would hold it
+    def __init__(self, value=None):
+        self.value = value
+
+
+def _serve_here(kind: str, host: str) -> None:
+    """A peer started inside the namespace: say its port, then serve until killed."""
+    port, name = _Value(0), _Value(b"")
+
+    class Ready:
+        def set(self):
+            print(f"PORT {port.value}", flush=True)
+
+    if kind == "raw":
+        _raw_server(Ready(), port, host)
+    else:
+        _channel_server(Ready(), port, name, host)
+
+
+class Namespace:
+    """A network namespace joined to this one by a veth pair: this side .1, the other .2 of a /30
+    (as a Pod's interface on the node's bridge). Peers run inside it through `ip netns exec`."""
+
+    def __init__(self):
+        tag = f"{os.getpid() % 100000}"
+        self.name, self.here, self.there = f"moe-bench-{tag}", f"mbv{tag}a", f"mbv{tag}b"
+        octet = os.getpid() % 250 + 1
+        self.local, self.remote = f"10.231.{octet}.1", f"10.231.{octet}.2"
+
+    def __enter__(self):
+        for cmd in (["ip", "netns", "add", self.name],
+                    ["ip", "link", "add", self.here, "type", "veth", "peer", "name", self.there],
+                    ["ip", "link", "set", self.there, "netns", self.name],
+                    ["ip", "addr", "add", f"{self.local}/30", "dev", self.here],
+                    ["ip", "link", "set", self.here, "up"],
+                    ["ip", "netns", "exec", self.name, "ip", "addr", "add", f"{self.remote}/30", "dev", self.there],
+                    ["ip", "netns", "exec", self.name, "ip", "link", "set", self.there, "up"],
+                    ["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"]):
+            subprocess.run(cmd, check=True, capture_output=True)
+        return self
+
+    def __exit__(self, *exc):
+        subprocess.run(["ip", "link", "del", self.here], capture_output=True)  # takes its peer along
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+
+    def start(self, kind: str, n: int) -> tuple[list[subprocess.Popen], list[int]]:
+        procs, ports = [], []
+        for _ in range(n):
+            p = subprocess.Popen(["ip", "netns", "exec", self.name, sys.executable, __file__, "--serve", kind,
+                                  "--host", self.remote], stdout=subprocess.PIPE, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(REPO / "workers")})
+            line = p.stdout.readline()
+            if not line.startswith("PORT "):
+                p.kill()
+                raise RuntimeError(f"a {kind} peer in {self.name} did not start")
+            procs.append(p)
+            ports.append(int(line.split()[1]))
+        return procs, ports
+
+
 def _time(fn, iters: int) -> float:
     for _ in range(max(10, iters // 20)):
         fn()
@@ -103,12 +177,13 @@ def _time(fn, iters: int) -> float:
     return statistics.median(samples)
 
 
-def raw_round_trip(peers: int, nbytes: int, iters: int) -> float:
-    procs, ports = _start(_raw_server, peers)
+def raw_round_trip(peers: int, nbytes: int, iters: int, ns: Namespace | None = None) -> float:
+    procs, ports = _start(_raw_server, peers) if ns is None else ns.start("raw", peers)
+    host = "127.0.0.1" if ns is None else ns.remote
     try:
         conns = []
         for port in ports:
-            c = socket.create_connection(("127.0.0.1", port))
+            c = socket.create_connection((host, port))
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conns.append(c)
         payload = bytes(nbytes)
@@ -130,21 +205,27 @@ def raw_round_trip(peers: int, nbytes: int, iters: int) -> float:
             p.kill()
 
 
-def channel_round_trip(peers: int, rows: int, hidden: int, iters: int, as_app: bool = False) -> float:
+def channel_round_trip(peers: int, rows: int, hidden: int, iters: int, as_app: bool = False,
+                       ns: Namespace | None = None) -> float:
     """as_app: the channel as the app sets it up with its peers on one node (their Unix sockets,
-    the default poll for a small exchange's replies); else TCP, blocking reads."""
+    the default poll for a small exchange's replies); else TCP, blocking reads. `ns`: the peers in
+    that namespace (another node: TCP across the veth, with the app's poll)."""
     import torch
 
     from moe_workers.serve.config import EXCHANGE_SPIN_US
     from moe_workers.transport import ExpertChannel, Member, Part
 
-    procs, ports, names = _start(_channel_server, peers, named=True)
+    if ns is None:
+        procs, ports, names = _start(_channel_server, peers, named=True)
+        host, node = "127.0.0.1", "bench"
+    else:
+        (procs, ports), names, host, node = ns.start("channel", peers), [""] * peers, ns.remote, "other"
     try:
-        if as_app:
+        if as_app or ns is not None:
             ch = ExpertChannel(node="bench", spin_s=EXCHANGE_SPIN_US / 1e6)
         else:
             ch = ExpertChannel()
-        ch.update([Member(f"g{i}", f"r{i}", f"127.0.0.1:{port}", local_endpoint=name, node="bench")
+        ch.update([Member(f"g{i}", f"r{i}", f"{host}:{port}", local_endpoint=name, node=node)
                    for i, (port, name) in enumerate(zip(ports, names))], "bench")
         x = torch.randn(rows, hidden)
         parts = {f"g{i}": Part([i], [rows], x) for i in range(peers)}
@@ -160,6 +241,9 @@ def channel_round_trip(peers: int, rows: int, hidden: int, iters: int, as_app: b
 
 def main() -> int:
     a = parse_args()
+    if a.serve:
+        _serve_here(a.serve, a.host)
+        return 0
     batches = [int(b) for b in a.batches.split(",")]
     peer_counts = [int(p) for p in a.peers.split(",")]
     iters = 200 if a.quick else a.iters
@@ -179,7 +263,24 @@ def main() -> int:
             figures[f"channel-ms-batch{b}-{n}-peers"] = ours * 1e3
             figures[f"channel-over-raw-batch{b}-{n}-peers"] = ours / raw
             figures[f"channel-as-app-over-raw-batch{b}-{n}-peers"] = app / raw
-    return report(a.out, {"hidden": a.hidden, "rows": rows_out}, figures)
+    cross = []
+    if a.netns:
+        print("\nacross a veth pair into another network namespace (TCP; the same node over Unix sockets beside it)")
+        print(f"{'batch':>5} {'peers':>5} {'raw TCP ms':>11} {'channel ms':>11} {'ratio':>6} {'same node ms':>13}")
+        with Namespace() as ns:
+            for b in batches:
+                for n in peer_counts:
+                    nbytes = b * a.hidden * 4
+                    raw = raw_round_trip(n, nbytes, iters, ns)
+                    ours = channel_round_trip(n, b, a.hidden, iters, ns=ns)
+                    local = next(r["channel_as_app_ms"] for r in rows_out if r["batch"] == b and r["peers"] == n)
+                    cross.append({"batch": b, "peers": n, "bytes": nbytes, "raw_tcp_ms": raw * 1e3,
+                                  "channel_ms": ours * 1e3, "same_node_ms": local})
+                    print(f"{b:5} {n:5} {raw * 1e3:11.3f} {ours * 1e3:11.3f} {ours / raw:6.2f} {local:13.3f}")
+                    if n == min(peer_counts):
+                        figures[f"cross-node-dispatch-ms-per-layer-batch{b}"] = ours * 1e3
+                        figures[f"cross-node-over-raw-tcp-batch{b}"] = ours / raw
+    return report(a.out, {"hidden": a.hidden, "rows": rows_out, "cross_node": cross}, figures)
 
 
 if __name__ == "__main__":
