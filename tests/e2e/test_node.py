@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import jsonschema
+import openai
 import pytest
 import requests
 from safetensors.torch import save_file
@@ -22,6 +24,8 @@ from load_clients import Load
 from node_cluster import as_yaml, helm_install_args, moedeployment, ray_cluster
 from moe_workers.model.inprocess import InProcessModel
 from moe_workers.model.random_init import write_random_mixtral
+from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
+from moe_workers.serve.chat import write_tokenizer_config
 from moe_workers.store.versions import file_sha256
 from waiting import wait_for
 
@@ -62,11 +66,39 @@ def _dump(k8s) -> str:
     return "\n".join(out)
 
 
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                   "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"],
+    "additionalProperties": False}}}
+ANSWER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "sunny": {"type": "boolean"}},
+          "required": ["city", "sunny"], "additionalProperties": False}
+
+
+def _agent_calls(endpoint: str) -> None:
+    """What an agent framework sends, with the openai client through the cluster's Service: a
+    forced tool call whose arguments fit the function, and JSON held to a schema."""
+    client = openai.OpenAI(base_url=endpoint, api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    ask = [{"role": "user", "content": "What is 2 + 3?"}]
+    called = client.chat.completions.create(model=model, messages=ask, tools=[ADD], parallel_tool_calls=False,
+                                            tool_choice={"type": "function", "function": {"name": "add"}},
+                                            max_completion_tokens=200, temperature=1.0, seed=1).choices[0]
+    assert called.finish_reason == "tool_calls", called
+    jsonschema.validate(json.loads(called.message.tool_calls[0].function.arguments), ADD["function"]["parameters"])
+    answer = client.chat.completions.create(model=model, messages=ask, max_completion_tokens=200, temperature=1.0,
+                                            seed=2, response_format={"type": "json_schema", "json_schema": {
+                                                "name": "answer", "schema": ANSWER}}).choices[0]
+    jsonschema.validate(json.loads(answer.message.content), ANSWER)
+
+
 def test_helm_operator_ray_and_model_in_pods(k8s_node, tmp_path, record_property):
     k8s = k8s_node
     models = tmp_path / "models"
     model = write_random_mixtral(models / "tiny", num_layers=2, num_experts=4, hidden_size=32,
-                                 intermediate_size=64, vocab_size=128, router_scale=10)
+                                 intermediate_size=64, vocab_size=BYTE_VOCAB_SIZE, router_scale=10,
+                                 max_position_embeddings=1024)
+    write_byte_tokenizer(model)  # and init-model's chat template, which renders tools: chat as agents use it
+    write_tokenizer_config(model)
     models.chmod(0o755)
     reference = InProcessModel(model)
     t0 = time.monotonic()
@@ -111,6 +143,7 @@ def test_helm_operator_ray_and_model_in_pods(k8s_node, tmp_path, record_property
 
         want_old = [reference.generate([p], 5, stop_at_eos=True)[0] for p in prompts]
         assert [tokens(p) for p in prompts] == want_old
+        _agent_calls(endpoint)
 
         # moectl hot-swap --wait: a file on the model volume, validated and served by every replica
         original = {w: t.clone() for w, t in reference.experts.weights[(1, 1)].items()}
