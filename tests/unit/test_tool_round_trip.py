@@ -35,6 +35,20 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["a", "b"], "additionalProperties": False}}}]
 
 
+def _generate(path: Path, prompt: list[int], max_tokens: int, **kw) -> GenerationRequest:
+    """One request through a fresh in-process engine on the checkpoint at `path`, to its end."""
+    from test_engine_kv import _engine
+
+    async def run():
+        req = _engine(path).submit(GenerationRequest(prompt=prompt, max_tokens=max_tokens, **kw))
+        while await req.out.get() is not None:
+            pass
+        assert req.error is None, req.error
+        return req
+
+    return asyncio.run(run())
+
+
 def _transformers_render(path: Path, source: str, conversation: list[dict]) -> str:
     from transformers import PreTrainedTokenizerFast
 
@@ -46,7 +60,6 @@ def _transformers_render(path: Path, source: str, conversation: list[dict]) -> s
 @pytest.mark.parametrize("family,template,arguments_as", [("qwen3_moe", "qwen3_tools.jinja", "object"),
                                                          ("deepseek_v3", "deepseek_v3_tools.jinja", "text")])
 def test_a_tool_call_round_trip_in_the_family_convention(tmp_path, family, template, arguments_as):
-    from test_engine_kv import _engine
 
     model = make_family(tmp_path, family, vocab_size=BYTE_VOCAB_SIZE, max_position_embeddings=2048)
     write_byte_tokenizer(tmp_path)
@@ -66,16 +79,11 @@ def test_a_tool_call_round_trip_in_the_family_convention(tmp_path, family, templ
     grammars = Grammars(tmp_path / "tokenizer.json", BYTE_VOCAB_SIZE, model.config.eos_token_id, 1)
     fmt = tool_format(family)
 
-    async def run(prompt, max_tokens, **kw):
-        engine = _engine(tmp_path)
-        req = engine.submit(GenerationRequest(prompt=prompt, max_tokens=max_tokens, **kw))
-        while await req.out.get() is not None:
-            pass
-        assert req.error is None, req.error
-        return req.produced
+    def run(prompt, max_tokens, **kw):
+        return _generate(tmp_path, prompt, max_tokens, **kw).produced
 
-    produced = asyncio.run(run(ids(ask), 300, seed=1, sampling=SamplingParams(temperature=1.0),
-                               constraint=grammars.tool_constraint(fmt, [TOOLS[0]["function"]], False)))
+    produced = run(ids(ask), 300, seed=1, sampling=SamplingParams(temperature=1.0),
+                   constraint=grammars.tool_constraint(fmt, [TOOLS[0]["function"]], False))
     _, calls = parse(fmt, tok.decode(produced, skip_special_tokens=False))
     assert len(calls) == 1 and calls[0].name == "add"
     jsonschema.validate(json.loads(calls[0].arguments), TOOLS[0]["function"]["parameters"])
@@ -94,7 +102,7 @@ def test_a_tool_call_round_trip_in_the_family_convention(tmp_path, family, templ
     else:  # transformers 5.25 cannot render this template's call (content None reads as undefined there)
         assert f"function<｜tool▁sep｜>add\n```json\n{calls[0].arguments}\n```<｜tool▁call▁end｜>" in text
         assert text.endswith("<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>5<｜tool▁output▁end｜><｜tool▁outputs▁end｜>")
-    assert asyncio.run(run(prompt, 5, stop_at_eos=False)) == reference_greedy(model, prompt, 5)
+    assert run(prompt, 5, stop_at_eos=False) == reference_greedy(model, prompt, 5)
 
 
 def test_gpt_oss_calls_a_tool_in_harmony_and_its_call_token_ends_the_turn(tmp_path):
@@ -123,22 +131,17 @@ def test_gpt_oss_calls_a_tool_in_harmony_and_its_call_token_ends_the_turn(tmp_pa
     assert render(ask) == _transformers_render(tmp_path, source, ask)
     assert "type add = (_: {\na: number,\nb: number,\n}) => any;" in render(ask)
 
-    async def run(prompt, max_tokens, **kw):
-        engine = _engine(tmp_path)
-        req = engine.submit(GenerationRequest(prompt=prompt, max_tokens=max_tokens, **kw))
-        while await req.out.get() is not None:
-            pass
-        assert req.error is None, req.error
-        return req
+    def run(prompt, max_tokens, **kw):
+        return _generate(tmp_path, prompt, max_tokens, **kw)
 
     # the model's own choice to call: <|call|> ends the turn as <|return|> does (forced here by a bias)
     assert _engine(tmp_path).dense.cfg.eos_token_ids == (ret, call_token)
-    biased = asyncio.run(run(ids(ask), 8, sampling=SamplingParams(logit_bias=((call_token, 100.0),))))
+    biased = run(ids(ask), 8, sampling=SamplingParams(logit_bias=((call_token, 100.0),)))
     assert biased.produced == [call_token] and biased.finish_reason.value == "stop"
 
     grammars = Grammars(tmp_path / "tokenizer.json", vocab, ret, None)
-    forced = asyncio.run(run(ids(ask), 300, seed=2, sampling=SamplingParams(temperature=1.0),
-                             constraint=grammars.tool_constraint("harmony", [TOOLS[0]["function"]], False)))
+    forced = run(ids(ask), 300, seed=2, sampling=SamplingParams(temperature=1.0),
+                 constraint=grammars.tool_constraint("harmony", [TOOLS[0]["function"]], False))
     raw = tok.decode(forced.produced, skip_special_tokens=False)
     assert raw.startswith("<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"), raw
     assert forced.produced[-1] == call_token
@@ -160,4 +163,4 @@ def test_gpt_oss_calls_a_tool_in_harmony_and_its_call_token_ends_the_turn(tmp_pa
     assert text.endswith(f"<|start|>assistant to=functions.add<|channel|>commentary json<|message|>"
                          f"{calls[0].arguments}<|call|><|start|>functions.add to=assistant<|channel|>commentary"
                          f'<|message|>"5"<|end|><|start|>assistant')
-    assert asyncio.run(run(prompt, 5, stop_at_eos=False)).produced == reference_greedy(model, prompt, 5)
+    assert run(prompt, 5, stop_at_eos=False).produced == reference_greedy(model, prompt, 5)
