@@ -60,7 +60,6 @@ def _transformers_render(path: Path, source: str, conversation: list[dict]) -> s
 @pytest.mark.parametrize("family,template,arguments_as", [("qwen3_moe", "qwen3_tools.jinja", "object"),
                                                          ("deepseek_v3", "deepseek_v3_tools.jinja", "text")])
 def test_a_tool_call_round_trip_in_the_family_convention(tmp_path, family, template, arguments_as):
-
     model = make_family(tmp_path, family, vocab_size=BYTE_VOCAB_SIZE, max_position_embeddings=2048)
     write_byte_tokenizer(tmp_path)
     source = (TEMPLATES / template).read_text()
