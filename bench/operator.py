@@ -8,8 +8,10 @@ A: one MoEDeployment on a local Ray head: seconds from `kubectl apply` to Ready=
    the operator's own work, Ray's (Serve config PUT -> app RUNNING), and the rest (watch latency,
    status write-back). C: passes over an unchanged spec, both backends (Ray REST on that head;
    KubeRay on a RayService CRD with KubeRay's structure): writes per pass (target 0). B: N MoEDeployments reconciled with the render-only Ray backend: time until
-   all are Ready, apiserver requests and operator CPU seconds per reconcile. Writes every result
-   to --out (JSON) and ends with `figure: value` lines.
+   all are Ready, apiserver requests and operator CPU seconds per reconcile. D: beside them, one
+   MoEDeployment of DeepSeek-V3's shape (14,848 experts, 32 groups; bench/scale.py): apply to
+   Ready, and the object's bytes as the apiserver stores it. Writes every result to --out (JSON)
+   and ends with `figure: value` lines.
 
 --node: on `scripts/testenv start --node` (images imported again, so the import is measured):
    the node's start, the images' import, `helm install` -> operator Pod Ready, the Ray head and
@@ -76,6 +78,31 @@ def manifest(name: str, namespace: str, model: Path, prefix: str) -> dict:
                      "ingress": {"numCpus": 0.25, "kvCacheBudget": "16Mi", "routePrefix": prefix},
                      "experts": {"groups": 2, "numCpus": 0.25,
                                  "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}}}}
+
+
+def deepseek_on_the_apiserver(cp: dict, work: Path) -> dict:
+    """D: one MoEDeployment of DeepSeek-V3's shape (bench/scale.py: 14,848 routed experts, 32
+    groups, 32 spare copies a layer; config.json only, through spec.model.shape) beside the N
+    others: seconds from apply to Ready=True through the operator, and the bytes of the object as
+    the apiserver stores it (spec and status)."""
+    from scale import SHAPES, SPARE
+
+    doc = manifest("deepseek-v3", "bench", work / "models" / "deepseek-v3", "/deepseek-v3")
+    doc["spec"]["model"]["shape"] = SHAPES["deepseek-v3"]
+    doc["spec"]["experts"].update(groups=32, tiers={"hot": {"budget": "64Gi"}, "warm": {"budget": "256Gi"}})
+    doc["spec"]["autoscaling"] = {"redundantExpertSlots": SPARE["deepseek-v3"]}
+    t0 = time.perf_counter()
+    kubectl(cp, "apply", "-f", "-", input=json.dumps(doc))
+    while "deepseek-v3" not in ready_names(cp, "bench"):
+        if time.perf_counter() - t0 > 120:
+            status = json.loads(kubectl(cp, "get", "moed", "deepseek-v3", "-n", "bench", "-o", "json")).get("status")
+            raise SystemExit(f"the DeepSeek-V3-shaped MoEDeployment is not Ready after 120 s: {status}")
+        time.sleep(0.2)
+    ready_s = time.perf_counter() - t0
+    stored = kubectl(cp, "get", "moed", "deepseek-v3", "-n", "bench", "-o", "json")
+    render = json.loads((work / "render" / "serve-config.json").read_text())
+    app = next(a for a in render["applications"] if a["route_prefix"] == "/deepseek-v3")
+    return {"apply_to_ready_s": ready_s, "object_bytes": len(stored), "app_config_bytes": len(json.dumps(app))}
 
 
 def start_operator(cp: dict, namespace: str, extra_env: dict, log: Path) -> subprocess.Popen:
@@ -373,6 +400,7 @@ def main() -> int:
             ours = (polls + 2) * per_poll + count + per_poll  # polls, final check, the apply (~ a get + creates)
             operator_requests = max(0.0, requests_total - ours)
             apps = len(json.loads((work / "render" / "serve-config.json").read_text())["applications"])
+            deepseek = deepseek_on_the_apiserver(cp, work)
         finally:
             stop(op)
     finally:
@@ -395,7 +423,12 @@ def main() -> int:
     print(f"  operator CPU                  {cpu:7.2f} s ({cpu / reconciles:.3f} s per reconcile)")
     print(f"  apiserver requests by the operator ~{operator_requests:.0f} ({operator_requests / reconciles:.1f} per reconcile;"
           f" all {requests_total:.0f}, of them the bench's own ~{ours:.0f})")
-    figures = {"apply-to-ready-s": total, "operator-share-of-apply-to-ready": operator_s / total,
+    print("\nD: a DeepSeek-V3-shaped MoEDeployment (14,848 experts, 32 groups) beside them")
+    print(f"  apply -> Ready                {deepseek['apply_to_ready_s']:7.2f} s")
+    print(f"  the object as stored          {deepseek['object_bytes'] / 1024:7.1f} KiB "
+          f"(its Serve application {deepseek['app_config_bytes'] / 1024:.1f} KiB)")
+    figures = {"deepseek-v3-apply-to-ready-s": deepseek["apply_to_ready_s"],
+               "deepseek-v3-object-bytes": deepseek["object_bytes"], "apply-to-ready-s": total, "operator-share-of-apply-to-ready": operator_s / total,
                "ray-share-of-apply-to-ready": ray_s / total, f"all-ready-{count}-s": all_ready,
                "cpu-seconds-per-reconcile": cpu / reconciles, "steady-writes-per-pass-rest": rest_steady[0],
                "steady-writes-per-pass-kuberay": kuberay_steady[0], "steady-pass-s-rest": rest_steady[1],
@@ -407,6 +440,7 @@ def main() -> int:
                                           "changed_pass_s": rest_steady[2]},
                                  "kuberay": {"writes_per_pass": kuberay_steady[0], "pass_s": kuberay_steady[1],
                                              "first_pass_s": kuberay_steady[2]}},
+               "deepseek_v3": deepseek,
                "many": {"count": count, "applications": apps, "all_ready_s": all_ready, "reconciles": reconciles,
                         "operator_cpu_s": cpu, "operator_requests": operator_requests,
                         "apiserver_requests": requests_total, "bench_requests": ours}}
