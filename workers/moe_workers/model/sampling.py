@@ -171,6 +171,14 @@ def _bar(x: torch.Tensor, barred: list[Sequence[int]]) -> None:
         x[torch.as_tensor(r), torch.as_tensor([t for ids in barred for t in ids])] = float("-inf")
 
 
+def _outside_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens of each row (`probs` sorted, most likely first) fall outside its top_p: those
+    the more likely ones already cover; the most likely token always stays."""
+    drop = torch.cumsum(probs, dim=-1) - probs >= top_p
+    drop[:, 0] = False
+    return drop
+
+
 def _warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top_k, top_p over what top_k kept, then min_p (rows that sample)."""
     temp = torch.tensor([p.temperature for p in params], dtype=torch.float64)[:, None]
@@ -190,9 +198,7 @@ def _warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         head, order = torch.topk(probs, min(TOP_P_CANDIDATES, probs.shape[1]), dim=-1)
         if not bool((head.sum(dim=-1, keepdim=True) >= top_p).all()):
             head, order = torch.sort(probs, dim=-1, descending=True)
-        drop = torch.cumsum(head, dim=-1) - head >= top_p
-        drop[:, 0] = False  # the most likely token always stays
-        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, ~drop)
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, ~_outside_nucleus(head, top_p))
         y = y.masked_fill(~keep, float("-inf"))
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)[:, None]
     if bool((min_p > 0).any()):
@@ -253,9 +259,7 @@ def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Te
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)[:, None]
     if bool((top_p < 1.0).any()):
         settled &= (probs.sum(dim=-1, keepdim=True) >= top_p).flatten() | has_k
-        drop = torch.cumsum(probs, dim=-1) - probs >= top_p
-        drop[:, 0] = False  # the most likely token always stays
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(_outside_nucleus(probs, top_p), 0.0)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)[:, None]
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)  # column 0 is the most likely
