@@ -20,6 +20,7 @@ _LUT = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
 # (index_select) is 5x faster on these CPUs than torch's float8 -> float32 conversion
 _E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 CHUNK = 1 << 16  # values decoded at a time on a CPU: the lookup's index and the float32 values stay in cache
+MXFP4_CHUNK = 1 << 21  # mxfp4 values decoded at a time (one lookup a byte: larger runs amortise the call)
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
@@ -34,6 +35,21 @@ def _table(kind: str, device: torch.device) -> torch.Tensor:
             codes = torch.arange(256)
             t = torch.stack((_LUT[codes & 0x0F], _LUT[codes >> 4]), dim=-1)
         t = _TABLES[(kind, device)] = t.to(device)
+    return t
+
+
+def _scaled_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[65536]: for (E8M0 scale byte << 8 | block byte), the byte's two E2M1 values times
+    2^(scale - 127), each product in float32 rounded once to `dtype` (as transformers computes
+    them), the pair held as one integer of twice the dtype's width. 256 KiB for bf16: a block
+    byte decodes in one lookup, its scale applied with it."""
+    key = (f"e2m1x2-scaled-{dtype}", device)
+    t = _TABLES.get(key)
+    if t is None:
+        scale = torch.ldexp(torch.ones(256), torch.arange(-127, 129, dtype=torch.float32))
+        pairs = (scale[:, None, None] * _table("e2m1x2", torch.device("cpu"))[None]).to(dtype).contiguous()
+        wide = {2: torch.int32, 4: torch.int64}[pairs.element_size()]
+        t = _TABLES[key] = pairs.view(wide).view(-1).to(device)
     return t
 
 
@@ -71,20 +87,23 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
 def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """[out, in] from blocks [out, in/32, 16] (low nibble first) and E8M0 scales [out, in/32], on
-    the blocks' device: each byte looked up whole (its two values), times 2^(scale - 127), a few
-    rows at a time, into `out` when given (a hot slot's part: the compute layout is the same
-    [out, in], so each row is written in one pass)."""
-    b = blocks.view(torch.uint8)
+    the blocks' device: each byte, with its group's scale, looked up whole (both values, scaled:
+    `_scaled_pairs`), a run of rows at a time, into `out` when given (a hot slot's part: the
+    compute layout is the same [out, in], so each row is written in one pass)."""
+    b, s = blocks.view(torch.uint8), scales.view(torch.uint8)
     rows, groups = b.shape[0], b.shape[1]
     if out is None:
         out = torch.empty(rows, groups * 32, dtype=dtype, device=b.device)
-    exp = scales.view(torch.uint8).to(torch.int32) - 127
-    scale = torch.ldexp(torch.ones(rows, groups, device=b.device), exp.to(torch.float32))
-    table = _table("e2m1x2", b.device)
-    for r0, r1 in _row_chunks(rows, groups * 32, b.device):
-        v = torch.index_select(table, 0, b[r0:r1].reshape(-1).long())  # [n * groups * 16, 2]
-        v.view(r1 - r0, groups, 32).mul_(scale[r0:r1].unsqueeze(-1))
-        out[r0:r1].copy_(v.view(r1 - r0, groups * 32))
+    if not out.is_contiguous():
+        out.copy_(decode_mxfp4(blocks, scales, dtype))
+        return out
+    table = _scaled_pairs(out.dtype, b.device)
+    pairs = out.view(table.dtype).view(rows, groups * 16)
+    step = rows if b.device.type != "cpu" else max(1, MXFP4_CHUNK // (groups * 32))
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        index = (s[r0:r1].to(torch.int32).unsqueeze(-1) << 8) | b[r0:r1].to(torch.int32)
+        torch.index_select(table, 0, index.view(-1), out=pairs[r0:r1].view(-1))
     return out
 
 
