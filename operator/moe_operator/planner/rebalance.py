@@ -422,9 +422,11 @@ def plan(load: dict[str, float], current: Placement, expert_bytes: int, redundan
     # copies than the budget allows (it can no longer be taken: at DeepSeek-V3's 58 x 256 experts
     # this spares seconds a pass)
     planned: dict[int, LayerState] | None = {}
+    packed_moves = 0
     for layer, s in states.items():
         planned[layer] = _plan_layer(s, affinity or None)
-        if max_moves is not None and sum(p.moved() for p in planned.values()) > max_moves:
+        packed_moves += planned[layer].moved()
+        if max_moves is not None and packed_moves > max_moves:
             planned = None
             break
     if max_moves is not None:

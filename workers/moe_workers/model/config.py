@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .dtypes import COMPUTE
-from .family import Arch, CheckpointError, UnsupportedModel, parse, token_ids
+from .family import Arch, CheckpointError, UnsupportedModel, eos_outside_vocabulary, parse, token_ids
 
 __all__ = ["CheckpointError", "MoEConfig", "UnsupportedModel"]
 
@@ -54,10 +54,10 @@ class MoEConfig(Arch):
             extra = token_ids(raw.get("eos_token_id") if isinstance(raw, dict) else None, "eos_token_id")
         except (json.JSONDecodeError, ValueError) as err:
             raise CheckpointError(f"{path}: {err}") from None
+        problem = eos_outside_vocabulary(extra, self.vocab_size)
+        if problem:
+            raise CheckpointError(f"{path}: {problem}")
         ids = self.eos_token_ids + tuple(i for i in dict.fromkeys(extra) if i not in self.eos_token_ids)
-        if any(i >= self.vocab_size for i in ids):
-            raise CheckpointError(f"{path}: eos_token_id {list(extra)} names an id outside the vocabulary "
-                                  f"of {self.vocab_size}")
         return MoEConfig(**{**self.__dict__, "eos_token_ids": ids,
                             "eos_token_id": self.eos_token_id if self.eos_token_id is not None else ids[0] if ids else None})
 

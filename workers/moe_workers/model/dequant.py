@@ -53,12 +53,12 @@ def _scaled_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _row_chunks(rows: int, per_row: int, device: torch.device, align: int | None = None):
+def _row_chunks(rows: int, per_row: int, device: torch.device, align: int | None = None, chunk: int = CHUNK):
     """(start, end) row ranges covering `rows`, each within one `align`-row band (a scale row;
-    None: one band) and about CHUNK values; the whole band at once on an accelerator (one
+    None: one band) and about `chunk` values; the whole band at once on an accelerator (one
     kernel per op)."""
     align = align or rows
-    step = align if device.type != "cpu" else max(1, min(align, CHUNK // max(1, per_row)))
+    step = align if device.type != "cpu" else max(1, min(align, chunk // max(1, per_row)))
     for band in range(0, rows, align):
         end = min(band + align, rows)
         for r0 in range(band, end, step):
@@ -95,13 +95,11 @@ def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
     if out is None:
         out = torch.empty(rows, groups * 32, dtype=dtype, device=b.device)
     if not out.is_contiguous():
-        out.copy_(decode_mxfp4(blocks, scales, dtype))
+        out.copy_(decode_mxfp4(blocks, scales, out.dtype))
         return out
     table = _scaled_pairs(out.dtype, b.device)
     pairs = out.view(table.dtype).view(rows, groups * 16)
-    step = rows if b.device.type != "cpu" else max(1, MXFP4_CHUNK // (groups * 32))
-    for r0 in range(0, rows, step):
-        r1 = min(r0 + step, rows)
+    for r0, r1 in _row_chunks(rows, groups * 32, b.device, chunk=MXFP4_CHUNK):
         index = (s[r0:r1].to(torch.int32).unsqueeze(-1) << 8) | b[r0:r1].to(torch.int32)
         torch.index_select(table, 0, index.view(-1), out=pairs[r0:r1].view(-1))
     return out

@@ -419,6 +419,13 @@ def token_ids(value, field: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def eos_outside_vocabulary(ids: tuple[int, ...], vocab_size: int) -> str | None:
+    """What is wrong with end-of-sequence ids a model cannot produce, or None."""
+    if any(i >= vocab_size for i in ids):
+        return f"eos_token_id {list(ids)} names an id outside the vocabulary of {vocab_size}"
+    return None
+
+
 def _mixtral(raw: dict, c: dict) -> Arch:
     return Arch(**c, family="mixtral", intermediate_size=int(raw["intermediate_size"]),
                 num_experts=int(raw["num_local_experts"]), sliding_window=raw.get("sliding_window"),
@@ -524,9 +531,9 @@ def _check(a: Arch, raw: dict, source: str) -> None:
     if not a.sparse_layers:
         raise CheckpointError(f"{source}: no layer has routed experts (check decoder_sparse_step, mlp_only_layers "
                               f"or first_k_dense_replace): this is not a mixture-of-experts model")
-    if any(i >= a.vocab_size for i in a.eos_token_ids):
-        raise CheckpointError(f"{source}: eos_token_id {list(a.eos_token_ids)} names an id outside the vocabulary "
-                              f"of {a.vocab_size}")
+    problem = eos_outside_vocabulary(a.eos_token_ids, a.vocab_size)
+    if problem:
+        raise CheckpointError(f"{source}: {problem}")
     if a.layer_types is not None and len(a.layer_types) != a.num_layers:
         raise CheckpointError(f"{source}: layer_types has {len(a.layer_types)} entries for {a.num_layers} layers")
     if a.router in ("sigmoid_group", "softmax_group") and (a.num_experts % a.n_group or a.topk_group > a.n_group):

@@ -154,7 +154,6 @@ class KVStats:
     prefix_hit_tokens: int = 0  # of those, found computed
 
 
-
 def ending_ids(cfg, stop_at_eos: bool, stop_token_ids) -> tuple[int, ...]:
     """The ids that end a sequence (finish_reason stop): the model's end-of-sequence ids (config.json
     and generation_config.json) unless ignored, and the request's stop token ids."""
