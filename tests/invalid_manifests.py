@@ -78,6 +78,12 @@ CASES: list[tuple[str, Callable[[dict], None], str]] = [
     ("cold-path-nul", _set("spec.experts.tiers.cold.path", "/cache/\x00"), "spec.experts.tiers.cold.path"),
     ("override-path-nul", _set("spec.experts.overrides.0.weights.path", "/w/\x00.safetensors"),
      "spec.experts.overrides[0].weights.path"),
+    ("ingress-autoscaling-target-zero", _set("spec.ingress.autoscaling.targetOngoingRequests", 0),
+     "spec.ingress.autoscaling.targetOngoingRequests"),
+    ("ingress-autoscaling-kv-above-one", _set("spec.ingress.autoscaling.targetKvCacheUsage", 1.5),
+     "spec.ingress.autoscaling.targetKvCacheUsage"),
+    ("ingress-autoscaling-max-zero", _set("spec.ingress.autoscaling.maxReplicas", 0),
+     "spec.ingress.autoscaling.maxReplicas"),
     ("duplicate-override", _set("spec.experts.overrides.1", {"expert": "1.3", "weights": {"path": "/models/other.safetensors"}}), "spec.experts.overrides[1]"),
 ]
 
@@ -92,6 +98,9 @@ SEMANTIC_CASES: list[tuple[str, Callable[[dict], None], str]] = [
     ("hot-budget-huge", _set("spec.experts.tiers.hot.budget", "8Ei"), "spec.experts.tiers.hot.budget"),
     ("cold-budget-fraction", _set("spec.experts.tiers.cold.budget", "100m"), "spec.experts.tiers.cold.budget"),
     ("request-bytes-zero", _set("spec.ingress.maxRequestBytes", "0Ki"), "spec.ingress.maxRequestBytes"),
+    # comparing two fields needs a CEL rule, which a CRD for apiservers before 1.25 cannot carry
+    ("ingress-autoscaling-min-above-max", lambda d: d["spec"].setdefault("ingress", {}).update(
+        {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}), "spec.ingress.autoscaling"),
 ]
 
 

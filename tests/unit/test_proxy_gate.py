@@ -6,7 +6,8 @@ import asyncio
 import json
 
 from moe_workers.serve.config import AppArgs, admission_capacity
-from moe_workers.serve.proxy_gate import (ADMISSION_WAIT_S, AdmissionGate, admission_header, middlewares,
+from moe_workers.serve.prefix import PREFIX_HEADER, prefix_header
+from moe_workers.serve.proxy_gate import (ADMISSION_WAIT_S, PREREAD_S, AdmissionGate, admission_header, middlewares,
                                           parse_admission, under)
 
 
@@ -227,4 +228,68 @@ def test_places_an_app_gains_go_to_the_requests_waiting():
         assert [w.done() for w in waiters] == [True, True, False] and app.in_flight == 3
         app.release()  # a place freed goes to the last waiter, not back to the count
         assert await waiters[2] and app.in_flight == 3 and not app.waiting
+    asyncio.run(run())
+
+
+class Recorder:
+    """An ASGI app that reads the whole body as an app would and answers with what it saw."""
+
+    def __init__(self):
+        self.scopes: list[dict] = []
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope, receive, send):
+        self.scopes.append(scope)
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.bodies.append(body)
+        await send({"type": "http.response.start", "status": 200, "headers": [admission_header(8, "/")]})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+
+def _prefix_of(scope) -> list[bytes]:
+    return [v for n, v in scope.get("headers", ()) if n == PREFIX_HEADER]
+
+
+def test_a_generation_request_reaches_serve_with_its_prompts_prefix_and_its_whole_body():
+    async def run():
+        app = Recorder()
+        gate = AdmissionGate(app)
+        chat = json.dumps({"messages": [{"role": "system", "content": "s" * 700}]}).encode()
+        await _request(gate)  # learns the app
+        parts = [chat[:100], chat[100:400], chat[400:]]
+
+        async def receive():
+            part = parts.pop(0)
+            return {"type": "http.request", "body": part, "more_body": bool(parts)}
+        forged = (PREFIX_HEADER, b"aaaaaaaaaaaa")  # a client cannot pick the replica
+        await gate({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [forged]},
+                   receive, lambda m: asyncio.sleep(0))
+        assert app.bodies[-1] == chat
+        (value,) = _prefix_of(app.scopes[-1])
+        assert value == prefix_header("/v1/chat/completions", chat)[1] and value != forged[1]
+        await _request(gate, "/v1/models", "GET")
+        assert not _prefix_of(app.scopes[-1])
+    asyncio.run(run())
+
+
+def test_a_body_still_arriving_after_the_wait_goes_on_routed_by_load():
+    async def run():
+        app = Recorder()
+        gate = AdmissionGate(app)
+        await _request(gate)
+        prompt = json.dumps({"prompt": "p" * 1000}).encode()
+        parts = [prompt[:10], prompt[10:]]
+
+        async def receive():
+            if len(parts) == 1:
+                await asyncio.sleep(PREREAD_S * 1.5)  # a slow client: the rest comes after the wait
+            part = parts.pop(0)
+            return {"type": "http.request", "body": part, "more_body": bool(parts)}
+        await gate({"type": "http", "method": "POST", "path": "/v1/completions"}, receive, lambda m: asyncio.sleep(0))
+        assert app.bodies[-1] == prompt and not _prefix_of(app.scopes[-1])
     asyncio.run(run())

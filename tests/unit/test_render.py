@@ -185,3 +185,51 @@ def test_scaling_the_ingress_is_in_place_and_the_admission_gate_follows_it():
     capacity = admission_capacity(AppArgs.model_validate({**apps[1]["args"], "ingress_replicas": 3}))
     assert three["max_queued_requests"] == capacity == 3 * (12 + 40) and one["max_queued_requests"] == 12 + 40
     assert classify(apps[0], apps[1]) == IN_PLACE
+
+
+def test_an_autoscaled_ingress_is_rendered_for_serves_autoscaler_and_validated_by_serve():
+    """spec.ingress.autoscaling becomes the Ingress deployment's autoscaling_config (no
+    num_replicas: Serve refuses both), Serve's router queue is sized for the most replicas, and the
+    replicas are told to count themselves (AUTO); switching from a fixed count restarts nothing.
+    Serve's own schema accepts what is rendered, the prefix router and the KV policy included,
+    and both import (as Serve's controller and proxy will import them)."""
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+    from ray.serve.schema import ServeApplicationSchema
+
+    from moe_operator.render.on_change import IN_PLACE, classify
+    from moe_workers.serve.config import AUTO, admission_capacity, AppArgs
+
+    placement = initial_placement(2, 4, 2)
+    scaled = {"minReplicas": 2, "maxReplicas": 5, "targetOngoingRequests": 6, "targetKvCacheUsage": 0.75,
+              "upscaleDelaySeconds": 3, "downscaleDelaySeconds": 30}
+    fixed, auto, plain = (render_application("team-a", "mixtral", parse_spec(
+        {**VALID["spec"], "ingress": ingress}), placement) for ingress in (
+        {"maxBatchSize": 12, "maxQueuedRequests": 40}, {"maxBatchSize": 12, "maxQueuedRequests": 40, "autoscaling": scaled},
+        {"autoscaling": {"maxReplicas": 3}, "prefixRouting": False}))
+    ingress = {d["name"]: d for d in auto["deployments"]}["Ingress"]
+    assert "num_replicas" not in ingress and ingress["user_config"]["ingress_replicas"] == AUTO
+    a = ingress["autoscaling_config"]
+    assert (a["min_replicas"], a["max_replicas"], a["initial_replicas"], a["target_ongoing_requests"]) == (2, 5, 2, 6)
+    assert (a["upscale_delay_s"], a["downscale_delay_s"]) == (3, 30)
+    assert a["policy"]["policy_kwargs"] == {"target_kv_cache_usage": 0.75}
+    assert ingress["max_queued_requests"] == admission_capacity(AppArgs.model_validate(auto["args"]), 5) == 5 * 52
+    assert auto["args"] == fixed["args"] and classify(fixed, auto) == IN_PLACE
+    other = {d["name"]: d for d in plain["deployments"]}["Ingress"]
+    assert other["autoscaling_config"]["target_ongoing_requests"] == 32  # a batch (maxBatchSize's default)
+    assert "policy" not in other["autoscaling_config"]
+    assert other["request_router_config"]["request_router_class"].endswith(":PowerOfTwoChoicesRequestRouter")
+    for app in (fixed, auto, plain):
+        ServeApplicationSchema.model_validate(app)
+    AutoscalingConfig.model_validate(a).policy.get_policy()(target_kv_cache_usage=0.75)
+    for d, name in ((ingress, "PrefixAffinityRouter"), (other, "PowerOfTwoChoicesRequestRouter")):
+        assert RequestRouterConfig.model_validate(d["request_router_config"]).get_request_router_class().__name__ == name
+
+
+def test_the_kv_policy_asks_for_the_replicas_that_hold_the_kv_in_use_at_the_target():
+    from moe_workers.serve.ingress_scaling import KvAwarePolicy, replicas_for_kv
+
+    assert replicas_for_kv(2, [0.9, 0.9], 0.6) == pytest.approx(3.0)
+    assert replicas_for_kv(3, [0.2, 0.1, 0.0], 0.5) == pytest.approx(0.6)
+    assert replicas_for_kv(2, [], 0.5) == 2.0
+    with pytest.raises(ValueError, match="target_kv_cache_usage"):
+        KvAwarePolicy(1.5)

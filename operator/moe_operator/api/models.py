@@ -176,10 +176,49 @@ class RayTarget(ApiModel):
 # spec.ingress
 
 
+class IngressAutoscaling(ApiModel):
+    """Ray Serve's autoscaler for the Ingress deployment, applied in place (no replica restarts):
+    each replica it adds joins the expert channel, and the admission gate counts its capacity.
+    minReplicas above maxReplicas: Ready=False (InvalidSpec) naming both; a schema rule comparing
+    two fields needs CEL (Kubernetes 1.25+), which apiservers before it, and kubectl's validation
+    against them, refuse in a CRD."""
+
+    min_replicas: int = Field(default=1, ge=1, le=64, description="Fewest Ingress replicas (the count it starts with).")
+    max_replicas: int = Field(default=4, ge=1, le=64, description="Most Ingress replicas.")
+    target_ongoing_requests: float | None = Field(
+        default=None, gt=0, le=100_000,
+        description="Generation requests each replica should hold (running and waiting); Serve adds replicas "
+        "when the average is above it and removes them when below. Default: maxBatchSize.")
+    target_kv_cache_usage: float | None = Field(
+        default=None, gt=0, le=1,
+        description="Also scale so each replica's KV cache is about this full (0-1): long contexts fill a "
+        "replica's cache before its request count says so. Unset: requests only.")
+    upscale_delay_seconds: float = Field(default=10.0, ge=0, le=3600,
+                                         description="How long load must call for more replicas before one is added.")
+    downscale_delay_seconds: float = Field(default=120.0, ge=0, le=86_400,
+                                           description="How long load must call for fewer replicas before one is removed.")
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> "IngressAutoscaling":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"ingress.autoscaling.minReplicas ({self.min_replicas}) is above "
+                             f"maxReplicas ({self.max_replicas})")
+        return self
+
+
 class IngressSpec(ApiModel):
     """The Ingress deployment: HTTP API, batching, embeddings, attention, routers, lm_head."""
 
-    replicas: int = Field(default=1, ge=1, le=64, description="Ingress replicas.")
+    replicas: int = Field(default=1, ge=1, le=64, description="Ingress replicas (ignored with autoscaling).")
+    autoscaling: IngressAutoscaling | None = Field(
+        default=None, description="Let Ray Serve scale the Ingress on load, between minReplicas and maxReplicas.")
+    prefix_routing: bool = Field(
+        default=True,
+        description="Send a request to the Ingress replica that took the same prompt prefix before (its prefix "
+        "cache holds it), unless that replica is much busier than another; false: Serve's default, the less "
+        "loaded of two random replicas. Needs the admission gate in Serve's proxy (moectl up and the "
+        "project's Ray image set it); without it requests are routed by load.",
+    )
     num_cpus: float = Field(default=1.0, gt=0, le=512, description="CPUs reserved per replica (Ray num_cpus; fractions allowed).")
     num_gpus: float = Field(default=0.0, ge=0, le=16, description="GPUs reserved per replica (Ray num_gpus; fractions "
                             "allowed). With one, the dense part (embeddings, attention, routers, lm_head) and the KV "

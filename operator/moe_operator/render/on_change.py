@@ -53,6 +53,12 @@ PROBES: dict[str, object] = {
     "model.shape.dtype": "float16",
     "model.shape.sparseLayers": [1, 3],
     "ingress.replicas": 2,
+    "ingress.autoscaling.minReplicas": 2,
+    "ingress.autoscaling.maxReplicas": 8,
+    "ingress.autoscaling.targetOngoingRequests": 16,
+    "ingress.autoscaling.targetKvCacheUsage": 0.8,
+    "ingress.autoscaling.upscaleDelaySeconds": 30,
+    "ingress.autoscaling.downscaleDelaySeconds": 600,
     "ingress.numCpus": 2,
     "ingress.numGpus": 1,
     "ingress.routePrefix": "/mixtral",
@@ -109,6 +115,9 @@ WITH: dict[str, dict[str, object]] = {
 NEW_CLUSTER = "KubeRay builds a new Ray cluster and switches traffic to it once it serves"
 API_KEYS = f"{IN_PLACE} (the keys' digests reach the Ingress through its user_config)"
 NOT_RENDERED: dict[str, str] = {
+    "ingress.prefixRouting": "no replica restarts; Serve builds a proxy's router for the app once, so a proxy "
+                             "already routing to it keeps the router it has until it restarts (new proxies, and "
+                             "the app created anew, take the new setting)",
     "ray.mode": "refused while the application serves (Ready=False, InvalidSpec; it keeps serving): delete the "
                 "object and create it anew",
     "ray.address": "refused while the application serves on another cluster (Ready=False, InvalidSpec; it keeps "

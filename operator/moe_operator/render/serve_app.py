@@ -5,7 +5,7 @@ from __future__ import annotations
 from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.api.types import quantity_bytes
 from moe_operator.names import app_name
-from moe_workers.serve.config import AppArgs, serve_application
+from moe_workers.serve.config import AppArgs, IngressScaling, serve_application
 
 
 def tier_config(spec: MoEDeploymentSpec) -> dict:
@@ -34,6 +34,16 @@ def overrides_config(spec: MoEDeploymentSpec) -> dict[str, dict]:
     return out
 
 
+def ingress_scaling(spec: MoEDeploymentSpec) -> IngressScaling | None:
+    a = spec.ingress.autoscaling
+    if a is None:
+        return None
+    return IngressScaling(min_replicas=a.min_replicas, max_replicas=a.max_replicas,
+                          target_ongoing_requests=a.target_ongoing_requests,
+                          target_kv_cache_usage=a.target_kv_cache_usage,
+                          upscale_delay_s=a.upscale_delay_seconds, downscale_delay_s=a.downscale_delay_seconds)
+
+
 def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None = None) -> AppArgs:
     return AppArgs(
         model_path=spec.model.path,
@@ -53,6 +63,8 @@ def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None
         realtime_priority=spec.ingress.realtime_priority,
         num_groups=spec.experts.groups,
         ingress_replicas=spec.ingress.replicas,
+        ingress_autoscaling=ingress_scaling(spec),
+        prefix_routing=spec.ingress.prefix_routing,
         ingress_num_cpus=spec.ingress.num_cpus,
         ingress_num_gpus=spec.ingress.num_gpus,
         shard_num_cpus=spec.experts.num_cpus,

@@ -10,7 +10,8 @@ the StatusBoard.
 from ray import serve
 
 from moe_workers.serve.board import StatusBoard
-from moe_workers.serve.config import HEALTH_CHECK_PERIOD_S, INGRESS, AppArgs, admission
+from moe_workers.serve.config import (HEALTH_CHECK_PERIOD_S, INGRESS, AppArgs, admission, ingress_autoscaling_config,
+                                      ingress_count, ingress_router_config)
 from moe_workers.serve.ingress import Ingress
 from moe_workers.serve.shard import ExpertShard
 
@@ -32,9 +33,12 @@ def build_app(args: AppArgs) -> serve.Application:
                                                            args.allowed_weight_roots, board, args.family,
                                                            args.wake_latency_us(), args.pin_shard_cpus,
                                                            args.realtime_priority)
-    options = {"name": INGRESS, "num_replicas": args.ingress_replicas, "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+    autoscaling = ingress_autoscaling_config(args)
+    options = {"name": INGRESS, "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+               **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": args.ingress_replicas}),
                "ray_actor_options": {"num_cpus": args.ingress_num_cpus, "num_gpus": args.ingress_num_gpus},
                **admission(args)}
-    if args.placement is not None:
-        options["user_config"] = {"placement": placement}
+    if args.placement is not None:  # serve.run; a Serve config says the router (its args do not)
+        options["request_router_config"] = ingress_router_config(args.prefix_routing)
+        options["user_config"] = {"placement": placement, "ingress_replicas": ingress_count(args)}
     return Ingress.options(**options).bind(args.model_copy(update={"placement": None}).model_dump(), shards, board)

@@ -7,6 +7,9 @@ The board also holds the channel token: a random secret made when the board star
 each shard with the answer to its report and to each ingress with the members, so only the app's
 own ingress replicas can open the shards' channel ports.
 
+Each Ingress replica is counted here too, by its membership polls (every second): an autoscaled
+Ingress learns from `members` how many replicas it runs now, the size of the admission gate.
+
 The board also keeps each node that hosts shard replicas supplied with warm spare workers
 (`moe_workers.serve.spares`), so a replacement replica starts in a process already running.
 """
@@ -27,6 +30,7 @@ from moe_workers.serve.spares import CHECK_S, RayletSpares, SparePool
 log = logging.getLogger("ray.serve")
 
 REPORT_MAX_AGE_S = 10.0  # a replica that stopped reporting (killed) leaves the board after this
+INGRESS_MAX_AGE_S = 5.0  # an Ingress replica that stopped polling (killed) stops counting after this
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.01})
@@ -34,6 +38,7 @@ class StatusBoard:
     def __init__(self, warm_spares: int = 0):
         self.reports: dict[str, tuple[float, dict]] = {}
         self.joined: dict[str, float] = {}  # replica -> when it first reported
+        self.ingresses: dict[str, float] = {}  # Ingress replica -> its last membership poll
         self.token = secrets.token_hex(16)
         self._lock = threading.Lock()  # Serve calls methods from several threads; spares from its own
         self.pool = SparePool(want=warm_spares)
@@ -121,12 +126,25 @@ class StatusBoard:
                 raylet.prestart(env, start)
                 log.info("warm spares: starting %d on node %s", start, node[:12])
 
-    def members(self, max_age_s: float = REPORT_MAX_AGE_S) -> dict:
+    def leave_ingress(self, replica: str) -> None:
+        """An Ingress replica that is stopping stops counting at once."""
+        with self._lock:
+            self.ingresses.pop(replica, None)
+
+    def members(self, max_age_s: float = REPORT_MAX_AGE_S, ingress: str | None = None) -> dict:
         """The expert channel's members (replicas with an endpoint), its token, and `weights`:
         a digest of every expert version the replicas serve (it changes when a hot-swap commits
-        or rolls back, not when experts move: the Ingress' prefix cache follows it)."""
+        or rolls back, not when experts move: the Ingress' prefix cache follows it).
+        `ingress`: the polling Ingress replica, counted live until it stops polling for
+        INGRESS_MAX_AGE_S; `ingress_replicas` is how many are."""
+        now = time.monotonic()
+        with self._lock:
+            if ingress:
+                self.ingresses[ingress] = now
+            self.ingresses = {r: t for r, t in self.ingresses.items() if now - t <= INGRESS_MAX_AGE_S}
+            live = len(self.ingresses)
         fresh = [st for _, st in self._fresh(max_age_s) if st.get("endpoint")]
-        return {"token": self.token, "weights": weights_digest(fresh),
+        return {"token": self.token, "weights": weights_digest(fresh), "ingress_replicas": live,
                 "members": [{**{k: st[k] for k in ("group", "replica", "endpoint", "experts")},
                              "local_endpoint": st.get("local_endpoint", ""), "node_id": st.get("node_id")}
                             for st in fresh]}

@@ -5,7 +5,9 @@ and `max_queued_requests`: Serve applies those in place, without restarting repl
 in the builder's `args` is static: Serve hashes args into the app's code version, so changing them
 restarts every replica. So the Ingress' replica count is not in the args of a rendered config: it
 is the Ingress deployment's `num_replicas`, with the admission gate's size (`max_queued_requests`
-and the capacity each Ingress replica announces, from its user_config) following it.
+and the capacity each Ingress replica announces, from its user_config) following it; or, for an
+autoscaled Ingress, its `autoscaling_config`, with each replica announcing the capacity of the
+replicas live now (each one counted by the StatusBoard).
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from moe_workers.serve.proxy_gate import RETRY_AFTER_S
 
 IMPORT_PATH = "moe_workers.serve.app:build_app"
 INGRESS = "Ingress"
+PREFIX_ROUTER = "moe_workers.serve.prefix_router:PrefixAffinityRouter"
+SERVE_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+KV_POLICY = "moe_workers.serve.ingress_scaling:KvAwarePolicy"
+AUTO = "auto"  # the Ingress' user_config ingress_replicas of an autoscaled Ingress
+AUTOSCALING_METRICS_INTERVAL_S = 2.0
+AUTOSCALING_LOOK_BACK_S = 10.0
 
 # MALLOC_ARENA_MAX: glibc gives each thread that allocates (request, prefetch, maintenance, Ray's
 # own) an arena and keeps freed memory in it, so a shard's resident memory crept past its tier
@@ -43,6 +51,19 @@ CPU_WAKE_LATENCY_US = 0
 REALTIME_PRIORITY = 1
 
 
+class IngressScaling(BaseModel):
+    """The Ingress deployment's Serve autoscaling (spec.ingress.autoscaling): Serve's autoscaler
+    keeps about `target_ongoing_requests` generation requests on each replica (and, with
+    `target_kv_cache_usage`, each replica's KV cache about that full: moe_workers.serve.ingress_scaling)."""
+
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(default=4, ge=1)
+    target_ongoing_requests: float | None = Field(default=None, gt=0, description="Default: the batch size.")
+    target_kv_cache_usage: float | None = Field(default=None, gt=0, le=1)
+    upscale_delay_s: float = Field(default=10.0, ge=0)
+    downscale_delay_s: float = Field(default=120.0, ge=0)
+
+
 class AppArgs(BaseModel):
     """Typed arguments of `build_app` (static for the app's lifetime)."""
 
@@ -63,6 +84,10 @@ class AppArgs(BaseModel):
                                     "reasoning_content (a request's include_reasoning overrides it); false drops it.")
     num_groups: int = Field(ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
+    ingress_autoscaling: IngressScaling | None = Field(default=None, description="Serve autoscales the Ingress "
+                                                       "(ingress_replicas is then ignored).")
+    prefix_routing: bool = Field(default=True, description="Serve's router in the proxy sends a request to the "
+                                 "Ingress replica that took its prompt's prefix before (moe_workers.serve.prefix_router).")
     ingress_num_cpus: float = Field(default=0.5, gt=0)
     ingress_num_gpus: float = Field(default=0.0, ge=0, description="GPUs per ingress replica: with one, the dense "
                                     "part (embeddings, attention, routers, lm_head) and the KV cache run on it.")
@@ -149,11 +174,46 @@ def admission(args: AppArgs) -> dict:
             "backpressure_config": {"status_code": 503, "retry_after_s": RETRY_AFTER_S}}
 
 
-def admission_capacity(args: AppArgs) -> int:
+def admission_capacity(args: AppArgs, replicas: int | None = None) -> int:
     """Generation requests the app's Ingress replicas hold together (batch + wait queue each): the
     proxy's admission gate (moe_workers.serve.proxy_gate) refuses past it, so Serve's router never
-    queues requests for full replicas; the headroom stays free for health and status calls."""
-    return (args.max_batch_size + args.max_queued_requests) * args.ingress_replicas
+    queues requests for full replicas; the headroom stays free for health and status calls.
+    `replicas`: how many run (default: the fixed count, or an autoscaled Ingress' most)."""
+    if replicas is None:
+        scaling = args.ingress_autoscaling
+        replicas = scaling.max_replicas if scaling is not None else args.ingress_replicas
+    return (args.max_batch_size + args.max_queued_requests) * max(1, replicas)
+
+
+def ingress_autoscaling_config(args: AppArgs) -> dict | None:
+    """The Ingress deployment's Serve `autoscaling_config` (None: a fixed replica count). Serve
+    keeps about target_ongoing_requests (default: a batch) on each replica; the metrics are looked
+    at every 2 s over the last 10 s, so a load step is seen within seconds (Serve's defaults, 10 s
+    and 30 s, suit slower traffic). With a KV target, the policy also scales on KV cache use."""
+    s = args.ingress_autoscaling
+    if s is None:
+        return None
+    out: dict = {"min_replicas": s.min_replicas, "max_replicas": s.max_replicas, "initial_replicas": s.min_replicas,
+                 "target_ongoing_requests": s.target_ongoing_requests or float(args.max_batch_size),
+                 "upscale_delay_s": s.upscale_delay_s, "downscale_delay_s": s.downscale_delay_s,
+                 "metrics_interval_s": AUTOSCALING_METRICS_INTERVAL_S,
+                 "look_back_period_s": AUTOSCALING_LOOK_BACK_S}
+    if s.target_kv_cache_usage is not None:
+        out["policy"] = {"policy_function": KV_POLICY, "policy_kwargs": {"target_kv_cache_usage": s.target_kv_cache_usage}}
+    return out
+
+
+def ingress_count(args: AppArgs) -> int | str:
+    """What the Ingress' user_config says of its replica count: the fixed count, or AUTO (an
+    autoscaled Ingress: each replica counts those live, through the StatusBoard)."""
+    return AUTO if args.ingress_autoscaling is not None else args.ingress_replicas
+
+
+def ingress_router_config(prefix_routing: bool) -> dict:
+    """The Ingress deployment's `request_router_config`: the prefix-affinity router
+    (moe_workers.serve.prefix_router), which falls back to Serve's power of two choices, or that
+    one alone. Always said: a deployment option the config leaves out is build_app's."""
+    return {"request_router_class": PREFIX_ROUTER if prefix_routing else SERVE_DEFAULT_ROUTER}
 
 
 def engine_queue_limit(args: AppArgs) -> int:
@@ -174,19 +234,24 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
     group hosts, a superset while a new placement is applied make-before-break.
     `api_key_digests`: SHA-256 digests of the API keys /v1/* requires (none: open)."""
     # placement and the Ingress' replica count are in-place options below, not static args
-    static = args.model_copy(update={"placement": None}).model_dump(exclude_none=True, exclude={"ingress_replicas"})
+    static = args.model_copy(update={"placement": None}).model_dump(
+        exclude_none=True, exclude={"ingress_replicas", "ingress_autoscaling", "prefix_routing"})
     hosts = shard_experts if shard_experts is not None else placement
     unknown = sorted((set(placement) | set(hosts)) - set(args.group_names()))
     if unknown:
         raise ValueError(f"placement names groups outside 0..{args.num_groups - 1}: {', '.join(unknown)}")
-    ingress_config: dict = {"placement": {g: list(placement.get(g, [])) for g in args.group_names()},
-                            "ingress_replicas": args.ingress_replicas}
+    ingress_config: dict = {"placement": {g: list(placement.get(g, [])) for g in args.group_names()}}
+    autoscaling = ingress_autoscaling_config(args)
+    ingress_config["ingress_replicas"] = ingress_count(args)
     if prefetch_lookahead:
         ingress_config["prefetch_lookahead"] = prefetch_lookahead
     if api_key_digests:
         ingress_config["api_keys_sha256"] = sorted(api_key_digests)
-    deployments = [{"name": INGRESS, "num_replicas": args.ingress_replicas,
-                    "max_queued_requests": admission(args)["max_queued_requests"], "user_config": ingress_config}]
+    ingress: dict = ({"autoscaling_config": autoscaling} if autoscaling is not None
+                     else {"num_replicas": args.ingress_replicas})
+    ingress["request_router_config"] = ingress_router_config(args.prefix_routing)
+    deployments = [{"name": INGRESS, **ingress, "max_queued_requests": admission(args)["max_queued_requests"],
+                    "user_config": ingress_config}]
     for g in args.group_names():
         n = replicas_per_group if isinstance(replicas_per_group, int) else replicas_per_group.get(g, 1)
         hosted = list(hosts.get(g, []))

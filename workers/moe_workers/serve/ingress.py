@@ -32,7 +32,8 @@ from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel
 from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.layers import combine, group_by_expert
-from moe_workers.serve.config import AppArgs, admission_capacity, engine_queue_limit
+from moe_workers.serve.config import AUTO, AppArgs, admission_capacity, engine_queue_limit
+from moe_workers.serve.ingress_scaling import KV_METRIC
 from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest, Overloaded, ending_ids
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
@@ -97,7 +98,11 @@ class Ingress:
         self.routing_stats = RoutingStats(cfg.num_layers, cfg.num_experts, self.args.max_batch_size)
         self.routing_window: dict = {}
         ctx = serve.get_replica_context()
-        self.metrics = IngressMetrics(ctx.replica_id.deployment_id.app_name, ctx.replica_id.unique_id)
+        self.replica = ctx.replica_id.unique_id
+        self.metrics = IngressMetrics(ctx.replica_id.deployment_id.app_name, self.replica)
+        # the Ingress replicas running now: a fixed count from user_config, else (AUTO) the board's
+        self.ingress_replicas: int | str = self.args.ingress_replicas
+        self.live_ingress_replicas = 1
         self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
                              engine_queue_limit(self.args), self.args.micro_batches,
                              self.args.micro_batch_min_tokens, routing_stats=self.routing_stats,
@@ -122,7 +127,7 @@ class Ingress:
         fastapi_app.state.max_request_bytes = self.args.max_request_bytes
         fastapi_app.state.metrics = self.metrics
         # generation requests all Ingress replicas hold (running + waiting): past it the proxy refuses
-        fastapi_app.state.admission_capacity = admission_capacity(self.args)
+        self._size_admission()
 
     def reconfigure(self, config: dict) -> None:
         """user_config {"placement": {group: [L.E, ...]}} re-points routing without a restart;
@@ -139,16 +144,42 @@ class Ingress:
                              + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
         self.router = router
         self.prefetch_lookahead = int(config.get("prefetch_lookahead", 0))
-        replicas = int(config.get("ingress_replicas", self.args.ingress_replicas))
-        now = self.args.model_copy(update={"ingress_replicas": replicas})
-        fastapi_app.state.admission_capacity = admission_capacity(now)
+        count = config.get("ingress_replicas", self.args.ingress_replicas)
+        self.ingress_replicas = AUTO if count == AUTO else int(count)
+        self._size_admission()
         fastapi_app.state.api_keys_sha256 = list(config.get("api_keys_sha256") or [])
 
+    def _size_admission(self) -> None:
+        """The capacity this replica announces to the proxy's admission gate: every Ingress
+        replica's batch and wait queue, for the replicas there are (an autoscaled Ingress: those
+        live now, so the gate follows Serve's autoscaler both ways)."""
+        replicas = self.live_ingress_replicas if self.ingress_replicas == AUTO else self.ingress_replicas
+        fastapi_app.state.admission_capacity = admission_capacity(self.args, replicas)
+
     def _members(self) -> tuple[list[Member], str]:
-        """The channel's membership, from the StatusBoard (called by the channel's poller thread)."""
-        got = self.board.members.remote().result(timeout_s=10)
+        """The channel's membership, from the StatusBoard (called by the channel's poller thread,
+        every second); the poll counts this replica among the Ingress replicas live."""
+        got = self.board.members.remote(ingress=self.replica).result(timeout_s=10)
         self._see_weights(got.get("weights"))
+        live = max(1, int(got.get("ingress_replicas") or 1))
+        if live != self.live_ingress_replicas:
+            self.live_ingress_replicas = live
+            self._size_admission()
         return [Member.from_report(m) for m in got["members"]], got["token"]
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric: the share of this replica's KV cache blocks in use
+        (moe_workers.serve.ingress_scaling)."""
+        m = self.engine.manager
+        return {KV_METRIC: m.num_used / max(m.pool.usable, 1)}
+
+    def __del__(self):
+        """Serve is stopping this replica (scale-down, redeploy): it stops counting at once."""
+        try:
+            if self.board is not None:
+                self.board.leave_ingress.remote(self.replica)
+        except Exception:  # noqa: BLE001 - shutting down anyway; the board ages it out
+            pass
 
     def _see_weights(self, digest: str | None) -> None:
         """The expert versions the shard replicas serve now (the StatusBoard's digest, from the
@@ -564,6 +595,7 @@ class Ingress:
         return {"model": self.args.served_model_name, "placement": self.router.placement if self.router else {},
                 "prefetch_lookahead": self.prefetch_lookahead, "ingress": self.engine_stats(), "replicas": replicas,
                 "admission_capacity": fastapi_app.state.admission_capacity,
+                "ingress_replicas": {"configured": self.ingress_replicas, "live": self.live_ingress_replicas},
                 "spares": spares,
                 "channel": {"members": self.channel.members(), **self.channel.stats,
                             "last_membership_error": self.channel.last_membership_error,

@@ -38,6 +38,7 @@ import asyncio
 import json
 from collections import deque
 
+from moe_workers.serve.prefix import PREFIX_HEADER, prefix_header
 from moe_workers.serve.migration import MAX_MIGRATIONS, MAX_REPLAY_BYTES, RESUME_HEADER, StreamLog, resumable
 from moe_workers.serve.protocol import RequestError
 
@@ -46,6 +47,7 @@ CALLBACK = "moe_workers.serve.proxy_gate:middlewares"
 ADMISSION_HEADER = b"x-moe-admission"
 RETRY_AFTER_S = 1
 ADMISSION_WAIT_S = 4.0  # how long a request past capacity waits in the gate for a place (then 503)
+PREREAD_S = 1.0  # how long the gate waits for a generation request's body before Serve routes it
 
 
 def admission_header(capacity: int, route_prefix: str) -> tuple[bytes, bytes]:
@@ -140,7 +142,8 @@ class AdmissionGate:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "/")
-        scope = _without(scope, RESUME_HEADER)  # only this gate says where a stream resumes
+        # only this gate says where a stream resumes, and what prefix a request has
+        scope = _without(_without(scope, RESUME_HEADER), PREFIX_HEADER)
         # only generation requests (POST) are counted, refused and migrated; any response may teach
         entry = self._app_for(path) if scope.get("method") == "POST" else None
         req = _Request(self, path, entry, send)
@@ -152,7 +155,10 @@ class AdmissionGate:
             await _refuse(send, entry)
             return
         try:
-            attempt_scope, attempt_receive = scope, req.teeing(receive)
+            attempt_receive = await req.preread(req.teeing(receive), PREREAD_S)
+            header = prefix_header(path, bytes(req.body)) if req.body_whole else None
+            scope = {**scope, "headers": [*scope.get("headers", ()), header]} if header else scope
+            attempt_scope = scope
             for attempt in range(MAX_MIGRATIONS + 1):
                 failure = None
                 try:
@@ -214,6 +220,34 @@ class _Request:
                 self.disconnected = True
             return message
         return tee
+
+    async def preread(self, receive, wait_s: float):
+        """Read the body before Serve routes the request (its prompt says which replica holds its
+        prefix: moe_workers.serve.prefix_router), for up to `wait_s`; the receive that gives the
+        app what was read and then the rest. A body still arriving after `wait_s`, or larger than
+        what the gate keeps, goes on as it comes (routed by load): the Ingress' own body timeout
+        and size limit still judge it."""
+        read: list[dict] = []
+        deadline = asyncio.get_running_loop().time() + wait_s
+        pending = None
+        while not (self.body_whole or self.body_dropped or self.disconnected):
+            pending = asyncio.ensure_future(receive())
+            left = deadline - asyncio.get_running_loop().time()
+            done, _ = await asyncio.wait((pending,), timeout=max(left, 0))
+            if not done:
+                break
+            read.append(pending.result())
+            pending = None
+
+        async def replay():
+            nonlocal pending
+            if read:
+                return read.pop(0)
+            if pending is not None:
+                message, pending = await pending, None
+                return message
+            return await receive()
+        return replay
 
     def replaying(self, receive):
         queued = [{"type": "http.request", "body": bytes(self.body), "more_body": False}]
