@@ -84,6 +84,9 @@ CASES: list[tuple[str, Callable[[dict], None], str]] = [
      "spec.ingress.autoscaling.targetKvCacheUsage"),
     ("ingress-autoscaling-max-zero", _set("spec.ingress.autoscaling.maxReplicas", 0),
      "spec.ingress.autoscaling.maxReplicas"),
+    ("node-label-value-space", _set("spec.experts.rayNodeLabels", {"pool": "a b"}), "spec.experts.rayNodeLabels.pool"),
+    ("group-nodes-no-groups", _set("spec.experts.groupNodes", [{"groups": [], "rayNodeLabels": {"pool": "a"}}]),
+     "spec.experts.groupNodes[0].groups"),
     ("duplicate-override", _set("spec.experts.overrides.1", {"expert": "1.3", "weights": {"path": "/models/other.safetensors"}}), "spec.experts.overrides[1]"),
 ]
 
@@ -98,6 +101,12 @@ SEMANTIC_CASES: list[tuple[str, Callable[[dict], None], str]] = [
     ("hot-budget-huge", _set("spec.experts.tiers.hot.budget", "8Ei"), "spec.experts.tiers.hot.budget"),
     ("cold-budget-fraction", _set("spec.experts.tiers.cold.budget", "100m"), "spec.experts.tiers.cold.budget"),
     ("request-bytes-zero", _set("spec.ingress.maxRequestBytes", "0Ki"), "spec.ingress.maxRequestBytes"),
+    ("group-nodes-unknown-group", _set("spec.experts.groupNodes", [{"groups": [2], "rayNodeLabels": {"pool": "a"}}]),
+     "spec.experts.groupNodes"),
+    ("group-nodes-group-twice", _set("spec.experts.groupNodes", [{"groups": [0], "rayNodeLabels": {"pool": "a"}},
+                                                                  {"groups": [1, 0], "rayNodeLabels": {"pool": "b"}}]),
+     "spec.experts.groupNodes"),
+    ("node-label-key-bad", _set("spec.ingress.rayNodeLabels", {"-pool": "a"}), "spec.ingress.rayNodeLabels"),
     # comparing two fields needs a CEL rule, which a CRD for apiservers before 1.25 cannot carry
     ("ingress-autoscaling-min-above-max", lambda d: d["spec"].setdefault("ingress", {}).update(
         {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}), "spec.ingress.autoscaling"),

@@ -21,6 +21,7 @@ from moe_operator.api.status import FIELDS as STATUS_FIELDS, checked, dump
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.backends.ray_rest import RayServeError, ReplicaStartFailed, Unschedulable
 from moe_operator.backends.serve_backend import ServeBackend
+from moe_operator.backends.serve_status import pinned, unplaceable_pins
 from moe_operator.metrics import RAY_APPLY_SECONDS
 from moe_operator.observe import fetch_app_status, summarise, swap_transitions
 from moe_operator.autoscaling import transition
@@ -125,8 +126,20 @@ def same_config(deployed: dict | None, ours: dict) -> bool:
     return deployed is not None and deployed == ours
 
 
+def pin_check(client: ServeBackend, ours: dict) -> str | None:
+    """What stops a pinned deployment of `ours` from being placed (no live Ray node with its
+    labels, or none large enough), or None; asked of Ray only when something is pinned."""
+    if not pinned(ours):
+        return None
+    try:
+        nodes = client.nodes()
+    except (RayServeError, OSError):
+        return None  # Serve's own report (after its slow-start warning) still says so
+    return unplaceable_pins(ours, nodes) if nodes else None  # none listed yet: Ray is starting
+
+
 def apply_application(client: ServeBackend, ours: dict, port: int, wait_s: float, attempts: int = 3,
-                      host: str = "127.0.0.1") -> dict:
+                      host: str = "127.0.0.1", wait: bool = True) -> dict:
     """Read-merge-write under the client's write lock (one writer at a time per Ray cluster in
     this process: the Serve REST PUT replaces the whole config, so two concurrent read-merge-writes
     would drop each other's application; clients of one cluster share it), then wait outside it;
@@ -144,7 +157,8 @@ def apply_application(client: ServeBackend, ours: dict, port: int, wait_s: float
                 apps = [a["deployed_app_config"] for a in current.get("applications", {}).values()
                         if a.get("deployed_app_config")]
                 client.put({"http_options": http_options(port, host), "applications": merge_applications(apps, ours)})
-        client.wait_running([ours["name"]], timeout_s=wait_s)
+        if wait:
+            client.wait_running([ours["name"]], timeout_s=wait_s)
         cluster = client.get()
         if (cluster.get("applications", {}).get(ours["name"]) or {}).get("deployed_app_config") is not None:
             return cluster
@@ -321,9 +335,11 @@ def reconcile(obj: ObjectRef, raw_spec: dict | None, status: dict, client: Serve
                                   api_key_digests=api_key_digests)
     except UNRENDERABLE as err:
         return result(False, cond.INVALID_SPEC, f"cannot plan or render this spec: {err}", "Warning")
+    pin_problem = pin_check(client, ours)
     try:
-        with RAY_APPLY_SECONDS.time():
-            cluster = apply_application(client, ours, http_port, wait_s, host=settings.serve_http_host)
+        with RAY_APPLY_SECONDS.time():  # a group no node can take: the others deploy, nobody waits for it
+            cluster = apply_application(client, ours, http_port, wait_s, host=settings.serve_http_host,
+                                        wait=pin_problem is None)
     except ValueError as err:  # route prefix clash and the like: the user must change the spec
         return result(False, cond.INVALID_SPEC, str(err), "Warning")
     except Unschedulable as err:  # the cluster may grow (autoscaler) or the spec change: look again soon
@@ -333,6 +349,8 @@ def reconcile(obj: ObjectRef, raw_spec: dict | None, status: dict, client: Serve
         return result(False, cond.REPLICA_START_FAILED, f"{err}; retrying in {delay} s", "Warning", retry=delay)
     except (RayServeError, OSError) as err:
         return result(False, cond.DEPLOY_FAILED, str(err), "Warning", retry=30)
+    if pin_problem is not None:  # the cluster may gain such a node, or the spec change: look again soon
+        return result(False, cond.UNSCHEDULABLE, pin_problem, "Warning", retry=15)
     status["endpoint"] = base_url + "/v1"
     status["rayAddress"] = client.dashboard_url
     if api_key_digests:

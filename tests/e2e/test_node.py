@@ -1,10 +1,14 @@
 """Everything in Pods on a real node, as a user would do it: `helm install` the chart with the
-operator image built from our Dockerfile -> the operator Pod Ready -> a Ray head and worker as
-Pods (examples/ray-cluster.yaml) with the model on a hostPath -> `kubectl apply` a MoEDeployment
-(Existing mode, the head's ClusterIP) -> Ready -> completions through the ray-serve ClusterIP equal
-to the in-process model -> moectl hot-swap --wait -> moectl rebalance --wait -> the worker Pod
-deleted under load, the app recovers (failures counted and reported) -> delete -> helm uninstall,
-nothing of ours left."""
+operator image built from our Dockerfile -> the operator Pod Ready -> a Ray head and two worker
+Pods, two Ray nodes labelled pool=a and pool=b, each in its own network namespace on the node's
+bridge (examples/ray-cluster.yaml), with the model on a hostPath -> `kubectl apply` a MoEDeployment
+(Existing mode, the head's ClusterIP) with shard group 0 pinned to pool a and group 1 to pool b ->
+Ready, each group on its node -> completions through the ray-serve ClusterIP equal to the
+in-process model (each layer's expert exchange crossing the bridge) -> moectl hot-swap --wait ->
+moectl rebalance --wait -> kubectl scale (the new replicas in their pools) -> pool a's worker Pod
+deleted under load, its replicas back in the replacement Pod (failures counted and reported) ->
+group 1 pinned to a pool no node has: Ready=False naming it, then fixed -> delete -> helm
+uninstall, nothing of ours left."""
 
 from __future__ import annotations
 
@@ -49,12 +53,27 @@ def _pods(k8s, selector: str) -> list[dict]:
     return k8s.kubectl_json("get", "pods", "-l", selector)["items"]
 
 
-def _replica_ips(ray_ip: str) -> dict[str, str]:
-    """Where Serve runs each replica of our application: replica id -> node IP (a Pod IP)."""
+def _replica_ips(ray_ip: str) -> dict[str, tuple[str, str]]:
+    """Where Serve runs each replica of our application: replica id -> (deployment, node IP, a Pod IP)."""
     apps = requests.get(f"http://{ray_ip}:8265/api/serve/applications/", timeout=30).json()["applications"]
     deployments = apps["default.tiny"]["deployments"]
-    return {r["replica_id"]: r["node_ip"] for d in deployments.values() for r in d["replicas"]
+    return {r["replica_id"]: (name, r["node_ip"]) for name, d in deployments.items() for r in d["replicas"]
             if r["state"] == "RUNNING"}
+
+
+def _ips_of(replicas: dict[str, tuple[str, str]], deployment: str) -> set[str]:
+    return {ip for name, ip in replicas.values() if name == deployment}
+
+
+def _pool_ip(k8s, pool: str) -> str:
+    """The Pod IP of the Running Ray worker of a pool (one Pod each)."""
+    pods = [p for p in _pods(k8s, f"moe.io/pool={pool}") if p["status"]["phase"] == "Running"
+            and not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP")]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    return pods[0]["status"]["podIP"]
+
+
+PINS = [{"groups": [0], "rayNodeLabels": {"pool": "a"}}, {"groups": [1], "rayNodeLabels": {"pool": "b"}}]
 
 
 def _dump(k8s) -> str:
@@ -117,12 +136,15 @@ def test_helm_operator_ray_and_model_in_pods(k8s_node, tmp_path, record_property
         shares["operator_ready_s"] = time.monotonic() - t0
 
         k8s.kubectl("wait", "--for=condition=Ready", "pod", "-l", "app.kubernetes.io/component=head", "--timeout=180s")
-        wait_for(lambda: all(p["status"]["phase"] == "Running" for p in _pods(k8s, "app.kubernetes.io/component=worker")),
-                 timeout_s=120, what="Ray worker Pod Running")
+        wait_for(lambda: [p["status"]["phase"] for p in _pods(k8s, "app.kubernetes.io/component=worker")]
+                 == ["Running", "Running"], timeout_s=120, what="both Ray worker Pods Running")
         shares["ray_ready_s"] = time.monotonic() - t0
 
         # apply -> Ready, all through the cluster
-        k8s.kubectl("apply", "-f", "-", input=json.dumps(moedeployment(ray_ip)))
+        # two Ray nodes (worker Pods, each its own network namespace on the bridge): a shard group on each
+        moed = moedeployment(ray_ip)
+        moed["spec"]["experts"]["groupNodes"] = PINS
+        k8s.kubectl("apply", "-f", "-", input=json.dumps(moed))
         try:
             obj, st, ready = wait_for(lambda: (r := _ready(k8s))[2].get("status") == "True" and r,
                                       timeout_s=600, what="MoEDeployment Ready=True")
@@ -141,8 +163,12 @@ def test_helm_operator_ray_and_model_in_pods(k8s_node, tmp_path, record_property
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["token_ids"]
 
+        replicas = _replica_ips(ray_ip)
+        ip_a, ip_b = _pool_ip(k8s, "a"), _pool_ip(k8s, "b")
+        assert ip_a != ip_b
+        assert (_ips_of(replicas, "ExpertShard-0"), _ips_of(replicas, "ExpertShard-1")) == ({ip_a}, {ip_b}), replicas
         want_old = [reference.generate([p], 5, stop_at_eos=True)[0] for p in prompts]
-        assert [tokens(p) for p in prompts] == want_old
+        assert [tokens(p) for p in prompts] == want_old  # every layer's exchange crosses the bridge
         _agent_calls(endpoint)
 
         # moectl hot-swap --wait: a file on the model volume, validated and served by every replica
@@ -165,36 +191,59 @@ def test_helm_operator_ray_and_model_in_pods(k8s_node, tmp_path, record_property
         assert r.returncode == 0 and r.stdout.startswith(("rebalanced default/tiny", "no rebalance:")), (r.stdout, r.stderr)
         assert [tokens(p) for p in prompts] == want_new
 
-        # the worker Pod deleted under load: Kubernetes starts another, Ray and Serve put the
-        # replicas back; every request is answered or fails, none hangs, and serving recovers
-        worker_pod = _pods(k8s, "app.kubernetes.io/component=worker")[0]
-        worker = worker_pod["metadata"]["name"]
-        # the head offers Ray no CPUs: every replica runs in the worker Pod
+        # scaled: each group's new replica runs in its own pool
+        k8s.kubectl("scale", "moed", "tiny", "--replicas", "2")
+        wait_for(lambda: len(_ips_of(now := _replica_ips(ray_ip), "ExpertShard-0")) == 1
+                 and sum(name.startswith("ExpertShard") for name, _ in now.values()) == 4 and now,
+                 timeout_s=300, what="two replicas a group")
         replicas = _replica_ips(ray_ip)
-        assert set(replicas.values()) == {worker_pod["status"]["podIP"]}, replicas
+        assert (_ips_of(replicas, "ExpertShard-0"), _ips_of(replicas, "ExpertShard-1")) == ({ip_a}, {ip_b}), replicas
+        assert [tokens(p) for p in prompts] == want_new
+
+        # pool a's worker Pod deleted under load: Kubernetes starts another, Ray and Serve put its
+        # replicas back there (group 0 is pinned to it), group 1 stays on pool b; every request is
+        # answered or fails, none hangs, and serving recovers
+        worker = next(p["metadata"]["name"] for p in _pods(k8s, "moe.io/pool=a"))
+        on_a = sum(ip == ip_a for _, ip in replicas.values())
         t_kill = time.monotonic()
         with Load(endpoint.removesuffix("/v1"), clients=2) as load:
             time.sleep(5)
             k8s.kubectl("delete", "pod", worker, "--wait=false")
             wait_for(lambda: any(p["metadata"]["name"] != worker and p["status"]["phase"] == "Running"
-                                 and p["status"].get("podIP") for p in _pods(k8s, "app.kubernetes.io/component=worker")),
-                     timeout_s=120, what="a new Ray worker Pod")
-            new_ip = next(p["status"]["podIP"] for p in _pods(k8s, "app.kubernetes.io/component=worker")
-                          if p["metadata"]["name"] != worker)
-            # recovered once Serve runs every replica again, in the new Pod (the old Pod's replicas
-            # may answer for a while as it terminates, so answers alone do not say so)
-            wait_for(lambda: len(now := _replica_ips(ray_ip)) == len(replicas) and set(now.values()) == {new_ip},
-                     timeout_s=300, what="every replica running in the new worker Pod")
+                                 and p["status"].get("podIP") for p in _pods(k8s, "moe.io/pool=a")),
+                     timeout_s=120, what="a new pool-a Ray worker Pod")
+            new_ip = _pool_ip(k8s, "a")
+            # recovered once Serve runs every replica again, none on the old Pod, group 0 in the new
+            # one (the old Pod's replicas may answer for a while as it terminates, so answers alone
+            # do not say so)
+            wait_for(lambda: len(now := _replica_ips(ray_ip)) == len(replicas)
+                     and ip_a not in {ip for _, ip in now.values()}
+                     and _ips_of(now, "ExpertShard-0") == {new_ip} and _ips_of(now, "ExpertShard-1") == {ip_b},
+                     timeout_s=300, what="every replica running again, group 0 in the new pool-a Pod")
             ok_before = load.ok
             wait_for(lambda: load.ok >= ok_before + 20, timeout_s=300, what="requests answered after the worker loss")
         shares["worker_loss_recovered_s"] = time.monotonic() - t_kill
         record_property("worker_loss_ok", load.ok)
         record_property("worker_loss_failed", load.failed)
-        print(f"worker Pod deleted under load: {load.ok} answered, {load.failed} failed "
-              f"({sorted(set(e[:60] for e in load.errors))[:5]})")
+        print(f"worker Pod deleted under load ({on_a} of {len(replicas)} replicas on it): {load.ok} answered, "
+              f"{load.failed} failed ({sorted(set(e[:60] for e in load.errors))[:5]})")
         assert load.ok > 20
         assert [tokens(p) for p in prompts] == want_new
         wait_for(lambda: _ready(k8s)[2].get("status") == "True", timeout_s=300, what="Ready again")
+
+        # group 1 pinned to a pool no Ray node has: Ready=False naming the group and the label; group
+        # 0 keeps its replicas; pinned back, the app is Ready and answers as before
+        patch = [{"op": "replace", "path": "/spec/experts/groupNodes/1/rayNodeLabels", "value": {"pool": "c"}}]
+        k8s.kubectl("patch", "moed", "tiny", "--type=json", "-p", json.dumps(patch))
+        r = wait_for(lambda: (c := _ready(k8s)[2]).get("status") == "False" and c.get("reason") == "Unschedulable" and c,
+                     timeout_s=120, what="Ready=False Unschedulable")
+        assert "ExpertShard-1 is pinned to Ray nodes labelled pool=c" in r["message"], r
+        assert "ExpertShard-0" not in r["message"].split("(live nodes")[0], r
+        assert _ips_of(_replica_ips(ray_ip), "ExpertShard-0") == {new_ip}
+        patch[0]["value"] = {"pool": "b"}
+        k8s.kubectl("patch", "moed", "tiny", "--type=json", "-p", json.dumps(patch))
+        wait_for(lambda: _ready(k8s)[2].get("status") == "True", timeout_s=300, what="Ready after the pin is fixed")
+        assert [tokens(p) for p in prompts] == want_new
 
         # delete: the finalizer removes the Serve app; then helm uninstall leaves nothing of ours
         k8s.kubectl("delete", "moed", "tiny", "--timeout=180s")

@@ -137,3 +137,11 @@ def test_the_tier_policies_the_api_offers_are_the_stores():
 
     field = TierSpec.model_fields["policy"]
     assert typing.get_args(field.annotation) == POLICIES and field.default == DEFAULT_POLICY
+
+
+def test_pins_are_refused_where_the_operator_writes_the_ray_cluster():
+    spec = {**VALID["spec"], "ray": {"mode": "KubeRay", "kubeRay": {"rayVersion": "2.60.0", "image": "moe-ray:1"}},
+            "experts": {**VALID["spec"]["experts"], "groupNodes": [{"groups": [1], "rayNodeLabels": {"pool": "b"}}]}}
+    with pytest.raises(SpecError, match="mode Existing with a Ray cluster whose nodes carry the labels"):
+        parse_spec(spec)
+    parse_spec({**spec, "ray": {"mode": "Existing"}})

@@ -31,9 +31,10 @@ def _changed(edit) -> dict:
     (lambda a: a["args"].update(max_batch_size=16), oc.RESTART),
     (lambda a: a["runtime_env"]["env_vars"].update(A="2"), oc.RESTART),
     (lambda a: a.update(route_prefix="/m"), oc.RESTART),  # not on Serve's in-place list
-    (lambda a: a["deployments"][1].update(ray_actor_options={"num_cpus": 2}), oc.RESTART),
+    (lambda a: a["deployments"][1].update(ray_actor_options={"num_cpus": 2}), oc.RESTART_SOME),  # that one only
+    (lambda a: [d.update(ray_actor_options={"num_cpus": 2}) for d in a["deployments"]], oc.RESTART),
     (lambda a: a["deployments"].append({"name": "ExpertShard-1", "user_config": {"experts": []}}), oc.RESTART),
-    (lambda a: a["deployments"][1].update(num_replicas=2, ray_actor_options={"num_gpus": 1}), oc.RESTART),
+    (lambda a: a["deployments"][1].update(num_replicas=2, ray_actor_options={"num_gpus": 1}), oc.RESTART_SOME),
 ])
 def test_a_change_is_in_place_only_when_every_changed_option_is_lightweight(edit, kind):
     assert oc.classify(APP, _changed(edit)) == kind

@@ -233,3 +233,47 @@ def test_the_kv_policy_asks_for_the_replicas_that_hold_the_kv_in_use_at_the_targ
     assert replicas_for_kv(2, [], 0.5) == 2.0
     with pytest.raises(ValueError, match="target_kv_cache_usage"):
         KvAwarePolicy(1.5)
+
+
+def test_pinned_groups_carry_a_label_selector_and_a_pin_restarts_only_its_deployment():
+    from ray.serve.schema import ServeApplicationSchema
+
+    from moe_operator.render.on_change import RESTART_SOME, classify
+
+    placement = initial_placement(2, 4, 2)
+    experts = {**VALID["spec"]["experts"], "numCpus": 0.5,
+               "rayNodeLabels": {"pool": "a"}, "groupNodes": [{"groups": [1], "rayNodeLabels": {"pool": "b", "zone": "z1"}}]}
+    pinned = render_application("team-a", "mixtral", parse_spec(
+        {**VALID["spec"], "experts": experts, "ingress": {"rayNodeLabels": {"moe.io/role": "front"}}}), placement)
+    plain = render_application("team-a", "mixtral", parse_spec(
+        {**VALID["spec"], "experts": {**VALID["spec"]["experts"], "numCpus": 0.5}}), placement)
+    d = {x["name"]: x for x in pinned["deployments"]}
+    assert d["ExpertShard-0"]["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0.0, "label_selector": {"pool": "a"}}
+    assert d["ExpertShard-1"]["ray_actor_options"]["label_selector"] == {"pool": "b", "zone": "z1"}
+    assert d["Ingress"]["ray_actor_options"]["label_selector"] == {"moe.io/role": "front"}
+    assert all("ray_actor_options" not in x for x in plain["deployments"])
+    assert pinned["args"] == plain["args"]  # no static arg: nothing else restarts
+    ServeApplicationSchema.model_validate(pinned)
+    one = render_application("team-a", "mixtral", parse_spec({**VALID["spec"], "experts": {
+        **VALID["spec"]["experts"], "numCpus": 0.5, "groupNodes": [{"groups": [0], "rayNodeLabels": {"p": "x"}}]}}), placement)
+    assert classify(plain, one) == RESTART_SOME
+
+
+def test_a_pin_no_live_node_can_take_is_named_with_the_nodes_there_are():
+    from moe_operator.backends.serve_status import pinned, unplaceable_pins
+
+    placement = initial_placement(2, 4, 2)
+    app = render_application("team-a", "mixtral", parse_spec({**VALID["spec"], "experts": {
+        **VALID["spec"]["experts"], "numCpus": 2,
+        "groupNodes": [{"groups": [0], "rayNodeLabels": {"pool": "a"}}, {"groups": [1], "rayNodeLabels": {"pool": "c"}}]}}),
+        placement)
+    assert set(pinned(app)) == {"ExpertShard-0", "ExpertShard-1"}
+    node = lambda pool, cpus, state="ALIVE": {"state": state, "labels": {"pool": pool, "ray.io/node-id": "x"},  # noqa: E731
+                                              "resources_total": {"CPU": cpus}}
+    assert unplaceable_pins(app, [node("a", 4), node("c", 2)]) is None
+    missing = unplaceable_pins(app, [node("a", 4), node("b", 4), node("c", 8, state="DEAD")])
+    assert missing.startswith("ExpertShard-1 is pinned to Ray nodes labelled pool=c, and no live node has them")
+    assert "ExpertShard-0" not in missing and "live nodes' labels: pool=a; pool=b" in missing
+    small = unplaceable_pins(app, [node("a", 1), node("c", 2)])
+    assert small.startswith("ExpertShard-0 is pinned to Ray nodes labelled pool=a, and none of the 1 with them has 2 CPU")
+    assert unplaceable_pins(render_application("t", "m", parse_spec(VALID["spec"]), placement), []) is None

@@ -7,6 +7,7 @@ descriptions become `kubectl explain` text, so write them for the person reading
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -176,6 +177,20 @@ class RayTarget(ApiModel):
 # spec.ingress
 
 
+RAY_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+RAY_LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
+RayNodeLabels = dict[str, Annotated[str, Field(pattern=RAY_LABEL_VALUE, max_length=63,
+                                                description="The label's value (empty, or up to 63 letters, digits, '-', '_', '.').")]]
+
+
+def check_label_keys(labels: dict[str, str]) -> dict[str, str]:
+    bad = [k for k in labels if not RAY_LABEL_KEY.match(k)]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not a Ray node label key (an optional DNS prefix and '/', then up to "
+                         "63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit)")
+    return labels
+
+
 class IngressAutoscaling(ApiModel):
     """Ray Serve's autoscaler for the Ingress deployment, applied in place (no replica restarts):
     each replica it adds joins the expert channel, and the admission gate counts its capacity.
@@ -210,6 +225,8 @@ class IngressSpec(ApiModel):
     """The Ingress deployment: HTTP API, batching, embeddings, attention, routers, lm_head."""
 
     replicas: int = Field(default=1, ge=1, le=64, description="Ingress replicas (ignored with autoscaling).")
+    ray_node_labels: RayNodeLabels = Field(
+        default_factory=dict, description="Ray node labels the Ingress replicas must run on (`ray start --labels`).")
     autoscaling: IngressAutoscaling | None = Field(
         default=None, description="Let Ray Serve scale the Ingress on load, between minReplicas and maxReplicas.")
     prefix_routing: bool = Field(
@@ -297,6 +314,11 @@ class IngressSpec(ApiModel):
         "digests, applied in place (no restart). Needs the chart's readTokenSecrets.",
     )
 
+    @field_validator("ray_node_labels")
+    @classmethod
+    def _label_keys(cls, labels: dict[str, str]) -> dict[str, str]:
+        return check_label_keys(labels)
+
 
 # ---------------------------------------------------------------------------------------------
 # spec.experts
@@ -382,6 +404,20 @@ class ExpertOverride(ApiModel):
     weights: WeightsSource = Field(description="The new weights.")
 
 
+class GroupNodes(ApiModel):
+    """Shard groups pinned to the Ray nodes that carry some labels."""
+
+    groups: list[int] = Field(min_length=1, max_length=1024, description="Shard group indices (0 .. groups-1).")
+    ray_node_labels: RayNodeLabels = Field(
+        min_length=1, description="Ray node labels (`ray start --labels k=v`; KubeRay: the worker group's "
+        "rayStartParams labels) these groups' replicas must run on; each label must match.")
+
+    @field_validator("ray_node_labels")
+    @classmethod
+    def _keys(cls, labels: dict[str, str]) -> dict[str, str]:
+        return check_label_keys(labels)
+
+
 class ExpertsSpec(ApiModel):
     """The ExpertShard deployments: how experts are split, replicated and stored."""
 
@@ -411,6 +447,13 @@ class ExpertsSpec(ApiModel):
         "on each node that hosts shard replicas: a replica Serve replaces starts in one (seconds) "
         "instead of a new process. 0 turns them off; each costs the memory of one idle process.",
     )
+    ray_node_labels: RayNodeLabels = Field(
+        default_factory=dict, description="Ray node labels every shard replica must run on (groupNodes "
+        "overrides it per group). A group no live Ray node can take: Ready=False (Unschedulable) naming it.")
+    group_nodes: list[GroupNodes] = Field(
+        default_factory=list, max_length=1024,
+        description="Pin shard groups to Ray nodes by label, so groups spread over nodes as the user wants "
+        "(each group at most once). Changing a group's pin restarts that group's replicas only.")
     tiers: TierSpec = Field(description="Byte budgets and policy of the hot, warm and cold tiers.")
     overrides: list[ExpertOverride] = Field(
         default_factory=list, max_length=4096,
@@ -418,6 +461,32 @@ class ExpertsSpec(ApiModel):
         "entry per expert.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["expert"]},
     )
+
+    @field_validator("ray_node_labels")
+    @classmethod
+    def _label_keys(cls, labels: dict[str, str]) -> dict[str, str]:
+        return check_label_keys(labels)
+
+    @field_validator("group_nodes")
+    @classmethod
+    def _groups_exist_once(cls, entries: list[GroupNodes], info) -> list[GroupNodes]:
+        groups, first = info.data.get("groups"), {}
+        for i, entry in enumerate(entries):
+            for g in entry.groups:
+                if groups is not None and not 0 <= g < groups:
+                    raise ValueError(f"entry [{i}] names group {g}; the groups are 0..{groups - 1}")
+                if g in first:
+                    raise ValueError(f"entry [{i}] pins group {g} again (first at [{first[g]}])")
+                first[g] = i
+        return entries
+
+    def node_labels(self) -> dict[int, dict[str, str]]:
+        """Each pinned group's Ray node labels (groupNodes over rayNodeLabels)."""
+        out = {g: dict(self.ray_node_labels) for g in range(self.groups)} if self.ray_node_labels else {}
+        for entry in self.group_nodes:
+            for g in entry.groups:
+                out[g] = dict(entry.ray_node_labels)
+        return out
 
     @field_validator("overrides")
     @classmethod
@@ -517,6 +586,15 @@ class MoEDeploymentSpec(ApiModel):
     autoscaling: AutoscalingSpec = Field(
         default_factory=AutoscalingSpec, description="Load-aware rebalancing and scaling."
     )
+
+    @model_validator(mode="after")
+    def _pins_need_labelled_nodes(self) -> "MoEDeploymentSpec":
+        if self.ray.mode == "KubeRay" and (self.experts.group_nodes or self.experts.ray_node_labels
+                                           or self.ingress.ray_node_labels):
+            raise ValueError("experts.groupNodes and the rayNodeLabels fields pin replicas to labelled Ray nodes, "
+                             "and the RayCluster that mode KubeRay writes has one unlabelled worker group: use "
+                             "mode Existing with a Ray cluster whose nodes carry the labels")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,6 +58,14 @@ class RayServeClient:
         if resp.status_code != 200:
             raise RayServeError(f"PUT {self._url()}: {resp.status_code} {resp.text[:500]}")
 
+    def nodes(self) -> list[dict]:
+        """Ray's nodes (state, labels, resources_total), from the dashboard's state API."""
+        url = self.dashboard_url.rstrip("/") + "/api/v0/nodes?limit=10000&detail=true"
+        resp = requests.get(url, headers=self._headers(), timeout=self.timeout_s)
+        if resp.status_code != 200:
+            raise RayServeError(f"GET {url}: {resp.status_code} {resp.text[:300]}")
+        return ((resp.json().get("data") or {}).get("result") or {}).get("result") or []
+
     def delete_all(self) -> None:
         resp = requests.delete(self._url(), headers=self._headers(), timeout=self.timeout_s * 2)
         if resp.status_code != 200:

@@ -47,3 +47,6 @@ class RenderOnlyClient:
 
     def wait_gone(self, name: str, timeout_s: float = 0) -> None:
         return None
+
+    def nodes(self) -> list[dict] | None:
+        return None  # no Ray: nobody can say where a pinned group would run

@@ -47,3 +47,7 @@ class ServeBackend(Protocol):
     def wait_gone(self, name: str, timeout_s: float = 120.0) -> None:
         """Until `name` is no longer listed."""
         ...
+
+    def nodes(self) -> list[dict] | None:
+        """The cluster's Ray nodes (state, labels, resources_total); None: this backend cannot say."""
+        ...

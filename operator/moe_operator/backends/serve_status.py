@@ -102,3 +102,40 @@ def start_failure_message(app_name: str, app: dict) -> str | None:
         return None
     return (f"replicas of {app_name} fail in their constructor: "
             + "; ".join(f"{name}: {error}" for name, error in found))
+
+
+def pinned(app: dict) -> dict[str, tuple[dict[str, str], dict[str, float]]]:
+    """Deployment -> (the Ray node labels it must run on, what one replica needs: CPU, GPU) for
+    each deployment of a rendered application (a Serve config entry) with a label selector."""
+    out = {}
+    for d in app.get("deployments") or []:
+        opts = d.get("ray_actor_options") or {}
+        if opts.get("label_selector"):
+            out[d["name"]] = (dict(opts["label_selector"]),
+                              {"CPU": float(opts.get("num_cpus") or 0), "GPU": float(opts.get("num_gpus") or 0)})
+    return out
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def unplaceable_pins(app: dict, nodes: list[dict]) -> str | None:
+    """One line naming each pinned deployment no live Ray node can take (none has its labels, or
+    none of those is large enough for one replica), and the nodes there are; None when every pin
+    has a node. `nodes`: Ray's node list (GET /api/v0/nodes: state, labels, resources_total)."""
+    live = [n for n in nodes if n.get("state") == "ALIVE"]
+    problems = []
+    for name, (want, need) in sorted(pinned(app).items()):
+        matching = [n for n in live if all((n.get("labels") or {}).get(k) == v for k, v in want.items())]
+        if not matching:
+            problems.append(f"{name} is pinned to Ray nodes labelled {_labels(want)}, and no live node has them")
+        elif not any(all(float((n.get("resources_total") or {}).get(r, 0)) + 1e-9 >= v for r, v in need.items() if v)
+                     for n in matching):
+            problems.append(f"{name} is pinned to Ray nodes labelled {_labels(want)}, and none of the "
+                            f"{len(matching)} with them has {', '.join(f'{v:g} {r}' for r, v in need.items() if v)}")
+    if not problems:
+        return None
+    seen = sorted({_labels({k: v for k, v in (n.get("labels") or {}).items() if not k.startswith("ray.io/")})
+                   or "(no labels)" for n in live})
+    return "; ".join(problems) + f" (live nodes' labels: {'; '.join(seen) or 'none'}); the other groups are deployed"

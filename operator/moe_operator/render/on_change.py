@@ -22,6 +22,7 @@ from moe_operator.render.serve_app import render_application
 
 IN_PLACE = "in place"
 RESTART = "restarts replicas"
+RESTART_SOME = "restarts the replicas of the deployments it concerns; the others keep running"
 OPERATOR = "operator only"  # read by the operator (or the planner); the rendered application is the same
 
 LIGHTWEIGHT = {"num_replicas", "autoscaling_config", "user_config", "max_ongoing_requests", "max_queued_requests",
@@ -87,6 +88,10 @@ PROBES: dict[str, object] = {
     "experts.tiers.idleDemotionSeconds": 60,
     "experts.tiers.prefetch.enabled": False,
     "experts.tiers.prefetch.lookaheadLayers": 2,
+    "ingress.rayNodeLabels": {"pool": "a"},
+    "experts.rayNodeLabels": {"pool": "a"},
+    "experts.groupNodes[].groups": [1],
+    "experts.groupNodes[].rayNodeLabels": {"pool": "b"},
     "experts.overrides[].expert": "1.3",
     "experts.overrides[].weights.path": "/weights/expert-1.3-v2.safetensors",
     "experts.overrides[].weights.sha256": "ab" * 32,
@@ -146,20 +151,31 @@ def classify(before: dict, after: dict) -> str:
     new = {d["name"]: d for d in after.get("deployments", [])}
     if set(old) != set(new):
         return RESTART
-    for name, d in new.items():
-        changed = {k for k in set(d) | set(old[name]) if d.get(k) != old[name].get(k)}
-        if changed - LIGHTWEIGHT:
-            return RESTART
-    return IN_PLACE
+    restarted = [name for name, d in new.items()
+                 if {k for k in set(d) | set(old[name]) if d.get(k) != old[name].get(k)} - LIGHTWEIGHT]
+    if not restarted:
+        return IN_PLACE
+    return RESTART if len(restarted) == len(new) else RESTART_SOME
+
+
+# list fields: the entry a probe of one of its fields changes (made when there is none)
+LIST_ENTRIES: dict[str, dict] = {
+    "experts.overrides[]": {"expert": "0.1", "weights": {"path": "/weights/expert-0.1.safetensors"}},
+    "experts.groupNodes[]": {"groups": [0], "rayNodeLabels": {"pool": "a"}},
+}
 
 
 def _set(spec: dict, path: str, value) -> dict:
     out = copy.deepcopy(spec)
     target = out
-    if path.startswith("experts.overrides[]."):  # the first override (one is made when there is none)
-        overrides = out["experts"].setdefault("overrides", [{"expert": "0.1",
-                                                            "weights": {"path": "/weights/expert-0.1.safetensors"}}])
-        target, path = overrides[0], path[len("experts.overrides[]."):]
+    for prefix, entry in LIST_ENTRIES.items():
+        if path.startswith(prefix + "."):  # the list's first entry
+            *where, name = prefix.removesuffix("[]").split(".")
+            parent = out
+            for key in where:
+                parent = parent.setdefault(key, {})
+            target, path = parent.setdefault(name, [copy.deepcopy(entry)])[0], path[len(prefix) + 1:]
+            break
     *parents, leaf = path.split(".")
     for key in parents:
         target = target.setdefault(key, {})
@@ -187,8 +203,10 @@ def probe(path: str) -> tuple[dict, dict]:
     if path not in PROBES:
         raise KeyError(f"{path}: no probe value and no stated effect (moe_operator.render.on_change)")
     base = BASE
-    if path.startswith("experts.overrides[]."):  # an override present before and after
-        base = _set(BASE, "experts.overrides[].expert", "0.1")
+    for prefix, entry in LIST_ENTRIES.items():
+        if path.startswith(prefix + "."):  # an entry present before and after
+            first = next(iter(entry))
+            base = _set(BASE, f"{prefix}.{first}", entry[first])
     for other, value in WITH.get(path, {}).items():
         base = _set(base, other, value)
     return base, _set(base, path, PROBES[path])

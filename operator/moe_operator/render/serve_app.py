@@ -5,7 +5,7 @@ from __future__ import annotations
 from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.api.types import quantity_bytes
 from moe_operator.names import app_name
-from moe_workers.serve.config import AppArgs, IngressScaling, serve_application
+from moe_workers.serve.config import AppArgs, IngressScaling, group_name, serve_application
 
 
 def tier_config(spec: MoEDeploymentSpec) -> dict:
@@ -65,6 +65,8 @@ def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None
         ingress_replicas=spec.ingress.replicas,
         ingress_autoscaling=ingress_scaling(spec),
         prefix_routing=spec.ingress.prefix_routing,
+        ingress_node_labels=dict(spec.ingress.ray_node_labels),
+        group_node_labels={group_name(g): labels for g, labels in spec.experts.node_labels().items()},
         ingress_num_cpus=spec.ingress.num_cpus,
         ingress_num_gpus=spec.ingress.num_gpus,
         shard_num_cpus=spec.experts.num_cpus,

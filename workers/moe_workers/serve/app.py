@@ -10,8 +10,9 @@ the StatusBoard.
 from ray import serve
 
 from moe_workers.serve.board import StatusBoard
-from moe_workers.serve.config import (HEALTH_CHECK_PERIOD_S, INGRESS, AppArgs, admission, ingress_autoscaling_config,
-                                      ingress_count, ingress_router_config)
+from moe_workers.serve.config import (HEALTH_CHECK_PERIOD_S, INGRESS, AppArgs, admission, ingress_actor_options,
+                                      ingress_autoscaling_config, ingress_count, ingress_router_config,
+                                      shard_actor_options)
 from moe_workers.serve.ingress import Ingress
 from moe_workers.serve.shard import ExpertShard
 
@@ -26,7 +27,7 @@ def build_app(args: AppArgs) -> serve.Application:
     shards = {}
     for name in args.group_names():
         options = {"name": name, "health_check_period_s": HEALTH_CHECK_PERIOD_S,
-                   "ray_actor_options": {"num_cpus": args.shard_num_cpus, "num_gpus": args.shard_num_gpus}}
+                   "ray_actor_options": shard_actor_options(args, name)}
         if args.placement is not None:
             options["user_config"] = {"experts": list(placement.get(name, []))}
         shards[name] = ExpertShard.options(**options).bind(args.model_path, args.dtype, args.torch_threads,
@@ -36,7 +37,7 @@ def build_app(args: AppArgs) -> serve.Application:
     autoscaling = ingress_autoscaling_config(args)
     options = {"name": INGRESS, "health_check_period_s": HEALTH_CHECK_PERIOD_S,
                **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": args.ingress_replicas}),
-               "ray_actor_options": {"num_cpus": args.ingress_num_cpus, "num_gpus": args.ingress_num_gpus},
+               "ray_actor_options": ingress_actor_options(args),
                **admission(args)}
     if args.placement is not None:  # serve.run; a Serve config says the router (its args do not)
         options["request_router_config"] = ingress_router_config(args.prefix_routing)

@@ -21,6 +21,9 @@ INGRESS = "Ingress"
 PREFIX_ROUTER = "moe_workers.serve.prefix_router:PrefixAffinityRouter"
 SERVE_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 KV_POLICY = "moe_workers.serve.ingress_scaling:KvAwarePolicy"
+# AppArgs fields that are deployment options in a Serve config (applied in place, or restarting only
+# the deployment they concern), never in the app's static args
+NOT_STATIC = {"ingress_replicas", "ingress_autoscaling", "prefix_routing", "ingress_node_labels", "group_node_labels"}
 AUTO = "auto"  # the Ingress' user_config ingress_replicas of an autoscaled Ingress
 AUTOSCALING_METRICS_INTERVAL_S = 2.0
 AUTOSCALING_LOOK_BACK_S = 10.0
@@ -86,6 +89,10 @@ class AppArgs(BaseModel):
     ingress_replicas: int = Field(default=1, ge=1)
     ingress_autoscaling: IngressScaling | None = Field(default=None, description="Serve autoscales the Ingress "
                                                        "(ingress_replicas is then ignored).")
+    ingress_node_labels: dict[str, str] = Field(default_factory=dict, description="Ray node labels the Ingress "
+                                                "replicas must run on (their ray_actor_options' label_selector).")
+    group_node_labels: dict[str, dict[str, str]] = Field(default_factory=dict, description="Shard group -> the Ray "
+                                                         "node labels its replicas must run on.")
     prefix_routing: bool = Field(default=True, description="Serve's router in the proxy sends a request to the "
                                  "Ingress replica that took its prompt's prefix before (moe_workers.serve.prefix_router).")
     ingress_num_cpus: float = Field(default=0.5, gt=0)
@@ -203,6 +210,23 @@ def ingress_autoscaling_config(args: AppArgs) -> dict | None:
     return out
 
 
+def ingress_actor_options(args: AppArgs) -> dict:
+    """The Ingress replicas' ray_actor_options: CPUs, GPUs and the Ray nodes they may run on. A
+    Serve config carries them only for a pinned deployment (whole: they replace build_app's)."""
+    out: dict = {"num_cpus": args.ingress_num_cpus, "num_gpus": args.ingress_num_gpus}
+    if args.ingress_node_labels:
+        out["label_selector"] = dict(args.ingress_node_labels)
+    return out
+
+
+def shard_actor_options(args: AppArgs, group: str) -> dict:
+    """A shard group's ray_actor_options (as ingress_actor_options)."""
+    out: dict = {"num_cpus": args.shard_num_cpus, "num_gpus": args.shard_num_gpus}
+    if args.group_node_labels.get(group):
+        out["label_selector"] = dict(args.group_node_labels[group])
+    return out
+
+
 def ingress_count(args: AppArgs) -> int | str:
     """What the Ingress' user_config says of its replica count: the fixed count, or AUTO (an
     autoscaled Ingress: each replica counts those live, through the StatusBoard)."""
@@ -235,7 +259,7 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
     `api_key_digests`: SHA-256 digests of the API keys /v1/* requires (none: open)."""
     # placement and the Ingress' replica count are in-place options below, not static args
     static = args.model_copy(update={"placement": None}).model_dump(
-        exclude_none=True, exclude={"ingress_replicas", "ingress_autoscaling", "prefix_routing"})
+        exclude_none=True, exclude=NOT_STATIC)
     hosts = shard_experts if shard_experts is not None else placement
     unknown = sorted((set(placement) | set(hosts)) - set(args.group_names()))
     if unknown:
@@ -250,6 +274,9 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
     ingress: dict = ({"autoscaling_config": autoscaling} if autoscaling is not None
                      else {"num_replicas": args.ingress_replicas})
     ingress["request_router_config"] = ingress_router_config(args.prefix_routing)
+    pinned = ingress_actor_options(args)
+    if pinned.get("label_selector"):
+        ingress["ray_actor_options"] = pinned
     deployments = [{"name": INGRESS, **ingress, "max_queued_requests": admission(args)["max_queued_requests"],
                     "user_config": ingress_config}]
     for g in args.group_names():
@@ -261,6 +288,10 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
         mine = {eid: dict(o) for eid, o in sorted((overrides or {}).items()) if eid in set(hosted)}
         if mine:
             shard_config["overrides"] = mine
-        deployments.append({"name": g, "num_replicas": n, "user_config": shard_config})
+        shard: dict = {"name": g, "num_replicas": n, "user_config": shard_config}
+        pinned = shard_actor_options(args, g)
+        if pinned.get("label_selector"):
+            shard["ray_actor_options"] = pinned
+        deployments.append(shard)
     return {"name": name, "route_prefix": route_prefix, "import_path": IMPORT_PATH, "args": static,
             "runtime_env": {"env_vars": dict(RUNTIME_ENV["env_vars"])}, "deployments": deployments}
