@@ -77,11 +77,22 @@ PINS = [{"groups": [0], "rayNodeLabels": {"pool": "a"}}, {"groups": [1], "rayNod
 
 
 def _dump(k8s) -> str:
-    """What a person would look at when the test fails: Pods, events, the operator's log."""
+    """What a person would look at when the test fails: Pods, events, the operator's log (its
+    timers' routine lines left out), the object's conditions and what Serve says of the app."""
+    log = k8s.kubectl("-n", NS, "logs", "statefulset/rel-moe-operator", "--tail=400", check=False).stdout
     out = [k8s.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout,
            k8s.kubectl("get", "events", "-A", "--sort-by=.lastTimestamp", check=False).stdout[-4000:],
-           k8s.kubectl("-n", NS, "logs", "statefulset/rel-moe-operator", "--tail=60", check=False).stdout,
+           "\n".join(line for line in log.splitlines() if "succeeded." not in line and "/healthz" not in line)[-6000:],
+           k8s.kubectl("get", "moed", "-o", "jsonpath={.items[*].status.conditions}", check=False).stdout,
            k8s.kubectl("logs", "deploy/ray-head", "--tail=40", check=False).stdout]
+    try:
+        ray_ip = k8s.kubectl("get", "svc", "ray-head", "-o", "jsonpath={.spec.clusterIP}").stdout
+        apps = requests.get(f"http://{ray_ip}:8265/api/serve/applications/", timeout=10).json()["applications"]
+        out.append(json.dumps({n: {"status": a["status"], "message": a.get("message", "")[:300], "deployments": {
+            d: [v["status"], v.get("message", "")[:300], [r["state"] for r in v["replicas"]]]
+            for d, v in a["deployments"].items()}} for n, a in apps.items()}, indent=1))
+    except Exception as err:  # noqa: BLE001 - a dump says what it can
+        out.append(f"Serve status: {err}")
     return "\n".join(out)
 
 

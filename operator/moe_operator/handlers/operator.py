@@ -10,6 +10,7 @@ Kubernetes' once, on first use), which the 2 s and 5 s timers would otherwise re
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -37,6 +38,7 @@ from moe_workers.serve.auth import digests
 
 RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
 PREFIX = models.GROUP
+DIFFBASE_KEY = "last-handled-configuration"  # kopf's record of the last spec it handled (an annotation)
 EVENT_MESSAGE_LIMIT = 1000  # characters of an Event's message (the apiserver keeps 1 KiB of it)
 
 
@@ -55,7 +57,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=PREFIX, key="last-handled-configuration")
+        prefix=PREFIX, key=DIFFBASE_KEY)
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 120
     # serve the namespaces given on the command line and the CRDs present at start: watching all
@@ -240,6 +242,21 @@ def delete_handler(name: str, namespace: str, spec, meta, status, logger, memo: 
                 app_name(namespace, name))
 
 
+def orphaned_generation(meta: dict, spec: dict) -> bool:
+    """Whether nobody will apply the object's current generation: kopf's last handled spec equals
+    it (so kopf sees no change to handle) and no reconcile is pending a retry, yet status has not
+    observed it. That happens when an edit fails temporarily (retried after a delay) and a second
+    edit reverts it before the retry: kopf drops the retry, as the spec is back to what it handled."""
+    annotations = meta.get("annotations") or {}
+    try:
+        handled = json.loads(annotations.get(f"{PREFIX}/{DIFFBASE_KEY}") or "null")
+    except ValueError:
+        return False
+    if not isinstance(handled, dict) or handled.get("spec") != spec:
+        return False  # a change kopf is handling (or has not seen yet)
+    return not any(key.startswith(f"{PREFIX}/reconcile_handler") for key in annotations)
+
+
 @kopf.timer(*RESOURCE, interval=5.0, initial_delay=5.0)
 def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, memo: kopf.Memo, **_: Any) -> None:
     """Between reconciles: read the live app's report and update tiers, overridden experts and
@@ -247,9 +264,14 @@ def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, 
     Secret runs the reconcile pass again (the keys apply in place). With ray.mode KubeRay the pass
     runs every time: it maps the RayService's status, which KubeRay changes on its own."""
     status = dict(status or {})
-    if status.get("observedGeneration") != meta.get("generation"):
-        return  # the reconcile handler owns this generation until it has applied it
     spec_dict = dict(spec)
+    if status.get("observedGeneration") != meta.get("generation"):
+        if not orphaned_generation(meta, spec_dict):
+            return  # the reconcile handler owns this generation until it has applied it
+        res = _reconcile(name, namespace, spec_dict, meta, status, memo)
+        patch.status.update(merge_patch(status, res.status))
+        _post(body, ([res.event] if res.event else []) + res.events)
+        return
     if _kuberay_mode(spec_dict) and (status.get("autoscaling") or {}).get("target") is None:
         # (a rebalance in progress is the autoscale timer's: it runs the same pass)
         # the application's state lives in the RayService's status, which KubeRay changes on its

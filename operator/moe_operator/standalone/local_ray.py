@@ -65,6 +65,7 @@ class LocalRayHead:
 
     work_dir: Path
     num_cpus: int | None = None
+    labels: dict[str, str] = field(default_factory=dict)  # Ray node labels (spec.experts.groupNodes pins by them)
     gcs_port: int = field(default_factory=free_port)
     dashboard_port: int = field(default_factory=free_port)
     serve_http_port: int = field(default_factory=free_port)
@@ -141,6 +142,8 @@ class LocalRayHead:
             cmd += [flag, str(port)]
         if self.num_cpus is not None:
             cmd += ["--num-cpus", str(self.num_cpus)]
+        if self.labels:
+            cmd += ["--labels", ",".join(f"{k}={v}" for k, v in sorted(self.labels.items()))]
         if parent_pid is not None:
             cmd = [sys.executable, "-m", "moe_operator.standalone.watchdog", str(parent_pid), "--", *cmd]
         # Serve names a replica it cannot place after RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s by
