@@ -204,6 +204,22 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
                             timeout=60).json()["choices"][0]["token_ids"]
         assert got == reference.generate([prompt], max_tokens=5)[0][: len(got)]
 
+        # a group pinned to Ray node labels no node has: Ready=False naming it; the edit reverted
+        # before kopf retries it (kopf then drops the retry: the spec is what it handled last), and
+        # the object is Ready again all the same
+        pin = [{"op": "add", "path": "/spec/experts/groupNodes",
+                "value": [{"groups": [2], "rayNodeLabels": {"pool": "nowhere"}}]}]
+        k8s.kubectl("patch", "moed", "tiny", "--type=json", "-p", json.dumps(pin))
+        _, _, bad = wait_for(lambda: (r := _ready(k8s, "tiny"))[2]["status"] == "False" and r, what="Unschedulable")
+        assert bad["reason"] == "Unschedulable" and bad["message"].startswith(
+            "ExpertShard-2 is pinned to Ray nodes labelled pool=nowhere, and no live node has them"), bad
+        k8s.kubectl("patch", "moed", "tiny", "--type=json", "-p",
+                    json.dumps([{"op": "remove", "path": "/spec/experts/groupNodes"}]))
+        try:
+            wait_for(lambda: _ready(k8s, "tiny")[2]["status"] == "True", timeout_s=120, what="Ready after the revert")
+        except AssertionError:
+            raise AssertionError(json.dumps(k8s.kubectl_json("get", "moed", "tiny")["metadata"], indent=1))
+
         # a second MoEDeployment on the same Ray cluster: both serve; deleting it leaves the first alone
         k8s.kubectl("apply", "-f", "-", input=json.dumps(_manifest("second", model, groups=1, prefix="/op2")))
         # killed in mid-reconcile: after its Serve config PUT, before the app runs and status is written

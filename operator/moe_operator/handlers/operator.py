@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from datetime import datetime
 from typing import Any
 
 import kopf
@@ -39,6 +40,7 @@ from moe_workers.serve.auth import digests
 RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
 PREFIX = models.GROUP
 DIFFBASE_KEY = "last-handled-configuration"  # kopf's record of the last spec it handled (an annotation)
+ORPHAN_GRACE_S = 30.0  # a retry kopf has not run this long after its time was dropped
 EVENT_MESSAGE_LIMIT = 1000  # characters of an Event's message (the apiserver keeps 1 KiB of it)
 
 
@@ -242,11 +244,13 @@ def delete_handler(name: str, namespace: str, spec, meta, status, logger, memo: 
                 app_name(namespace, name))
 
 
-def orphaned_generation(meta: dict, spec: dict) -> bool:
-    """Whether nobody will apply the object's current generation: kopf's last handled spec equals
-    it (so kopf sees no change to handle) and no reconcile is pending a retry, yet status has not
-    observed it. That happens when an edit fails temporarily (retried after a delay) and a second
-    edit reverts it before the retry: kopf drops the retry, as the spec is back to what it handled."""
+def orphaned_generation(meta: dict, spec: dict, now: float | None = None) -> bool:
+    """Whether nobody will apply the object's current generation (status has not observed it):
+    kopf's last handled spec equals it, so kopf sees no change to handle, and no reconcile retry is
+    due (none recorded, or one whose time passed ORPHAN_GRACE_S ago without kopf running it). That
+    happens when an edit fails temporarily (retried after a delay) and a second edit reverts it
+    before the retry: kopf drops the retry, as the spec is back to what it handled, and leaves its
+    record behind."""
     annotations = meta.get("annotations") or {}
     try:
         handled = json.loads(annotations.get(f"{PREFIX}/{DIFFBASE_KEY}") or "null")
@@ -254,7 +258,17 @@ def orphaned_generation(meta: dict, spec: dict) -> bool:
         return False
     if not isinstance(handled, dict) or handled.get("spec") != spec:
         return False  # a change kopf is handling (or has not seen yet)
-    return not any(key.startswith(f"{PREFIX}/reconcile_handler") for key in annotations)
+    now = time.time() if now is None else now
+    for key, value in annotations.items():
+        if not key.startswith(f"{PREFIX}/reconcile_handler"):
+            continue
+        try:
+            delayed = datetime.fromisoformat(json.loads(value)["delayed"]).timestamp()
+        except (ValueError, KeyError, TypeError):
+            return False  # a handler running, or a record we cannot read: kopf's
+        if delayed > now - ORPHAN_GRACE_S:
+            return False  # its retry is still to come
+    return True
 
 
 @kopf.timer(*RESOURCE, interval=5.0, initial_delay=5.0)
