@@ -96,7 +96,7 @@ def main() -> int:
             for side, pool in (("local", "a"), ("across", "b")):
                 name = names[side] = f"d{depth}-{side}"
                 moed = moedeployment(ray_ip, name=name, model=f"/models/d{depth}")
-                moed["spec"]["ingress"]["rayNodeLabels"] = {"pool": "a"}
+                moed["spec"]["ingress"].update(rayNodeLabels={"pool": "a"}, kvCacheBudget="64Mi")
                 moed["spec"]["experts"]["rayNodeLabels"] = {"pool": pool}
                 kubectl("apply", "-f", "-", input=json.dumps(moed))
             for name in names.values():
