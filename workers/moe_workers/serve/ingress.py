@@ -85,6 +85,11 @@ class Ingress:
                                              prefix_caching=self.args.prefix_caching)
         self.shards = shards  # bound so Serve deploys them; their traffic goes through the channel
         self.board = board
+        ctx = serve.get_replica_context()
+        self.replica = ctx.replica_id.unique_id  # set before the channel's membership poll asks for it
+        # the Ingress replicas running now: a fixed count from user_config, else (AUTO) the board's
+        self.ingress_replicas: int | str = self.args.ingress_replicas
+        self.live_ingress_replicas = 1
         self._weights: str | None = None  # the experts' versions the prefix cache was computed with
         self.channel = ExpertChannel(self._members if board is not None else None,
                                      timeout_s=self.args.exchange_timeout_s,
@@ -97,12 +102,7 @@ class Ingress:
         self.prefetch_lookahead = 0
         self.routing_stats = RoutingStats(cfg.num_layers, cfg.num_experts, self.args.max_batch_size)
         self.routing_window: dict = {}
-        ctx = serve.get_replica_context()
-        self.replica = ctx.replica_id.unique_id
         self.metrics = IngressMetrics(ctx.replica_id.deployment_id.app_name, self.replica)
-        # the Ingress replicas running now: a fixed count from user_config, else (AUTO) the board's
-        self.ingress_replicas: int | str = self.args.ingress_replicas
-        self.live_ingress_replicas = 1
         self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
                              engine_queue_limit(self.args), self.args.micro_batches,
                              self.args.micro_batch_min_tokens, routing_stats=self.routing_stats,
