@@ -37,7 +37,6 @@ def _status(url) -> dict:
 
 
 def test_the_ingress_scales_on_load_with_no_failed_request_and_each_prefix_keeps_to_one_replica(ray_head, tmp_path):
-    ray_head.connect_driver(namespace="ingress-scaling")
     path = tmp_path / "ckpt"
     scaling = IngressScaling(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0,
                              downscale_delay_s=600)

@@ -103,3 +103,15 @@ def test_the_memory_is_bounded_least_recently_routed_first():
     aff.record(new, "r2")
     assert len(aff.owner) == 10 and sum(aff.held.values()) == 10
     assert all(h in aff.owner for h in new) and old[0] not in aff.owner
+
+
+def test_hostile_bodies_are_routed_by_load_and_never_raise():
+    """The gate computes the header in Serve's proxy for every generation request: a body the
+    Ingress will refuse with a 400 (tests/integration/test_hostile_input) must reach it."""
+    long_surrogate = json.dumps({"prompt": "\ud800" * 200}).encode()
+    assert len(prefix_chain(prompt_text("/v1/completions", long_surrogate))) == 600 // 128  # routed, not raised
+    for body in (b"[" * 60_000, b'{"prompt":' + b"[" * 2000 + b"]" * 2000 + b"}",
+                 b'{"prompt":"hi","user":' + b"[" * 30_000 + b"]" * 30_000 + b"}", b"\xff\xfe{}",
+                 b'{"messages": [' + b"[" * 50_000 + b"]}"):
+        assert prefix_header("/v1/completions", body) is None
+        assert prefix_header("/v1/chat/completions", body) is None

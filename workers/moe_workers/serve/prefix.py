@@ -48,7 +48,7 @@ def prompt_text(path: str, body: bytes) -> str | None:
         return None
     try:
         req = json.loads(body)
-    except (UnicodeDecodeError, ValueError):
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser (the Ingress says which)
         return None
     if not isinstance(req, dict):
         return None
@@ -71,7 +71,7 @@ def prompt_text(path: str, body: bytes) -> str | None:
 def prefix_chain(text: str) -> list[str]:
     """Hashes of the text's whole PREFIX_BLOCK_BYTES blocks (UTF-8), each over all blocks up to its
     own, at most PREFIX_MAX_BLOCKS; a text shorter than one block has none."""
-    data = text.encode()
+    data = text.encode(errors="surrogatepass")  # a lone surrogate is the Ingress' to refuse
     out: list[str] = []
     h = b""
     for start in range(0, min(len(data) // PREFIX_BLOCK_BYTES, PREFIX_MAX_BLOCKS) * PREFIX_BLOCK_BYTES,
@@ -82,9 +82,13 @@ def prefix_chain(text: str) -> list[str]:
 
 
 def prefix_header(path: str, body: bytes) -> tuple[bytes, bytes] | None:
-    """The header the gate adds to a generation request (None: nothing to route by)."""
-    text = prompt_text(path, body)
-    chain = prefix_chain(text) if text is not None else []
+    """The header the gate adds to a generation request (None: nothing to route by). It never
+    raises: a body it cannot read is routed by load, and the Ingress answers what is wrong."""
+    try:
+        text = prompt_text(path, body)
+        chain = prefix_chain(text) if text is not None else []
+    except Exception:  # noqa: BLE001 - routing is an optimisation; the request goes on
+        return None
     return (PREFIX_HEADER, ",".join(chain).encode()) if chain else None
 
 
