@@ -210,21 +210,22 @@ def ingress_autoscaling_config(args: AppArgs) -> dict | None:
     return out
 
 
+def _actor_options(num_cpus: float, num_gpus: float, labels: dict[str, str] | None) -> dict:
+    out: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    if labels:
+        out["label_selector"] = dict(labels)
+    return out
+
+
 def ingress_actor_options(args: AppArgs) -> dict:
     """The Ingress replicas' ray_actor_options: CPUs, GPUs and the Ray nodes they may run on. A
     Serve config carries them only for a pinned deployment (whole: they replace build_app's)."""
-    out: dict = {"num_cpus": args.ingress_num_cpus, "num_gpus": args.ingress_num_gpus}
-    if args.ingress_node_labels:
-        out["label_selector"] = dict(args.ingress_node_labels)
-    return out
+    return _actor_options(args.ingress_num_cpus, args.ingress_num_gpus, args.ingress_node_labels)
 
 
 def shard_actor_options(args: AppArgs, group: str) -> dict:
     """A shard group's ray_actor_options (as ingress_actor_options)."""
-    out: dict = {"num_cpus": args.shard_num_cpus, "num_gpus": args.shard_num_gpus}
-    if args.group_node_labels.get(group):
-        out["label_selector"] = dict(args.group_node_labels[group])
-    return out
+    return _actor_options(args.shard_num_cpus, args.shard_num_gpus, args.group_node_labels.get(group))
 
 
 def ingress_count(args: AppArgs) -> int | str:
@@ -258,15 +259,14 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
     group hosts, a superset while a new placement is applied make-before-break.
     `api_key_digests`: SHA-256 digests of the API keys /v1/* requires (none: open)."""
     # placement and the Ingress' replica count are in-place options below, not static args
-    static = args.model_copy(update={"placement": None}).model_dump(
-        exclude_none=True, exclude=NOT_STATIC)
+    static = args.model_copy(update={"placement": None}).model_dump(exclude_none=True, exclude=NOT_STATIC)
     hosts = shard_experts if shard_experts is not None else placement
     unknown = sorted((set(placement) | set(hosts)) - set(args.group_names()))
     if unknown:
         raise ValueError(f"placement names groups outside 0..{args.num_groups - 1}: {', '.join(unknown)}")
-    ingress_config: dict = {"placement": {g: list(placement.get(g, [])) for g in args.group_names()}}
+    ingress_config: dict = {"placement": {g: list(placement.get(g, [])) for g in args.group_names()},
+                            "ingress_replicas": ingress_count(args)}
     autoscaling = ingress_autoscaling_config(args)
-    ingress_config["ingress_replicas"] = ingress_count(args)
     if prefetch_lookahead:
         ingress_config["prefetch_lookahead"] = prefetch_lookahead
     if api_key_digests:
