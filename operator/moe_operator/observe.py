@@ -36,6 +36,8 @@ def tier_summary(replicas: list[dict]) -> dict[str, dict]:
                 if v.get("expert_bytes") is not None:
                     out[tier].form, out[tier].expert_bytes = v.get("form"), int(v["expert_bytes"])
                     out[tier].vs_compute = float(v.get("vs_compute", 1.0))
+                if v.get("decoder"):
+                    out[tier].decoder = str(v["decoder"])
     return {t: s.model_dump(by_alias=True, exclude_none=True) for t, s in out.items()}
 
 

@@ -103,6 +103,8 @@ def test_tiers_carry_one_experts_bytes_in_each_tiers_form():
     rep = replica("a", "ExpertShard-0", {"1.2": v()})
     for tier, form, n, ratio in (("hot", "compute", 1000, 1.0), ("warm", "stored", 265, 0.265), ("cold", "stored", 264, 0.264)):
         rep["tiers"][tier].update(form=form, expert_bytes=n, vs_compute=ratio)
+    rep["tiers"]["hot"]["decoder"] = "native (avx512)"
     tiers = summarise(spec(), {"replicas": [rep, replica("b", "ExpertShard-1", {})]}, {})["tiers"]
     assert tiers["warm"] == {"experts": 4, "bytes": 400, "form": "stored", "expertBytes": 265, "vsCompute": 0.265}
     assert tiers["hot"]["form"] == "compute" and tiers["cold"]["vsCompute"] == 0.264
+    assert tiers["hot"]["decoder"] == "native (avx512)" and "decoder" not in tiers["warm"]

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from checkpoints import make_family, reference_greedy
 from moe_operator.api.semantics import read_model_facts
+from moe_workers.model import native
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.config import CheckpointError, UnsupportedModel
 from moe_workers.model.dequant import decode, decode_mxfp4, dequantize_fp8, pack_mxfp4, quantize_fp8
@@ -32,6 +33,21 @@ from moe_workers.store.versions import SwapError, load_expert_file
 # block 8: every dimension of these tiny models is a whole number of blocks (transformers' oracle holds)
 CASES = {"deepseek_v3-fp8": ("deepseek_v3", "fp8", torch.float32), "qwen3_moe-fp8": ("qwen3_moe", "fp8", torch.bfloat16),
          "gpt_oss-mxfp4": ("gpt_oss", "mxfp4", None), "deepseek_v2-fp8": ("deepseek_v2", "fp8", torch.float16)}
+
+
+@pytest.fixture(params=["native", "torch"])
+def decoder(request, monkeypatch):
+    """Run the test with the C decoder (it must build wherever a C compiler is), then with torch's."""
+    monkeypatch.setenv(native.ENV_SWITCH, "1" if request.param == "native" else "0")
+    native.reset()
+    if request.param == "native":
+        if native._compiler() is None:
+            pytest.skip("no C compiler here: the native decoder cannot be built")
+        assert native.library() is not None, native.describe()
+    else:
+        assert native.library() is None
+    yield request.param
+    native.reset()
 
 
 def _prompt(n, seed=1):
@@ -108,10 +124,10 @@ def test_ragged_fp8_grids_follow_the_published_formula(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_every_fp8_code_decodes_to_torchs_cast_times_its_scale_rounded_once(dtype):
-    """The decode looks each byte up in a table (faster than torch's float8 cast on a CPU) and
-    works a few rows at a time: every one of the 256 codes (NaN included), under scales of every
-    magnitude, whole and partial blocks, gives the bits of torch's own cast times the scale."""
+def test_every_fp8_code_decodes_to_torchs_cast_times_its_scale_rounded_once(dtype, decoder):
+    """Both decoders (the C loops, and torch's table lookups a few rows at a time): every one of
+    the 256 codes (NaN included), under scales of every magnitude, whole and partial blocks,
+    gives the bits of torch's own cast times the scale."""
     g = torch.Generator().manual_seed(5)
     codes = torch.arange(256, dtype=torch.uint8).repeat(300)[torch.randperm(76800, generator=g)]
     q = codes.view(200, 384).view(torch.float8_e4m3fn)
@@ -124,7 +140,27 @@ def test_every_fp8_code_decodes_to_torchs_cast_times_its_scale_rounded_once(dtyp
         assert torch.equal(got[~got.isnan()], want[~want.isnan()]), block
 
 
-def test_mxfp4_codes_decode_as_the_format_says():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_mxfp4_byte_under_every_scale_decodes_to_the_formula(dtype, decoder):
+    """Every block byte under every one of the 256 scale bytes (the C decoder's integer path for
+    bfloat16 and its float path at the extremes, where products are subnormal or infinite),
+    in parts large enough to be split across threads: the published formula, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    rows, groups = 256, 256  # row r, group j: scale byte j; bytes cycle through all 256
+    blocks = torch.randint(0, 256, (rows, groups, 16), dtype=torch.uint8, generator=g)
+    blocks[0] = torch.arange(256, dtype=torch.uint8).view(16, 16).repeat(16, 1)
+    scales = torch.arange(256, dtype=torch.uint8).repeat(rows, 1)
+    lo, hi = (blocks & 0x0F).long(), (blocks >> 4).long()
+    values = torch.stack((_E2M1_TABLE[lo], _E2M1_TABLE[hi]), dim=-1).view(rows, groups, 32)
+    want = (values * torch.exp2(scales.float() - 127).unsqueeze(-1)).view(rows, -1).to(dtype)
+    got = decode_mxfp4(blocks, scales, dtype)
+    nan = want.isnan()  # 0 x 2^128 (scale byte 255, which checkpoint checks refuse): NaN in any payload
+    assert torch.equal(got.isnan(), nan) and nan.any()
+    assert torch.equal(got[~nan].view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       want[~nan].view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+def test_mxfp4_codes_decode_as_the_format_says(decoder):
     # low nibble first; codes 0-7 -> 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign; scale 2 ** (byte - 127)
     blocks = torch.zeros(1, 1, 16, dtype=torch.uint8)
     blocks[0, 0, 0] = 0x0 | (0x7 << 4)  # elements 0, 1: 0 and 6
@@ -196,6 +232,7 @@ def test_the_warm_tier_holds_quantized_experts_as_stored_and_counts_them_so(tmp_
     store.configure(keys)
     res = store.residency()
     assert (res["hot"]["experts"], res["warm"]["experts"]) == (8, 6)  # 6 in warm at its stored size
+    assert res["hot"]["decoder"] == native.describe()  # the C decoder where a compiler is, else torch
     assert res["warm"]["bytes"] == 6 * stored <= 6 * compute // 3
     assert store.pools["warm"].slot_bytes == stored
     warm = [k for k, v in store.experts().items() if v["tier"] == "warm"]

@@ -63,7 +63,7 @@ def test_configure_fills_hot_then_warm_then_cold(model_dir, tmp_path):
     s = make_store(model_dir, tmp_path, hot_budget=4 * n, warm_budget=2 * n)
     s.configure(ALL)
     res = s.residency()
-    assert res[HOT] == {"experts": 4, "bytes": 4 * n, "form": "compute", "expert_bytes": n, "vs_compute": 1.0}
+    assert res[HOT] == {"experts": 4, "bytes": 4 * n, "form": "compute", "expert_bytes": n, "vs_compute": 1.0}  # no decoder
     assert res[WARM] == {"experts": 2, "bytes": 2 * n, "form": "compute", "expert_bytes": n, "vs_compute": 1.0}
     assert res[COLD]["experts"] == len(ALL)  # every expert has its cold file
     tiers = [v["tier"] for v in s.experts().values()]

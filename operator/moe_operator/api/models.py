@@ -633,6 +633,10 @@ class TierSummary(ApiModel):
     expert_bytes: int | None = Field(default=None, description="Bytes of one expert as this tier holds it.")
     vs_compute: float | None = Field(default=None, description="expertBytes over one expert in the compute dtype "
                                      "(0.5 for fp8 against bf16; about 0.27 for mxfp4).")
+    decoder: str | None = Field(default=None, description="Hot tier of a quantized model: what decodes an expert "
+                                "into a hot slot. native (ISA): the C decoder built on the node; torch (why not "
+                                "native, e.g. no C compiler): the same bits, several times slower; cuda: the "
+                                "accelerator.")
 
 
 class SwapRecord(ApiModel):

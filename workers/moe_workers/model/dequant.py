@@ -3,7 +3,9 @@
 `decode` turns an expert's stored parts (`Arch.stored_parts()`: fp8 weights with their block
 scales, or mxfp4 blocks and E8M0 scales) into its compute parts (`Arch.expert_parts()`), the
 arithmetic transformers uses (products in float32, then one rounding to the compute dtype), so a
-quantized checkpoint serves what transformers computes from it. `quantize_fp8` / `pack_mxfp4`
+quantized checkpoint serves what transformers computes from it. On a CPU the C decoder
+(`native.py`) does it where a C compiler is at hand; the torch table lookups below give the
+same bits everywhere else (an accelerator, no compiler, MOE_NATIVE_DECODE=0). `quantize_fp8` / `pack_mxfp4`
 write the published layouts (nothing on CPU writes them): for `moectl init-model --quantize`,
 the tests and the benches.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from .quantization import E8M0_MAX, FP8, FP8_MAX, MXFP4_GROUP, Quantization, scale_problem
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; bit 3 is the sign
@@ -73,6 +76,8 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
     b0, b1 = block
     if out is None:
         out = torch.empty(rows, cols, dtype=dtype, device=q.device)
+    if native.usable(q, out=out):
+        return native.fp8(q.view(torch.uint8), scale, block, out)
     s = scale.to(device=q.device, dtype=torch.float32)
     if cols % b1:  # a partial edge block of columns: one scale per column
         s, b1 = s.repeat_interleave(b1, 1)[:, :cols], 1
@@ -97,6 +102,8 @@ def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
     if not out.is_contiguous():
         out.copy_(decode_mxfp4(blocks, scales, out.dtype))
         return out
+    if native.usable(b, s, out=out):
+        return native.mxfp4(b, s, out)
     table = _scaled_pairs(out.dtype, b.device)
     pairs = out.view(table.dtype).view(rows, groups * 16)
     for r0, r1 in _row_chunks(rows, groups * 32, b.device, chunk=MXFP4_CHUNK):

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from moe_workers.device import DeviceOps, ops_for
+from moe_workers.model import native
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.config import MoEConfig
 from moe_workers.model.dtypes import TORCH_NAME
@@ -731,6 +732,8 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
                 if e.kept is not None:  # a hot expert's stored copy, in warm
                     out[WARM]["experts"] += 1
                     out[WARM]["bytes"] += self.forms.nbytes(WARM)
+            if self.model.quant is not None:  # what decodes a stored expert into a hot slot
+                out[HOT]["decoder"] = native.describe() if self.device.type == "cpu" else self.device.type
             if self.cold is not None:
                 out[COLD]["experts"] = len(self.cold.files)
                 out[COLD]["bytes"] = self.cold.used()

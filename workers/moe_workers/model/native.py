@@ -1,0 +1,195 @@
+"""The C decoder of quantized experts (`native_decode.c`), built for this machine on first use.
+
+A promotion of an fp8 or mxfp4 expert into a hot slot is a decode, and through torch ops (table
+lookups a few rows at a time) it runs at 1.5-4 GB/s of output on the CPUs we measure on, slower
+than the disk reads the same expert in bfloat16. The C loops, vectorised for the CPU they run on
+(`-O3 -march=native`), decode at several times that. The library is compiled once per source,
+compiler and CPU into a private cache directory and loaded with ctypes (no Python extension, no
+build step at install); where there is no C compiler, or MOE_NATIVE_DECODE=0, `library()` is
+None and dequant.py keeps its torch decoder, which gives the same bits. `describe()` says which
+decoder runs and why, for the shards' status.
+
+Security: the shared object is loaded only from a directory this user owns and nobody else may
+write to (0700), and it is written there under a temporary name and renamed, so a half-written
+or planted file is never loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_decode.c")
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-std=gnu11")
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C side's OUT_* values
+PARALLEL_BYTES = 1 << 20  # outputs at least this large are decoded by several threads
+ENV_SWITCH, ENV_DIR = "MOE_NATIVE_DECODE", "MOE_NATIVE_DIR"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib": the loaded library or None, "why": the reason when None
+_pool: ThreadPoolExecutor | None = None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get(ENV_DIR) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "moe-operator", "native")
+    return Path(base)
+
+
+def _private(d: Path) -> None:
+    """Create `d` as 0700 when missing; refuse one another user owns or others may write."""
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = d.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{d} is not private to this user (owner {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _build(cc: str, d: Path) -> Path:
+    """The library for this source, compiler and CPU: cached in `d`, else compiled into it."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join(s.encode() for s in (SOURCE.read_text(), cc, version, _cpu_id(), " ".join(FLAGS))))
+    lib = d / f"moe_decode-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"{cc} failed: {(done.stderr or done.stdout).strip()[-400:]}")
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, f"{ENV_SWITCH}=0"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (cc) on this machine"
+    try:
+        d = _cache_dir()
+        _private(d)
+        lib = ctypes.CDLL(str(_build(cc, d)))
+    except (OSError, RuntimeError, subprocess.SubprocessError, PermissionError) as e:
+        return None, f"build failed: {e}"
+    p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.moe_fp8.argtypes = [p, p, n, n, n, n, n, p, i]
+    lib.moe_mxfp4.argtypes = [p, p, n, p, i]
+    lib.moe_fp8.restype = lib.moe_mxfp4.restype = i
+    lib.moe_native_isa.restype = ctypes.c_char_p
+    return lib, lib.moe_native_isa().decode()
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded decoder, built on first call; None where it cannot be (`describe` says why)."""
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                lib, why = _load()
+                if lib is None:
+                    log.warning("quantized experts decode through torch: %s", why)
+                _state.update(lib=lib, why=why)
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def describe() -> str:
+    """"native (avx512)" or "torch (<why not native>)": which decoder runs here."""
+    lib = library()
+    return f"native ({_state['why']})" if lib is not None else f"torch ({_state['why']})"
+
+
+def reset() -> None:
+    """Forget the loaded library (tests switch the decoder with the environment)."""
+    with _lock:
+        _state.clear()
+
+
+def usable(*tensors: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the native decoder can take these: on the CPU, contiguous, a known output dtype."""
+    return (out.device.type == "cpu" and out.dtype in KINDS and out.is_contiguous()
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and library() is not None)
+
+
+def _parallel(calls: list) -> None:
+    global _pool
+    if len(calls) == 1:
+        calls[0]()
+        return
+    if _pool is None:
+        with _lock:
+            _pool = _pool or ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()),
+                                                thread_name_prefix="moe-decode")
+    for f in [_pool.submit(c) for c in calls]:
+        f.result()
+
+
+def _parts(n: int, nbytes: int) -> list[tuple[int, int]]:
+    """[start, end) ranges over n rows or groups: one per torch thread for a large output, else one."""
+    k = max(1, min(torch.get_num_threads() if nbytes >= PARALLEL_BYTES else 1, n))
+    step = -(-n // k)
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def fp8(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out: torch.Tensor) -> torch.Tensor:
+    """out[i, j] = bits of (E4M3 codes[i, j] x scale[i // b0, j // b1]) in out's dtype (uint8 codes,
+    float32 scales, both contiguous; partial edge blocks)."""
+    lib, kind = library(), KINDS[out.dtype]
+    rows, cols = codes.shape
+    s = scale.to(torch.float32).contiguous()
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(s.shape) != grid or tuple(out.shape) != (rows, cols) or codes.element_size() != 1:
+        raise ValueError(f"fp8 decode: codes {tuple(codes.shape)}, scales {tuple(s.shape)} (want {grid}), "
+                         f"out {tuple(out.shape)}")
+    base, width = out.data_ptr(), cols * out.element_size()
+
+    def call(r0: int, r1: int):
+        return lambda: lib.moe_fp8(codes.data_ptr(), s.data_ptr(), cols, r0, r1, block[0], block[1],
+                                   base + r0 * width, kind)
+    _parallel([call(a, b) for a, b in _parts(rows, out.nbytes)])
+    return out
+
+
+def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [groups x 32 values] from blocks [groups x 16 bytes] and E8M0 scale bytes [groups]."""
+    lib, kind = library(), KINDS[out.dtype]
+    groups = scales.numel()
+    if blocks.numel() != 16 * groups or out.numel() != 32 * groups or blocks.element_size() != 1:
+        raise ValueError(f"mxfp4 decode: blocks {tuple(blocks.shape)}, scales {tuple(scales.shape)}, "
+                         f"out {tuple(out.shape)}")
+    b, s, base, size = blocks.data_ptr(), scales.data_ptr(), out.data_ptr(), 32 * out.element_size()
+
+    def call(g0: int, g1: int):
+        return lambda: lib.moe_mxfp4(b + 16 * g0, s + g0, g1 - g0, base + size * g0, kind)
+    _parallel([call(a, b_) for a, b_ in _parts(groups, out.nbytes)])
+    return out
