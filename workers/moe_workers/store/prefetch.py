@@ -1,14 +1,16 @@
-"""The tiered store's prefetch: router hints queued and promoted by one background thread,
-never by evicting experts in use. A part of `TieredExpertStore` (its state and lock), kept apart
-for reading."""
+"""The tiered store's background mover: one thread that takes work (router hints to promote,
+quantized experts to read back into warm) off a queue and hands each item to the store, never
+blocking the caller. It owns its queue, thread and count of work outstanding; the store owns the
+experts and decides what an item does (`TieredExpertStore._background`)."""
 
 from __future__ import annotations
 
+import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from .entry import HOT, WARM, Key
+from .entry import Key
 
 
 @dataclass(frozen=True)
@@ -18,50 +20,49 @@ class Refill:
     key: Key
 
 
-class Prefetch:
-    """TieredExpertStore's prefetch thread (mixed into the store)."""
+Item = Key | Refill
 
-    def prefetch(self, keys: Iterable[Key]) -> None:
-        """Hint: these experts are needed soon. Promoted in the background, never by evicting
-        experts in use, and by evicting others only while hints mostly come true
-        (PREFETCH_EVICT_ACCURACY); unknown keys (hosted elsewhere) are ignored."""
-        if not self.config.prefetch:
-            return
-        with self._cv:
-            keys = [k for k in keys if k in self.entries]
-            self.hints.hinted(keys)
-            self._queue(*[k for k in keys if self.entries[k].tier != HOT])
 
-    def _queue(self, *items) -> None:
-        """Work for the prefetch thread (started on first use): keys to promote to hot, or a
-        Refill. `_prefetch_pending` counts what is queued or under way (drain_prefetch)."""
+class Prefetcher:
+    """Runs `work(item)` for queued items on one thread, started on first use. A failure of
+    one item is dropped (a prefetch is a hint, a refill an optimisation: it costs a later disk
+    read). `drain` waits for everything queued, and the work that queued in turn."""
+
+    def __init__(self, work: Callable[[Item], None]):
+        self._work = work
+        self._q: queue.SimpleQueue = queue.SimpleQueue()  # items, None to stop
+        self._cv = threading.Condition()
+        self._pending = 0  # queued or under way
+        self._thread: threading.Thread | None = None
+
+    def put(self, *items: Item) -> None:
         if not items:
             return
         with self._cv:  # one thread: a batch's hint and a demotion's refill may be the first at once
-            if self._prefetch_thread is None:
-                self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch",
-                                                         daemon=True)
-                self._prefetch_thread.start()
-            self._prefetch_pending += len(items)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="expert-prefetch", daemon=True)
+                self._thread.start()
+            self._pending += len(items)
         for item in items:
-            self._prefetch_q.put(item)
+            self._q.put(item)
 
-    def _prefetch_loop(self) -> None:
-        while (item := self._prefetch_q.get()) is not None:
+    def _loop(self) -> None:
+        while (item := self._q.get()) is not None:
             try:
-                if isinstance(item, Refill):
-                    self._promote(item.key, WARM, mode="refill")
-                elif item in self.entries and self.entries[item].tier != HOT:
-                    self._promote(item, HOT, mode="prefetch")
-            except Exception:  # a prefetch is a hint, a refill an optimisation: failures cost a later disk read
+                self._work(item)
+            except Exception:
                 pass
             finally:
                 with self._cv:
-                    self._prefetch_pending -= 1
+                    self._pending -= 1
                     self._cv.notify_all()
 
-    def drain_prefetch(self, timeout_s: float = 30.0) -> None:
-        """Wait until queued prefetches are done (tests and benchmarks), and the work they queued
-        in turn (a promotion's hot victim refilled into warm)."""
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait until nothing is queued or under way; False on timeout."""
         with self._cv:
-            self._cv.wait_for(lambda: self._prefetch_pending == 0, timeout_s)
+            return self._cv.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def close(self) -> None:
+        with self._cv:
+            if self._thread is not None:
+                self._q.put(None)

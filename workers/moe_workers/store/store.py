@@ -16,7 +16,6 @@ evicted, and a hot-swap commits only between batches, so no batch mixes versions
 from __future__ import annotations
 
 import math
-import queue
 import threading
 import time
 from collections.abc import Iterable
@@ -48,7 +47,7 @@ from .entry import (
 )
 from .ledger import COMPUTE, STORED, Hold, Ledger, TierForms
 from .policy import HintTracker, Policy, RankAware, make_policy
-from .prefetch import Prefetch, Refill
+from .prefetch import Prefetcher, Refill
 from .slots import SlotPool
 from .swap import HotSwap
 from .versions import CHECKPOINT, Version
@@ -63,7 +62,7 @@ __all__ = ["COLD", "HOT", "PREFETCH_EVICT_ACCURACY", "SOURCE", "TIERS", "WARM", 
            "StoreStats", "TierConfig", "TieredExpertStore"]
 
 
-class TieredExpertStore(ColdIO, Prefetch, HotSwap):
+class TieredExpertStore(ColdIO, HotSwap):
     """Experts of one replica across hot / warm / cold, moved by use and by prefetch hints. Its
     disk reads and writes (`coldio`), prefetch thread (`prefetch`) and hot-swap (`swap`) live in
     modules of their own, over this class' state and lock."""
@@ -101,10 +100,8 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         self.stats = StoreStats()
         self._cv = threading.Condition(threading.RLock())
         self._swap_locks: dict[Key, threading.Lock] = {}
-        self._prefetch_q: queue.SimpleQueue = queue.SimpleQueue()  # keys and Refills, None to stop
-        self._prefetch_pending = 0  # queued or under way
+        self.prefetcher = Prefetcher(self._background)
         self.hints = HintTracker()
-        self._prefetch_thread: threading.Thread | None = None
         self.wait_timeout_s = 60.0
         # entries released while pinned or being moved: they keep their memory (and its count)
         # until their last unpin or the end of their move, so no batch or copy loses its weights
@@ -344,6 +341,31 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
         before pinning anything, so the only pins it can wait on belong to calls that are
         computing (and will unpin), never to a call waiting in turn for its pins."""
         return Batch(self, keys, top1)
+
+    # -- prefetch -----------------------------------------------------------------------------
+
+    def prefetch(self, keys: Iterable[Key]) -> None:
+        """Hint: these experts are needed soon. Promoted in the background, never by evicting
+        experts in use, and by evicting others only while hints mostly come true
+        (PREFETCH_EVICT_ACCURACY); unknown keys (hosted elsewhere) are ignored."""
+        if not self.config.prefetch:
+            return
+        with self._cv:
+            keys = [k for k in keys if k in self.entries]
+            self.hints.hinted(keys)
+            self.prefetcher.put(*[k for k in keys if self.entries[k].tier != HOT])
+
+    def _background(self, item) -> None:
+        """The prefetch thread's work: a hinted key promoted to hot, a Refill read into warm."""
+        if isinstance(item, Refill):
+            self._promote(item.key, WARM, mode="refill")
+        elif item in self.entries and self.entries[item].tier != HOT:
+            self._promote(item, HOT, mode="prefetch")
+
+    def drain_prefetch(self, timeout_s: float = 30.0) -> None:
+        """Wait until queued prefetches are done (tests and benchmarks), and the work they queued
+        in turn (a promotion's hot victim refilled into warm)."""
+        self.prefetcher.drain(timeout_s)
 
     def tell(self, keys: list[Key], top1: Iterable[Key] = ()) -> None:
         """Tell the policy of a call (its experts and their first choices) without pinning:
@@ -691,7 +713,7 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
             e.tier = COLD
             dst = COLD
             if src == HOT and not self.forms.same_layout() and self._warm_ok(e) and not e.removed:
-                self._queue(Refill(e.key))
+                self.prefetcher.put(Refill(e.key))
         e.prefetched = False
         self._retire_if_done(e)  # dropped by configure() while its copy ran
         move = f"{src}->{dst}"
@@ -762,8 +784,7 @@ class TieredExpertStore(ColdIO, Prefetch, HotSwap):
                 COLD: self.cold.budget if self.cold is not None else None}
 
     def close(self) -> None:
-        if self._prefetch_thread is not None:
-            self._prefetch_q.put(None)
+        self.prefetcher.close()
 
 
 def _bytes(parts: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
