@@ -13,8 +13,9 @@ by side in one run.
 2. quantized-promote-ratio-<family>: cold -> hot promotion of every expert through the store with
    the page cache dropped for the cold files (the disk read and the decode into the hot slot),
    quantized over the same experts in bf16, best of --rounds; beside it, decode-GBps-<family>: the
-   decode alone (GB/s of bf16 written) against a memcpy of the bf16 bytes, and the disk's own
-   O_DIRECT read speed.
+   decode alone (GB/s of bf16 written, by the C decoder where it builds) against the torch decoder
+   (decode-native-over-torch-<family>), a memcpy of the bf16 bytes, and the disk's own O_DIRECT
+   read speed.
 3. served-quantized-at-fixed-ram-b<batch>: served decode tokens/s (Ingress + 2 shard groups) with
    each shard's RAM fixed at 25% of its experts' bf16 bytes (hot: one layer's share, the rest
    warm), the mxfp4 checkpoint over the bf16 one of the same random gpt_oss model. Each shard
@@ -23,6 +24,13 @@ by side in one run.
    --page-cache-cap (128 MiB, against 1.2 GB of a shard's experts in bf16 outside its budgets),
    so the page cache cannot hold the experts that do not fit the budgets (reported when the
    cgroup cannot be made).
+4. layer-tps-b<batch>-<shape>, layer-vs-bound-b<batch>-<shape>, layer-disk-MB-per-token-...: one
+   MoE layer at a published shape with every expert (DeepSeek-V3: 7168, 256 x 2048, top-8, fp8,
+   11.3 GB; gpt-oss-20b: 2880, 32 x 2880, top-4, mxfp4), served (Ingress + 2 shard groups) with
+   each shard's warm tier at 25% of its experts in their stored form and a hot tier of one
+   token's experts: decode tokens/s, bytes read from disk a token, and tokens/s over the bound
+   that the disk (O_DIRECT, measured) and memory (measured) bandwidth give for those bytes plus
+   the weights and KV a step reads.
 Ends with `figure: value` lines.
 """
 
@@ -45,6 +53,7 @@ import torch  # noqa: E402
 from figures import report, scratch  # noqa: E402
 from serving import prompts  # noqa: E402
 from tiering import direct_read  # noqa: E402
+from moe_workers.model import native  # noqa: E402
 from moe_workers.store.fileread import drop_from_page_cache  # noqa: E402
 
 # (family, method, scale dtype, dimensions): the published expert shapes, one layer of 8 experts
@@ -63,9 +72,10 @@ QUICK = {"deepseek_v3": dict(hidden_size=512, intermediate_size=256, num_heads=4
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", choices=["store", "served"], default=None)
+    p.add_argument("--only", choices=["store", "served", "layer"], default=None)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32, help="served: tokens generated per request")
+    p.add_argument("--layer-tokens", type=int, default=16, help="layer: tokens generated per request")
     p.add_argument("--page-cache-cap", type=int, default=128 << 20,
                    help="served: bytes each shard replica may charge once its tiers are filled")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
@@ -158,6 +168,18 @@ def bench_store(bf16: Path, quant: Path, work: Path, rounds: int) -> dict:
         copy_s = min(copy_s, time.perf_counter() - t0)
     out["decode_GB_per_s"] = buf.numel() / decode_s / 1e9
     out["memcpy_GB_per_s"] = buf.numel() / copy_s / 1e9
+    out["decoder"] = native.describe()
+    # the torch decoder (what runs without a C compiler) on the same expert, same bits
+    os.environ[native.ENV_SWITCH] = "0"
+    native.reset()
+    torch_s = float("inf")
+    for _ in range(max(3, rounds)):
+        t0 = time.perf_counter()
+        decode_into(s.model.quant, stored, views)
+        torch_s = min(torch_s, time.perf_counter() - t0)
+    os.environ.pop(native.ENV_SWITCH)
+    native.reset()
+    out["decode_torch_GB_per_s"] = buf.numel() / torch_s / 1e9
     for s, _ in stores.values():
         s.close()
     return out
@@ -209,12 +231,98 @@ class MemoryCap:
                 pass
 
 
+class ServedApp:
+    """A local Ray head with the moe app redeployed per form and batch: `measure` runs one
+    deployment's decode with the cold files out of the page cache and the shard replicas
+    capped (MemoryCap)."""
+
+    def __init__(self, work: Path, page_cache_cap: int, groups: int = 2):
+        from moe_operator.backends.ray_rest import RayServeClient
+        from moe_operator.standalone.local_ray import LocalRayHead
+
+        self.work, self.page_cache_cap, self.groups = work, page_cache_cap, groups
+        self.head = LocalRayHead(work_dir=scratch("moe-bench-ray-"), num_cpus=8).start()
+        self.cap = MemoryCap("moe-bench-shard")
+        self.head.connect_driver(namespace="bench")
+        self.client = RayServeClient(self.head.dashboard_url, self.head.token)
+        self.url = f"http://127.0.0.1:{self.head.serve_http_port}"
+
+    def measure(self, path: Path, label: str, placement: dict, hot: int, warm: int, batch: int, tokens: int) -> dict:
+        """Decode tokens/s at `batch` (the prefill and first token's run subtracted), the cold
+        reads and warm misses of the decode steps alone, and what the shards report."""
+        from ray import serve
+
+        from moe_workers.model.checkpoint import Checkpoint
+        from moe_workers.serve.config import AppArgs, serve_application
+
+        cfg = Checkpoint(path).config
+        cold = self.work / f"served-cold-{label}"
+        tiers = {"hot_budget": hot, "warm_budget": warm, "cold_dir": str(cold), "prefetch": True}
+        args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=self.groups,
+                       max_batch_size=batch, kv_cache_budget_bytes=2**30, max_model_len=512,
+                       ingress_num_cpus=1, shard_num_cpus=1, ingress_torch_threads=2)
+        self.client.put({"http_options": {"host": "127.0.0.1", "port": self.head.serve_http_port},
+                         "applications": [serve_application("bench", "/", args, placement, tiers=tiers,
+                                                            prefetch_lookahead=1)]})
+        self.client.wait_running(["bench"], timeout_s=1800)
+        shards = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="bench") for g in range(self.groups)]
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            st = [s.status.remote().result() for s in shards]
+            if all(x["budgets"]["warm"] == warm for x in st):
+                break
+            time.sleep(1)
+        ps = prompts(batch, 8, cfg.vocab_size, 2)
+
+        def run(n):
+            t0 = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+                list(pool.map(lambda p: requests.post(self.url + "/v1/completions", json={
+                    "prompt": p, "max_tokens": n, "temperature": 0}, timeout=3600).raise_for_status(), ps))
+            return time.perf_counter() - t0
+
+        def counts():
+            st = [s.status.remote().result()["store"] for s in shards]
+            return (sum(x["cold_reads"]["disk"] + x["cold_reads"]["cache"] for x in st),
+                    sum(x["misses"]["warm"] for x in st))
+
+        run(2)  # warm-up
+        caps = [self.cap.cap(x["pid"], self.page_cache_cap) for x in st]
+        drop_from_page_cache(sorted(str(f) for f in cold.rglob("*.safetensors")))
+        c0 = counts()
+        one_tok = run(1)
+        c1 = counts()
+        full = run(tokens)
+        c2 = counts()
+        st = [s.status.remote().result() for s in shards]
+        steps = tokens - 1  # the decode steps `full` has beyond `one_tok`
+        reads = (c2[0] - c1[0]) - (c1[0] - c0[0])
+        return {"decode_tps": batch * steps / (full - one_tok), "hot_budget": hot, "warm_budget": warm,
+                "cold_reads": c2[0] - c0[0], "decode_cold_reads_per_step": max(0, reads) / steps,
+                "cold_misses": (c2[1] - c1[1]) - (c1[1] - c0[1]), "caps": caps,
+                "cap": self.cap.problem or f"each shard replica may charge {self.page_cache_cap >> 20} MiB more",
+                "in_ram": [x["tiers"]["hot"]["experts"] + x["tiers"]["warm"]["experts"] for x in st],
+                "decoder": st[0]["tiers"]["hot"].get("decoder"), "tiers": [x["tiers"] for x in st]}
+
+    def close(self) -> None:
+        import ray as ray_module
+
+        try:
+            self.client.delete_all()
+        finally:
+            ray_module.shutdown()
+            self.head.stop()
+            self.cap.close()
+
+
+def _placement(cfg, groups: int) -> dict[str, list[str]]:
+    return {f"ExpertShard-{g}": [f"{l}.{e}" for l in cfg.sparse_layers for e in range(cfg.num_experts) if e % groups == g]
+            for g in range(groups)}
+
+
 def bench_served(paths: dict[str, Path], work: Path, batches: tuple[int, ...], tokens: int, page_cache_cap: int,
                  groups: int = 2) -> dict:
-    from moe_operator.backends.ray_rest import RayServeClient
-    from moe_operator.standalone.local_ray import LocalRayHead
     from moe_workers.model.checkpoint import Checkpoint
-    from moe_workers.serve.config import AppArgs, serve_application
     from moe_workers.store.store import HOT, TieredExpertStore
 
     bf16 = TieredExpertStore(Checkpoint(paths["bf16"]), torch.bfloat16).forms
@@ -222,74 +330,78 @@ def bench_served(paths: dict[str, Path], work: Path, batches: tuple[int, ...], t
     layers, experts = cfg.sparse_layers, cfg.num_experts
     per_shard, per_layer = len(layers) * experts // groups, experts // groups
     ram = per_shard * bf16.nbytes(HOT) // 4  # 25% of a shard's experts in bf16, for both checkpoints
-    placement = {f"ExpertShard-{g}": [f"{l}.{e}" for l in layers for e in range(experts) if e % groups == g]
-                 for g in range(groups)}
-    head = LocalRayHead(work_dir=scratch("moe-bench-ray-"), num_cpus=8).start()
-    cap = MemoryCap("moe-bench-shard")
     out: dict = {"ram_per_shard_bytes": ram, "experts_per_shard": per_shard, "cap": None}
+    app = ServedApp(work, page_cache_cap, groups)
     try:
-        head.connect_driver(namespace="bench")
-        from ray import serve
-
-        client = RayServeClient(head.dashboard_url, head.token)
-        url = f"http://127.0.0.1:{head.serve_http_port}"
         for batch in batches:
             for form in ("bf16", "quantized", "bf16-again"):
                 path = paths[form.split("-")[0]]
-                forms = TieredExpertStore(Checkpoint(path), torch.bfloat16).forms
-                hot = per_layer * forms.nbytes(HOT)
-                tiers = {"hot_budget": hot, "warm_budget": ram - hot, "cold_dir": str(work / f"served-cold-{form}"),
-                         "prefetch": True}
-                args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=groups,
-                               max_batch_size=batch, kv_cache_budget_bytes=2**30, max_model_len=512,
-                               ingress_num_cpus=1, shard_num_cpus=1, ingress_torch_threads=2)
-                client.put({"http_options": {"host": "127.0.0.1", "port": head.serve_http_port},
-                            "applications": [serve_application("bench", "/", args, placement, tiers=tiers,
-                                                               prefetch_lookahead=1)]})
-                client.wait_running(["bench"], timeout_s=900)
-                shards = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="bench") for g in range(groups)]
-                deadline = time.monotonic() + 300
-                while time.monotonic() < deadline:
-                    st = [s.status.remote().result() for s in shards]
-                    if all(x["budgets"]["warm"] == ram - hot for x in st):
-                        break
-                    time.sleep(1)
-                ps = prompts(batch, 8, cfg.vocab_size, 2)
-
-                def run(n):
-                    t0 = time.perf_counter()
-                    with concurrent.futures.ThreadPoolExecutor(batch) as pool:
-                        list(pool.map(lambda p: requests.post(url + "/v1/completions", json={
-                            "prompt": p, "max_tokens": n, "temperature": 0}, timeout=3600).raise_for_status(), ps))
-                    return time.perf_counter() - t0
-
-                run(2)  # warm-up
-                caps = [cap.cap(x["pid"], page_cache_cap) for x in st]
-                out["cap"] = cap.problem or f"each shard replica may charge {page_cache_cap >> 20} MiB more"
-                drop_from_page_cache(sorted(str(f) for f in (work / f"served-cold-{form}").rglob("*.safetensors")))
-                before = [s.status.remote().result()["store"] for s in shards]
-                one_tok, full = run(1), run(tokens)
-                st = [s.status.remote().result() for s in shards]
-                reads = sum(a["store"]["cold_reads"]["disk"] + a["store"]["cold_reads"]["cache"] -
-                            b["cold_reads"]["disk"] - b["cold_reads"]["cache"] for a, b in zip(st, before))
-                misses = sum(a["store"]["misses"]["warm"] - b["misses"]["warm"] for a, b in zip(st, before))
-                tps = batch * (tokens - 1) / (full - one_tok)
-                out[f"b{batch}-{form}"] = {"decode_tps": tps, "hot_budget": hot, "warm_budget": ram - hot,
-                                           "warm_expert_bytes": forms.nbytes("warm"), "cold_reads": reads,
-                                           "cold_misses": misses, "caps": caps,
-                                           "tiers": [x["tiers"] for x in st]}
-                in_ram = [x["tiers"]["hot"]["experts"] + x["tiers"]["warm"]["experts"] for x in st]
-                print(f"  batch {batch:2} {form:10}: {tps:7.2f} tok/s, experts in RAM per shard {in_ram} of {per_shard}, "
-                      f"cold reads {reads}", flush=True)
+                hot = per_layer * TieredExpertStore(Checkpoint(path), torch.bfloat16).forms.nbytes(HOT)
+                r = out[f"b{batch}-{form}"] = app.measure(path, form, _placement(cfg, groups), hot, ram - hot, batch, tokens)
+                out["cap"] = r["cap"]
+                print(f"  batch {batch:2} {form:10}: {r['decode_tps']:7.2f} tok/s, experts in RAM per shard "
+                      f"{r['in_ram']} of {per_shard}, cold reads {r['cold_reads']}", flush=True)
             a, b = out[f"b{batch}-bf16"]["decode_tps"], out[f"b{batch}-bf16-again"]["decode_tps"]
             out[f"b{batch}-ratio"] = out[f"b{batch}-quantized"]["decode_tps"] / ((a + b) / 2)
-        client.delete_all()
     finally:
-        import ray as ray_module
+        app.close()
+    return out
 
-        ray_module.shutdown()
-        head.stop()
-        cap.close()
+
+# -- 4: one layer at a published shape, warm at a quarter ------------------------------------------------
+
+
+def layer_checkpoint(cache: Path, shape: str, method: str) -> Path:
+    """One MoE layer of `shape` at its published dimensions, every expert, in `method`'s layout."""
+    from moe_workers.model import published
+    from moe_workers.model.random_init import write_random_checkpoint
+
+    path = cache / f"layer-{shape}-{method}"
+    if not (path / "config.json").exists():
+        print(f"writing {path} (one {shape} layer, {method}) ...", flush=True)
+        write_random_checkpoint(path, published.family_of(shape), vocab_size=512, dtype=torch.bfloat16,
+                                router_scale=10.0, quantize=method, block=(128, 128),
+                                max_position_embeddings=512, overrides=published.overrides(shape, num_layers=1))
+    return path
+
+
+def bench_layer(path: Path, work: Path, batches: tuple[int, ...], tokens: int, page_cache_cap: int,
+                groups: int = 2) -> dict:
+    """Served with each shard's warm tier at 25% of its experts (stored form) and a hot tier of
+    one token's experts: decode tokens/s, disk bytes a token, and the bound the disk and memory
+    bandwidth give (the disk bytes at the disk's O_DIRECT read speed plus the weights and KV a
+    step reads at the memory's, both measured in this run)."""
+    from realshape import Bandwidth, step_bytes
+
+    from moe_workers.model.checkpoint import Checkpoint
+    from moe_workers.store.store import HOT, WARM, TieredExpertStore
+
+    cfg = Checkpoint(path).config
+    forms = TieredExpertStore(Checkpoint(path), torch.bfloat16).forms
+    stored, compute = forms.nbytes(WARM), forms.nbytes(HOT)
+    per_shard = cfg.num_experts // groups
+    warm, hot = per_shard * stored // 4, cfg.top_k * compute
+    out: dict = {"experts": cfg.num_experts, "top_k": cfg.top_k, "stored_expert_bytes": stored,
+                 "compute_expert_bytes": compute, "warm_per_shard": warm, "hot_per_shard": hot}
+    app = ServedApp(work, page_cache_cap, groups)
+    try:
+        for batch in batches:
+            r = out[f"b{batch}"] = app.measure(path, path.name, _placement(cfg, groups), hot, warm, batch, tokens)
+            files = sorted(str(f) for f in (work / f"served-cold-{path.name}").rglob("*.safetensors"))
+            drop_from_page_cache(files)
+            sample = files[:: max(1, len(files) // 16)]
+            disk = sum(os.path.getsize(f) for f in sample) / direct_read(sample, 16 << 20, 4)
+            memory = Bandwidth(1 << 29).measure()
+            distinct = cfg.num_experts * (1 - (1 - cfg.top_k / cfg.num_experts) ** batch)  # expected, random routing
+            disk_bytes = r["decode_cold_reads_per_step"] * stored
+            bound_s = disk_bytes / disk + step_bytes(path, distinct, 8, batch) / memory
+            r.update(disk_GB_per_s=disk / 1e9, memory_GB_per_s=memory / 1e9, disk_bytes_per_token=disk_bytes / batch,
+                     bound_tps=batch / bound_s, vs_bound=r["decode_tps"] / (batch / bound_s))
+            print(f"  batch {batch:2}: {r['decode_tps']:6.2f} tok/s, {disk_bytes / batch / 1e6:7.1f} MB from disk a token, "
+                  f"bound {batch / bound_s:6.2f} tok/s (disk {disk / 1e9:.2f} GB/s, memory {memory / 1e9:.1f} GB/s): "
+                  f"{r['vs_bound']:.2f}; in RAM {r['in_ram']} of {per_shard}; decoder {r['decoder']}", flush=True)
+    finally:
+        app.close()
     return out
 
 
@@ -300,20 +412,23 @@ def main() -> int:
     results: dict = {"torch_threads": torch.get_num_threads()}
     figures: dict = {}
     if a.only in (None, "store"):
-        print(f"1-2. the store at published expert shapes (torch threads {torch.get_num_threads()})", flush=True)
+        print(f"1-2. the store at published expert shapes (torch threads {torch.get_num_threads()}; "
+              f"decoder {native.describe()})", flush=True)
         print(f"  {'family':12} {'form':6} {'warm expert':>12} {'per GiB':>8} {'ratio':>6} {'promote bf16':>13} "
-              f"{'quantized':>10} {'ratio':>6} {'decode GB/s':>12} {'memcpy':>7} {'disk':>6}")
+              f"{'quantized':>10} {'ratio':>6} {'decode GB/s':>12} {'torch':>6} {'memcpy':>7} {'disk':>6}")
         for family, (method, scale_dtype, dims) in SHAPES.items():
             bf16, quant = checkpoint_pair(cache, family, method, scale_dtype, QUICK[family] if a.quick else dims)
             r = results[family] = bench_store(bf16, quant, work / family, a.rounds)
             print(f"  {family:12} {method:6} {r['quantized']['warm_expert_bytes'] / 2**20:10.1f}Mi "
                   f"{r['quantized']['warm_slots_per_gib']:8} {r['experts_per_warm_gib_ratio']:6.2f} "
                   f"{r['promote_s']['bf16'] * 1e3:11.0f}ms {r['promote_s']['quantized'] * 1e3:8.0f}ms "
-                  f"{r['quantized_promote_ratio']:6.2f} {r['decode_GB_per_s']:12.2f} {r['memcpy_GB_per_s']:7.1f} "
+                  f"{r['quantized_promote_ratio']:6.2f} {r['decode_GB_per_s']:12.2f} "
+                  f"{r['decode_torch_GB_per_s']:6.2f} {r['memcpy_GB_per_s']:7.1f} "
                   f"{r['disk_GB_per_s']:6.2f}", flush=True)
             figures[f"experts-per-warm-gib-ratio-{family}"] = r["experts_per_warm_gib_ratio"]
             figures[f"quantized-promote-ratio-{family}"] = r["quantized_promote_ratio"]
             figures[f"decode-GBps-{family}"] = r["decode_GB_per_s"]
+            figures[f"decode-native-over-torch-{family}"] = r["decode_GB_per_s"] / r["decode_torch_GB_per_s"]
     if a.only in (None, "served"):
         print("\n3. served decode with each shard's RAM at 25% of its bf16 experts: mxfp4 against bf16 (gpt_oss)",
               flush=True)
@@ -326,6 +441,18 @@ def main() -> int:
         print(f"  page cache: {sv['cap']}")
         for batch in (1, 4) if a.quick else (1, 16):
             figures[f"served-quantized-at-fixed-ram-b{batch}"] = sv[f"b{batch}-ratio"]
+    if a.only in (None, "layer"):
+        print("\n4. one layer at a published shape, served with each shard's warm tier at 25% of its experts",
+              flush=True)
+        for shape, method in (("gpt-oss-20b", "mxfp4"),) if a.quick else (("deepseek-v3", "fp8"), ("gpt-oss-20b", "mxfp4")):
+            path = layer_checkpoint(cache, shape, method)
+            print(f"  {shape} ({method}):", flush=True)
+            r = results[f"layer-{shape}"] = bench_layer(path, work, (1,) if a.quick else (1, 16),
+                                                        8 if a.quick else a.layer_tokens, a.page_cache_cap)
+            for batch in (1,) if a.quick else (1, 16):
+                figures[f"layer-tps-b{batch}-{shape}"] = r[f"b{batch}"]["decode_tps"]
+                figures[f"layer-vs-bound-b{batch}-{shape}"] = r[f"b{batch}"]["vs_bound"]
+                figures[f"layer-disk-MB-per-token-b{batch}-{shape}"] = r[f"b{batch}"]["disk_bytes_per_token"] / 1e6
     return report(a.out, results, figures)
 
 
