@@ -42,7 +42,7 @@ class RecordingOps(DeviceOps):
         return Ev(self._n, what)
 
     def _locked(self) -> bool:
-        return self.store is not None and self.store._cv._is_owned()
+        return self.store is not None and self.store.cv._is_owned()
 
     def alloc(self, nbytes: int, host: bool) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8)

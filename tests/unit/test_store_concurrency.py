@@ -59,7 +59,7 @@ def accounting_holds(s: TieredExpertStore) -> None:
     """What the store counts equals what it holds: used bytes per tier are the resident entries'
     (current ones, and removed ones still pinned), and each pool's allocated slots are exactly the
     slots held by entries plus its free list (checked when no call is under way)."""
-    with s._cv:
+    with s.cv:
         live = list(s.entries.values()) + list(s._retiring)
         for tier in (HOT, WARM):
             held = sum(e.tier == tier or tier == WARM and e.kept is not None for e in live)
@@ -123,14 +123,14 @@ def test_release_during_a_prefetch_copy_waits_for_the_copy(model_dir, tmp_path, 
     warm = [key for key, e in s.entries.items() if e.tier == WARM]
     k = warm[0]
     gate = Gate()
-    real_fill = s._fill
+    real_fill = s.fill
 
     def slow_fill(tier, src, after=None):  # the warm -> hot copy (hot and warm differ: copied, not moved)
         if tier == HOT:
             gate.wait_here()
         return real_fill(tier, src, after=after)
 
-    monkeypatch.setattr(s, "_fill", slow_fill)
+    monkeypatch.setattr(s, "fill", slow_fill)
     monkeypatch.setattr(s, "_same_memory", lambda: False)
     done = threading.Event()
     threading.Thread(target=lambda: (s.promote(k, HOT), done.set()), daemon=True).start()
@@ -141,7 +141,7 @@ def test_release_during_a_prefetch_copy_waits_for_the_copy(model_dir, tmp_path, 
     gate.release.set()
     assert done.wait(BOUND_S)
     t.join(BOUND_S)
-    monkeypatch.setattr(s, "_fill", real_fill)
+    monkeypatch.setattr(s, "fill", real_fill)
     accounting_holds(s)
     assert set(s.entries) == {(2, 0), (2, 1)} and not s._retiring
     assert s.ledger.used[HOT] + s.ledger.used[WARM] == 2 * n  # nothing counted for the expert that left
@@ -373,7 +373,7 @@ class ConcurrentStore(RuleBasedStateMachine):
             return
         assert not self.errors, self.errors
         s = self.store
-        with s._cv:
+        with s.cv:
             assert s.ledger.used[HOT] + s.ledger.reserved[HOT] <= self.hot or s.ledger.staged[HOT]
             assert s.ledger.used[WARM] + s.ledger.reserved[WARM] <= self.warm or s.ledger.staged[WARM]
             assert not any(e.pins or e.busy for e in s.entries.values())  # every call has finished

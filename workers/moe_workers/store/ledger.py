@@ -4,7 +4,7 @@
 A tier's bytes are `used` (held by resident experts) plus `reserved` (room held by moves and
 hot-swaps under way: a `Hold`, committed into `used` when the copy lands or abandoned when it
 fails). `staged` is the part of `reserved` held by hot-swaps' staged versions: a batch may go
-over a budget by it (see TieredExpertStore._make_room)."""
+over a budget by it (see TieredExpertStore.make_room)."""
 
 from __future__ import annotations
 

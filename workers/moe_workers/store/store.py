@@ -19,6 +19,7 @@ import math
 import threading
 import time
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,10 +63,16 @@ __all__ = ["COLD", "HOT", "PREFETCH_EVICT_ACCURACY", "SOURCE", "TIERS", "WARM", 
            "StoreStats", "TierConfig", "TieredExpertStore"]
 
 
-class TieredExpertStore(ColdIO, HotSwap):
-    """Experts of one replica across hot / warm / cold, moved by use and by prefetch hints. Its
-    disk reads and writes (`coldio`), prefetch thread (`prefetch`) and hot-swap (`swap`) live in
-    modules of their own, over this class' state and lock."""
+class TieredExpertStore:
+    """Experts of one replica across hot / warm / cold, moved by use and by prefetch hints.
+
+    The store owns the entries, the byte accounting (`ledger`), the slot pools and the lock
+    (`cv`); three collaborators do one job each over them: `disk` (coldio.ColdIO: cold files and
+    version sources read into slots, written after a swap), `prefetcher` (prefetch.Prefetcher:
+    its own thread and queue) and `swapper` (swap.HotSwap: stage, validate, commit between
+    batches). What they use of the store is its public part: `cv`, `entries`, `pools`,
+    `staging`, `forms`, `parts`, `part_names`, `fill`, `views`, `make_room`, `free_slot`,
+    `drop_kept`, `settle`, `ledger`, `cold`, `ckpt`, `model`, `ops`, `policy`, `stats`."""
 
     def __init__(self, checkpoint: Checkpoint, compute_dtype: torch.dtype, config: TierConfig | None = None,
                  device: torch.device | str | None = None, on_move: MoveHook | None = None,
@@ -76,11 +83,11 @@ class TieredExpertStore(ColdIO, HotSwap):
         self.ckpt = checkpoint
         self.model: MoEConfig = checkpoint.config
         self.dtype = compute_dtype
-        self._part_names = [name for name, _ in self.model.expert_parts()]
-        self._parts = {COMPUTE: [(name, compute_dtype, shape) for name, shape in self.model.expert_parts()],
+        self.part_names = [name for name, _ in self.model.expert_parts()]
+        self.parts = {COMPUTE: [(name, compute_dtype, shape) for name, shape in self.model.expert_parts()],
                        STORED: [(name, getattr(torch, TORCH_NAME[st]) if st else self.model.dtype, shape)
                                 for name, st, shape in self.model.stored_parts()]}
-        self.forms = TierForms(compute_bytes=_bytes(self._parts[COMPUTE]), stored_bytes=_bytes(self._parts[STORED]),
+        self.forms = TierForms(compute_bytes=_bytes(self.parts[COMPUTE]), stored_bytes=_bytes(self.parts[STORED]),
                                quantized=self.model.quant is not None)
         self.config = config or TierConfig()
         self.ops = ops or ops_for(device, pinned=self.config.pinned)
@@ -96,11 +103,12 @@ class TieredExpertStore(ColdIO, HotSwap):
         self.ledger = Ledger(self._budgets(self.config))
         # host buffers a quantized expert read from disk is decoded from into its hot slot (a
         # couple kept for reuse; no budget: one per promotion under way)
-        self._staging = SlotPool(self.forms.stored_bytes, self.ops, True, None)
+        self.staging = SlotPool(self.forms.stored_bytes, self.ops, True, None)
         self.stats = StoreStats()
-        self._cv = threading.Condition(threading.RLock())
-        self._swap_locks: dict[Key, threading.Lock] = {}
+        self.cv = threading.Condition(threading.RLock())
         self.prefetcher = Prefetcher(self._background)
+        self.disk = ColdIO(self)
+        self.swapper = HotSwap(self)
         self.hints = HintTracker()
         self.wait_timeout_s = 60.0
         # entries released while pinned or being moved: they keep their memory (and its count)
@@ -165,7 +173,7 @@ class TieredExpertStore(ColdIO, HotSwap):
         slots = self.pools[HOT].capacity
         if slots is None or len(keys) <= slots:
             return [list(range(len(keys)))]
-        with self._cv:
+        with self.cv:
             order = sorted(range(len(keys)), key=lambda i: (self.entries[keys[i]].tier != HOT
                                                              if keys[i] in self.entries else True, i))
             self.stats.waved_calls += 1
@@ -176,7 +184,7 @@ class TieredExpertStore(ColdIO, HotSwap):
         as high as budgets allow before this returns; dropped ones are released."""
         config = config or self.config
         self.check_budgets(keys, config)
-        with self._cv:
+        with self.cv:
             if config.policy != self.config.policy:
                 self.policy = make_policy(config.policy)
             if (config.cold_dir, config.cold_budget) != (self.config.cold_dir, self.config.cold_budget):
@@ -194,9 +202,9 @@ class TieredExpertStore(ColdIO, HotSwap):
         for key in keys:
             if key not in self.entries:
                 self._register(key)
-        with self._cv:
+        with self.cv:
             for tier in (HOT, WARM):  # budgets may have shrunk
-                if not self._make_room(tier, 0, exclude=set(), wait=True):
+                if not self.make_room(tier, 0, exclude=set(), wait=True):
                     raise StoreFull(f"cannot shrink the {tier} tier to its budget")
         for key in keys:  # fill from the top while there is room that needs no eviction
             self._promote(key, HOT if self._fits(HOT) else WARM, mode="preload")
@@ -208,25 +216,25 @@ class TieredExpertStore(ColdIO, HotSwap):
         """The expert's parts as views of one slot of `tier`, in the form it holds: the compute
         parts (w1, w2, w3 for SwiGLU experts) in the compute dtype, or the stored parts (fp8
         weights and F32 scales; mxfp4 blocks, scales and biases)."""
-        return self._views(buf, self.forms.form(tier))
+        return self.views(buf, self.forms.form(tier))
 
-    def _views(self, buf: torch.Tensor, form: str) -> dict[str, torch.Tensor]:
+    def views(self, buf: torch.Tensor, form: str) -> dict[str, torch.Tensor]:
         out, offset = {}, 0
-        for name, dtype, shape in self._parts[form]:
+        for name, dtype, shape in self.parts[form]:
             n = math.prod(shape) * dtype.itemsize
             out[name] = buf[offset:offset + n].view(dtype).view(shape)
             offset += n
         return out
 
-    def _fill(self, tier: str, src: dict[str, torch.Tensor], after=None) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
+    def fill(self, tier: str, src: dict[str, torch.Tensor], after=None) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
         """Copy an expert into a slot of `tier` (room already reserved): (views, slot, the event
         the copy completes with). The copy waits for the slot's last readers and for `after`
         (the source's own copy); nothing here blocks the host on the device. A dtype conversion
         happens on the source's side first, so a DMA never allocates a converted temporary."""
-        decoding = self.forms.form(tier) == COMPUTE and self.forms.quantized and set(src) != set(self._part_names)
-        if self.forms.form(tier) == STORED and set(src) != {name for name, _, _ in self._parts[STORED]}:
+        decoding = self.forms.form(tier) == COMPUTE and self.forms.quantized and set(src) != set(self.part_names)
+        if self.forms.form(tier) == STORED and set(src) != {name for name, _, _ in self.parts[STORED]}:
             raise ValueError(f"the {tier} tier holds experts in their stored form; got parts {', '.join(sorted(src))}")
-        with self._cv:
+        with self.cv:
             buf, slot_after = self.pools[tier].take()
         try:
             views = self._layout(buf, tier)
@@ -241,7 +249,7 @@ class TieredExpertStore(ColdIO, HotSwap):
                 ready = self.ops.copy(dst, s, after=waits)
                 waits = []  # one stream: later copies are ordered after the first
         except BaseException:
-            with self._cv:
+            with self.cv:
                 self.pools[tier].give(buf, slot_after)
             raise
         return views, buf, ready
@@ -261,14 +269,14 @@ class TieredExpertStore(ColdIO, HotSwap):
         self.pools[dst].hand_free_to(self.pools[src])
         self.pools[dst].trim()
 
-    def _free_slot(self, e: Entry, after=None) -> None:
+    def free_slot(self, e: Entry, after=None) -> None:
         """Give e's slot back to the pool of its tier (lock held), once its last batch and `after`
         (a copy out of it) are done on the device."""
         if e.slot is not None and e.tier in (HOT, WARM):
             self.pools[e.tier].give(e.slot, [e.read_done, after])
         e.slot, e.tensors, e.read_done = None, None, None
 
-    def _drop_kept(self, e: Entry) -> None:
+    def drop_kept(self, e: Entry) -> None:
         """A hot expert's stored copy leaves the warm tier (lock held): warm needs the room, the
         expert left, or a swap replaced it. Its slot is reused once the decode that read it is done."""
         if e.kept_slot is not None:
@@ -286,7 +294,7 @@ class TieredExpertStore(ColdIO, HotSwap):
         resident expert goes one tier down."""
         e = self.entries[victim]
         if tier == WARM and e.tier == HOT:
-            self._drop_kept(e)
+            self.drop_kept(e)
         else:
             self._demote(e)
 
@@ -297,8 +305,8 @@ class TieredExpertStore(ColdIO, HotSwap):
         problem = self.model.expert_problem(*key)
         if problem:
             raise TierConfigError(problem)
-        version = Version(self._stream_from_checkpoint(key), CHECKPOINT)
-        with self._cv:
+        version = Version(self.disk.register(key), CHECKPOINT)
+        with self.cv:
             self.entries[key] = Entry(key, version)
 
     def _release(self, key: Key) -> None:
@@ -318,15 +326,15 @@ class TieredExpertStore(ColdIO, HotSwap):
         """Give a removed entry's memory back (lock held)."""
         if e.tier in (HOT, WARM):
             self.ledger.remove(e.tier, self.forms.nbytes(e.tier))
-        self._drop_kept(e)
-        self._free_slot(e)
+        self.drop_kept(e)
+        self.free_slot(e)
         e.tier = COLD
 
     def _retire_if_done(self, e: Entry) -> None:
         if e.removed and not e.pins and not e.busy and e in self._retiring:
             self._retiring.remove(e)
             self._retire(e)
-            self._cv.notify_all()
+            self.cv.notify_all()
 
     # -- reading weights for a batch ----------------------------------------------------------
 
@@ -342,6 +350,11 @@ class TieredExpertStore(ColdIO, HotSwap):
         computing (and will unpin), never to a call waiting in turn for its pins."""
         return Batch(self, keys, top1)
 
+    def swap(self, key: Key, load, source: str) -> Version:
+        """Replace `key`'s weights between batches (`swap.HotSwap.swap`); the old version keeps
+        serving on any failure, which propagates."""
+        return self.swapper.swap(key, load, source)
+
     # -- prefetch -----------------------------------------------------------------------------
 
     def prefetch(self, keys: Iterable[Key]) -> None:
@@ -350,7 +363,7 @@ class TieredExpertStore(ColdIO, HotSwap):
         (PREFETCH_EVICT_ACCURACY); unknown keys (hosted elsewhere) are ignored."""
         if not self.config.prefetch:
             return
-        with self._cv:
+        with self.cv:
             keys = [k for k in keys if k in self.entries]
             self.hints.hinted(keys)
             self.prefetcher.put(*[k for k in keys if self.entries[k].tier != HOT])
@@ -370,7 +383,7 @@ class TieredExpertStore(ColdIO, HotSwap):
     def tell(self, keys: list[Key], top1: Iterable[Key] = ()) -> None:
         """Tell the policy of a call (its experts and their first choices) without pinning:
         for a call computed in waves, each wave then `use`s its part with top1=None."""
-        with self._cv:
+        with self.cv:
             self._told(keys, top1)
 
     def _told(self, keys: list[Key], top1: Iterable[Key]) -> None:
@@ -380,7 +393,7 @@ class TieredExpertStore(ColdIO, HotSwap):
 
     def _begin(self, keys: list[Key], top1: Iterable[Key] | None = ()) -> tuple[list[Entry], dict[Key, dict[str, torch.Tensor]]]:
         deadline = time.monotonic() + self.wait_timeout_s
-        with self._cv:
+        with self.cv:
             if self.config.prefetch:
                 self.hints.used(keys)
                 self.stats.hint_accuracy = self.hints.accuracy
@@ -426,29 +439,29 @@ class TieredExpertStore(ColdIO, HotSwap):
             return
         now = time.monotonic()
         read_done = self.ops.record()  # after the batch's kernels: its slots may be reused then
-        with self._cv:
+        with self.cv:
             for e in entries:
                 e.pins -= 1
                 e.last_used = now
                 if read_done is not None:
                     e.read_done = read_done
                 self._retire_if_done(e)
-            self._settle()
-            self._cv.notify_all()
+            self.settle()
+            self.cv.notify_all()
 
     def _pin(self, keys: list[Key], deadline: float, fast_only: bool, top1: Iterable[Key] | None = ()
              ) -> list[Entry] | None:
         """Pin `keys` once no swap of theirs is committing, and tell the policy of the call.
         fast_only: only when every one is hot and still (None otherwise: the call must be
         admitted to promote)."""
-        with self._cv:
+        with self.cv:
             while True:
                 missing = [k for k in keys if k not in self.entries]
                 if missing:
                     raise KeyError(f"this replica does not host expert(s) {', '.join(f'{l}.{e}' for l, e in missing)}")
                 if not any(self.entries[k].swap_pending for k in keys):  # a swap commits between batches
                     break
-                if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                if not self.cv.wait(max(0.0, deadline - time.monotonic())):
                     raise StoreFull("timed out waiting for a hot-swap to commit")
             entries = [self.entries[k] for k in keys]
             if fast_only and not all(e.tier == HOT and not e.busy for e in entries):
@@ -466,7 +479,7 @@ class TieredExpertStore(ColdIO, HotSwap):
 
     def demote(self, key: Key) -> None:
         """Move one expert down a tier now (unless a batch is using it)."""
-        with self._cv:
+        with self.cv:
             e = self.entries[key]
             if e.tier in (HOT, WARM) and not e.busy and e.pins == 0:
                 self._demote(e)
@@ -483,7 +496,7 @@ class TieredExpertStore(ColdIO, HotSwap):
         Three steps: claim (under the lock: the entry marked busy, room reserved in `target`),
         copy (unlocked), land (under the lock: the reservation committed) or, on any failure,
         roll back (`_abandon`, the one place that undoes a claim)."""
-        with self._cv:
+        with self.cv:
             move = self._claim(key, target, mode, entry)
         if not isinstance(move, _Move):
             return move
@@ -492,19 +505,19 @@ class TieredExpertStore(ColdIO, HotSwap):
             if move.warm_copy is not None and self._same_memory():
                 tensors, slot, ready = move.warm_copy, move.e.slot, move.warm_ready  # the slot changes tier
             elif move.warm_copy is not None:
-                tensors, slot, ready = self._fill(target, move.warm_copy, after=move.warm_ready)
+                tensors, slot, ready = self.fill(target, move.warm_copy, after=move.warm_ready)
             elif move.kept_hold is not None:  # from disk into a warm slot it keeps, decoded from there
-                move.kept, move.kept_slot, _ = self._read_cold(key, move.version, WARM)
-                tensors, slot, ready = self._fill(target, move.kept)
+                move.kept, move.kept_slot, _ = self.disk.read(key, move.version, WARM)
+                tensors, slot, ready = self.fill(target, move.kept)
             else:
-                tensors, slot, ready = self._read_cold(key, move.version, target)
+                tensors, slot, ready = self.disk.read(key, move.version, target)
         except BaseException:
-            with self._cv:
+            with self.cv:
                 if move.kept_slot is not None:
                     self.pools[WARM].give(move.kept_slot)
                 self._abandon(move)
             raise
-        with self._cv:
+        with self.cv:
             self._land(move, tensors, slot, ready)
         if self.on_move is not None:
             self.on_move(move.label.split("->")[0], target, time.perf_counter() - t0, self.forms.nbytes(target))
@@ -536,7 +549,7 @@ class TieredExpertStore(ColdIO, HotSwap):
                 break
             if not demand:
                 return None
-            self._cv.wait(max(0.0, deadline - time.monotonic()))
+            self.cv.wait(max(0.0, deadline - time.monotonic()))
             if time.monotonic() > deadline:
                 raise StoreFull(f"timed out waiting for expert {key[0]}.{key[1]} to move")
         e.busy = True  # from here on no eviction (nested ones included) may pick it
@@ -549,7 +562,7 @@ class TieredExpertStore(ColdIO, HotSwap):
         need = self.forms.nbytes(target)
         move = _Move(e, e.tier, target, mode, credit=credit)
         try:
-            room = self._make_room(target, need, exclude={key}, wait=demand, evict=evict)
+            room = self.make_room(target, need, exclude={key}, wait=demand, evict=evict)
         except BaseException:
             self._abandon(move)
             raise
@@ -564,7 +577,7 @@ class TieredExpertStore(ColdIO, HotSwap):
         move.warm_copy = e.tensors if e.tier == WARM else None
         move.warm_ready, move.version = e.ready, e.version
         if (mode != "preload" and e.tier == COLD and target == HOT and self._warm_ok(e) and not self.forms.same_layout()
-                and self._make_room(WARM, self.forms.nbytes(WARM), exclude={key}, wait=False, evict=evict)):
+                and self.make_room(WARM, self.forms.nbytes(WARM), exclude={key}, wait=False, evict=evict)):
             # a quantized expert read from disk for hot goes through a warm slot it keeps: leaving
             # hot later it is warm at once instead of being read from disk a second time (a refill);
             # not when filling free room (configure: distinct experts first)
@@ -579,7 +592,7 @@ class TieredExpertStore(ColdIO, HotSwap):
             move.kept_hold.abandon()
         self.ledger.add(WARM, move.credit)
         move.e.busy = False
-        self._cv.notify_all()
+        self.cv.notify_all()
 
     def _land(self, move: "_Move", tensors: dict[str, torch.Tensor], slot: torch.Tensor, ready) -> None:
         """The last step of a move (lock held): the entry is in `target` with its new copy."""
@@ -596,7 +609,7 @@ class TieredExpertStore(ColdIO, HotSwap):
         if slot is e.slot:
             self._move_slot(source, target)
         elif e.slot is not None or e.kept_slot is None:
-            self._free_slot(e, after=ready)  # the copy read the old slot
+            self.free_slot(e, after=ready)  # the copy read the old slot
         e.tensors, e.slot, e.tier, e.busy, e.ready = tensors, slot, target, False, ready
         e.prefetched = move.mode == "prefetch"
         if move.mode == "prefetch":
@@ -605,7 +618,7 @@ class TieredExpertStore(ColdIO, HotSwap):
         move.label = f"{source if source != COLD or self._has_cold(e) else SOURCE}->{target}"
         self.stats.bytes_moved[move.label] = self.stats.bytes_moved.get(move.label, 0) + self.forms.nbytes(target)
         self._retire_if_done(e)  # released while it moved, and no batch holds it
-        self._cv.notify_all()
+        self.cv.notify_all()
 
     def _count_miss(self, e: Entry) -> None:
         self.stats.misses[HOT] += 1
@@ -621,7 +634,7 @@ class TieredExpertStore(ColdIO, HotSwap):
     def _has_cold(self, e: Entry) -> bool:
         return self.cold is not None and self.cold.get(e.key, e.version.digest) is not None
 
-    def _make_room(self, tier: str, nbytes: int, exclude: set[Key], wait: bool, evict: bool = True) -> bool:
+    def make_room(self, tier: str, nbytes: int, exclude: set[Key], wait: bool, evict: bool = True) -> bool:
         """Evict (by policy) until `nbytes` more fit in `tier`. Called with the lock held."""
         budget = self.ledger.budgets[tier]
         if budget is None:
@@ -640,7 +653,7 @@ class TieredExpertStore(ColdIO, HotSwap):
                     # that pinned the expert, this one maybe: waiting here would deadlock until the
                     # timeout. Go over the budget by the staged copy until the commit frees the old.
                     return True
-                if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                if not self.cv.wait(max(0.0, deadline - time.monotonic())):
                     raise StoreFull(f"no room in the {tier} tier: every resident expert is in use")
                 continue
             self._evict(tier, victim)
@@ -651,7 +664,7 @@ class TieredExpertStore(ColdIO, HotSwap):
             return self._warm_candidates()
         return [k for k, e in self.entries.items() if e.tier == tier and not e.busy and e.pins == 0]
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Back within the budgets (lock held). A batch may have gone over a budget by a swap's
         staged copy (see _make_room); once no swap is staged there, evict by policy what no batch
         holds until the tier fits again."""
@@ -679,37 +692,35 @@ class TieredExpertStore(ColdIO, HotSwap):
         moved = 0
         if src == HOT and e.kept is not None:  # its stored copy is warm already: no copy, no disk
             self.ledger.remove(HOT, self.forms.nbytes(HOT))
-            self._free_slot(e)
+            self.free_slot(e)
             e.tensors, e.slot, e.ready, e.kept, e.kept_slot = e.kept, e.kept_slot, None, None, None
             e.tier = dst = WARM
-        elif to_warm and self._make_room(WARM, self.forms.nbytes(WARM), exclude={e.key}, wait=False):
+        elif to_warm and self.make_room(WARM, self.forms.nbytes(WARM), exclude={e.key}, wait=False):
             if self._same_memory():
                 self._move_slot(HOT, WARM)
             else:
                 e.busy = True  # no eviction, batch or move may pick it while the lock is released
                 hold = self.ledger.reserve(WARM, self.forms.nbytes(WARM))  # its warm room, held across the copy
-                state = self._cv._release_save()
                 try:
-                    tensors, slot, ready = self._fill(WARM, e.tensors, after=e.ready)
+                    with _released(self.cv):
+                        tensors, slot, ready = self.fill(WARM, e.tensors, after=e.ready)
                 except BaseException:
-                    self._cv._acquire_restore(state)
                     hold.abandon()
                     e.busy = False
-                    self._cv.notify_all()
+                    self.cv.notify_all()
                     raise
-                self._cv._acquire_restore(state)
                 hold.abandon()  # counted as used below, with the tier change
                 e.busy = False
-                self._free_slot(e, after=ready)
+                self.free_slot(e, after=ready)
                 e.tensors, e.slot, e.ready = tensors, slot, ready
-                self._cv.notify_all()
+                self.cv.notify_all()
             self.ledger.remove(src, self.forms.nbytes(src))
             e.tier = WARM
             self.ledger.add(WARM, self.forms.nbytes(WARM))
             dst, moved = WARM, self.forms.nbytes(WARM)
         else:
             self.ledger.remove(src, self.forms.nbytes(src))
-            self._free_slot(e)
+            self.free_slot(e)
             e.tier = COLD
             dst = COLD
             if src == HOT and not self.forms.same_layout() and self._warm_ok(e) and not e.removed:
@@ -730,7 +741,7 @@ class TieredExpertStore(ColdIO, HotSwap):
             return 0
         now = time.monotonic() if now is None else now
         moved = 0
-        with self._cv:
+        with self.cv:
             for e in list(self.entries.values()):
                 if e.tier in (HOT, WARM) and not e.busy and e.pins == 0 and now - e.last_used >= idle:
                     self._demote(e)
@@ -744,7 +755,7 @@ class TieredExpertStore(ColdIO, HotSwap):
         """Per tier: experts and bytes (cold: files in the cache), and one expert's form and
         bytes as the tier holds it, with their ratio to the compute dtype (`TierForms.report`)."""
         forms = self.forms.report()
-        with self._cv:
+        with self.cv:
             out = {t: {"experts": 0, "bytes": 0, "form": forms[t]["form"], "expert_bytes": forms[t]["bytes"],
                        "vs_compute": forms[t]["vs_compute"]} for t in TIERS}
             for e in self.entries.values():
@@ -766,7 +777,7 @@ class TieredExpertStore(ColdIO, HotSwap):
 
     def experts(self) -> dict[str, dict]:
         """Per hosted expert: version digest and source, tier."""
-        with self._cv:
+        with self.cv:
             out = {}
             for (l, ex), e in sorted(self.entries.items()):
                 tier = e.tier if e.tier != COLD or self._has_cold(e) else SOURCE
@@ -775,7 +786,7 @@ class TieredExpertStore(ColdIO, HotSwap):
 
     def policy_report(self) -> dict:
         """The eviction policy's name and, for RankAware, the temporal locality it has learnt."""
-        with self._cv:
+        with self.cv:
             stay = self.policy.stay() if isinstance(self.policy, RankAware) else None
             return {"name": self.policy.name, "stay": None if stay is None else round(stay, 4)}
 
@@ -785,6 +796,24 @@ class TieredExpertStore(ColdIO, HotSwap):
 
     def close(self) -> None:
         self.prefetcher.close()
+
+
+@contextmanager
+def _released(cv: threading.Condition):
+    """The store's lock (an RLock, possibly held more than once by this thread) released for
+    the block and taken again as deeply after it: a device copy never runs under the lock."""
+    depth = 0
+    while True:
+        try:
+            cv.release()
+        except RuntimeError:  # no longer held by this thread
+            break
+        depth += 1
+    try:
+        yield
+    finally:
+        for _ in range(depth):
+            cv.acquire()
 
 
 def _bytes(parts: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
