@@ -68,6 +68,10 @@ class StepBatch:
             self.ids, self.positions, self.last_rows = (t.to(device) for t in (self.ids, self.positions, self.last_rows))
 
 
+# roles a layer may lack (biases, norms, sinks): None where the family has none
+_OPTIONAL = ("o_bias", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "sinks")
+
+
 class DenseModel:
     """Embeddings, attention, norms, routers, dense and shared MLPs and lm_head of a checkpoint,
     on `device` (the ingress' GPU when Ray assigned it one; the CPU otherwise)."""
@@ -84,9 +88,6 @@ class DenseModel:
                 raise CheckpointError(f"checkpoint: tensor {name} is missing") from None
             return (t.to(dtype) if dtype is not None else t).contiguous().to(self.device)  # converted on the host first
 
-        def opt(name: str) -> torch.Tensor | None:
-            return get(name) if name in state else None
-
         self.embed_tokens = get("model.embed_tokens.weight")
         self.final_norm = get("model.norm.weight")
         if "lm_head.weight" in state:
@@ -96,41 +97,18 @@ class DenseModel:
         else:
             raise CheckpointError("checkpoint: tensor lm_head.weight is missing")
         self.layers = []
+        deepseek = cfg.router in ("sigmoid_group", "softmax_group")
         for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            w = {"in_norm": get(p + "input_layernorm.weight"), "post_norm": get(p + "post_attention_layernorm.weight"),
-                 "o": get(a + "o_proj.weight"), "o_bias": opt(a + "o_proj.bias")}
-            if cfg.mla:
-                w.update(kv_a=get(a + "kv_a_proj_with_mqa.weight"), kv_a_norm=get(a + "kv_a_layernorm.weight"),
-                         kv_b=get(a + "kv_b_proj.weight"))
-                if cfg.q_lora_rank:
-                    w.update(q_a=get(a + "q_a_proj.weight"), q_a_norm=get(a + "q_a_layernorm.weight"),
-                             q_b=get(a + "q_b_proj.weight"))
+            # the names and roles from the config's one table (`Arch.layer_tensors`), the checker's too
+            w: dict = dict.fromkeys(_OPTIONAL)
+            for role, (name, _) in cfg.layer_tensors(i).items():
+                if role == "gate" and deepseek:  # transformers computes DeepSeek's router in float32
+                    w[role] = get(name, None).float()
                 else:
-                    w["q"] = get(a + "q_proj.weight")
-            else:
-                w.update({k: get(a + f"{k}_proj.weight") for k in ("q", "k", "v")})
-                w.update({f"{k}_bias": opt(a + f"{k}_proj.bias") for k in ("q", "k", "v")})
-                w.update(q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"), sinks=opt(a + "sinks"))
-            if not cfg.is_sparse(i):
-                w["mlp"] = tuple(get(p + f"mlp.{k}_proj.weight") for k in ("gate", "up", "down"))
-            elif cfg.family == "mixtral":
-                w["gate"] = get(p + "block_sparse_moe.gate.weight")
-            elif cfg.router == "topk_softmax":
-                w["gate"], w["gate_bias"] = get(p + "mlp.router.weight"), get(p + "mlp.router.bias")
-            else:
-                deepseek = cfg.router in ("sigmoid_group", "softmax_group")
-                w["gate"] = get(p + "mlp.gate.weight", None if deepseek else dt)
-                if deepseek:  # transformers computes DeepSeek's router in float32
-                    w["gate"] = w["gate"].float()
-                if cfg.router == "sigmoid_group":
-                    w["correction"] = get(p + "mlp.gate.e_score_correction_bias", torch.float32)
-                if cfg.shared_intermediate_size:
-                    sp = p + ("mlp.shared_expert." if cfg.shared_gate else "mlp.shared_experts.")
-                    w["shared"] = tuple(get(sp + f"{k}_proj.weight") for k in ("gate", "up", "down"))
-                    if cfg.shared_gate:
-                        w["shared_gate"] = get(p + "mlp.shared_expert_gate.weight")
+                    w[role] = get(name, torch.float32 if role == "correction" else dt)
+            for mlp_role in ("mlp", "shared"):
+                if mlp_role + ".gate" in w:
+                    w[mlp_role] = tuple(w.pop(f"{mlp_role}.{k}") for k in ("gate", "up", "down"))
             self.layers.append(w)
         inv_freq, self.rope_scaling = rope_parameters(cfg.head_dim, cfg.rope_theta, cfg.rope_params,
                                                       cfg.max_position_embeddings)

@@ -20,9 +20,6 @@ from .dtypes import BYTES, COMPUTE, FLOAT_SAFETENSORS
 from .quantization import (FP8, FP8_DTYPE, MXFP4, SCALE_DTYPES, U8, Quantization, QuantizationError,
                            check_fp8_weight, mxfp4_shapes, parse_quantization, scale_name)
 
-SUPPORTED = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss")
-
-
 class CheckpointError(ValueError):
     """A checkpoint that cannot be served as it is; the message says what is wrong and where."""
 
@@ -231,6 +228,24 @@ class Arch:
 
     # -- the checkpoint's tensors ---------------------------------------------------------------
 
+    def layer_tensors(self, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The dense tensors of one decoder layer, by the role the dense model gives them: role ->
+        (checkpoint name, shape). The one place these names are written: the checker
+        (`tensor_shapes`) and the loader (`model/dense.py`) both read them here. Roles: in_norm,
+        post_norm; attention q, k, v, o (+ _bias), q_norm, k_norm, sinks, or latent q_a, q_a_norm,
+        q_b (or q), kv_a, kv_a_norm, kv_b; a MoE layer's router gate (+ gate_bias, correction)
+        and shared expert shared.gate / shared.up / shared.down (+ shared_gate); a dense layer's
+        mlp.gate / mlp.up / mlp.down."""
+        h, p = self.hidden_size, f"model.layers.{layer}."
+        a = p + "self_attn."
+        out = {"in_norm": (p + "input_layernorm.weight", (h,)), "post_norm": (p + "post_attention_layernorm.weight", (h,))}
+        out.update({role: (a + name, shape) for role, (name, shape) in self._attention_tensors().items()})
+        if self.is_sparse(layer):
+            out.update({role: (p + name, shape) for role, (name, shape) in self._router_tensors().items()})
+        else:
+            out.update(_mlp_tensors("mlp", p + "mlp.", h, self.dense_intermediate_size))
+        return out
+
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the checkpoint must hold, with its shape (experts included)."""
         h, out = self.hidden_size, {}
@@ -239,18 +254,12 @@ class Arch:
         if not self.tie_word_embeddings:
             out["lm_head.weight"] = (self.vocab_size, h)
         for layer in range(self.num_layers):
-            p = f"model.layers.{layer}."
-            out[p + "input_layernorm.weight"] = (h,)
-            out[p + "post_attention_layernorm.weight"] = (h,)
-            out.update({p + "self_attn." + k: v for k, v in self._attention_shapes().items()})
+            out.update(dict(self.layer_tensors(layer).values()))
             if self.is_sparse(layer):
-                out.update({p + k: v for k, v in self._router_shapes().items()})
                 for e in range(self.num_experts):
                     for part, name, index in self.expert_sources(layer, e):
                         shape = dict(self.release_parts())[part]
                         out[name] = (self.num_experts, *shape) if index is not None else shape
-            else:
-                out.update(_mlp_shapes(p + "mlp.", h, self.dense_intermediate_size))
         return out
 
     def stored_shapes(self) -> dict[str, tuple[tuple[int, ...], str | None]]:
@@ -274,48 +283,50 @@ class Arch:
                     out[name] = ((self.num_experts, *shape) if index is not None else shape, dtype)
         return out
 
-    def _attention_shapes(self) -> dict[str, tuple[int, ...]]:
+    def _attention_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         h, d, nh, kvh = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
         if self.mla:
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-            out = {"kv_a_proj_with_mqa.weight": (self.kv_lora_rank + self.qk_rope_head_dim, h),
-                   "kv_a_layernorm.weight": (self.kv_lora_rank,),
-                   "kv_b_proj.weight": (nh * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
-                   "o_proj.weight": (h, nh * self.v_head_dim)}
+            out = {"kv_a": ("kv_a_proj_with_mqa.weight", (self.kv_lora_rank + self.qk_rope_head_dim, h)),
+                   "kv_a_norm": ("kv_a_layernorm.weight", (self.kv_lora_rank,)),
+                   "kv_b": ("kv_b_proj.weight", (nh * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)),
+                   "o": ("o_proj.weight", (h, nh * self.v_head_dim))}
             if self.q_lora_rank:
-                out.update({"q_a_proj.weight": (self.q_lora_rank, h), "q_a_layernorm.weight": (self.q_lora_rank,),
-                            "q_b_proj.weight": (nh * qk, self.q_lora_rank)})
+                out.update({"q_a": ("q_a_proj.weight", (self.q_lora_rank, h)),
+                            "q_a_norm": ("q_a_layernorm.weight", (self.q_lora_rank,)),
+                            "q_b": ("q_b_proj.weight", (nh * qk, self.q_lora_rank))})
             else:
-                out["q_proj.weight"] = (nh * qk, h)
+                out["q"] = ("q_proj.weight", (nh * qk, h))
             return out
-        out = {"q_proj.weight": (nh * d, h), "k_proj.weight": (kvh * d, h), "v_proj.weight": (kvh * d, h),
-               "o_proj.weight": (h, nh * d)}
+        out = {"q": ("q_proj.weight", (nh * d, h)), "k": ("k_proj.weight", (kvh * d, h)),
+               "v": ("v_proj.weight", (kvh * d, h)), "o": ("o_proj.weight", (h, nh * d))}
         if self.qkv_bias:
-            out.update({"q_proj.bias": (nh * d,), "k_proj.bias": (kvh * d,), "v_proj.bias": (kvh * d,)})
+            out.update({"q_bias": ("q_proj.bias", (nh * d,)), "k_bias": ("k_proj.bias", (kvh * d,)),
+                        "v_bias": ("v_proj.bias", (kvh * d,))})
         if self.o_bias:
-            out["o_proj.bias"] = (h,)
+            out["o_bias"] = ("o_proj.bias", (h,))
         if self.qk_norm == "head":
-            out.update({"q_norm.weight": (d,), "k_norm.weight": (d,)})
+            out.update({"q_norm": ("q_norm.weight", (d,)), "k_norm": ("k_norm.weight", (d,))})
         elif self.qk_norm == "full":
-            out.update({"q_norm.weight": (nh * d,), "k_norm.weight": (kvh * d,)})
+            out.update({"q_norm": ("q_norm.weight", (nh * d,)), "k_norm": ("k_norm.weight", (kvh * d,))})
         if self.sinks:
-            out["sinks"] = (nh,)
+            out["sinks"] = ("sinks", (nh,))
         return out
 
-    def _router_shapes(self) -> dict[str, tuple[int, ...]]:
+    def _router_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         h, e = self.hidden_size, self.num_experts
         if self.family == "mixtral":
-            return {"block_sparse_moe.gate.weight": (e, h)}
+            return {"gate": ("block_sparse_moe.gate.weight", (e, h))}
         if self.router == "topk_softmax":
-            return {"mlp.router.weight": (e, h), "mlp.router.bias": (e,)}
-        out = {"mlp.gate.weight": (e, h)}
+            return {"gate": ("mlp.router.weight", (e, h)), "gate_bias": ("mlp.router.bias", (e,))}
+        out = {"gate": ("mlp.gate.weight", (e, h))}
         if self.router == "sigmoid_group":
-            out["mlp.gate.e_score_correction_bias"] = (e,)
+            out["correction"] = ("mlp.gate.e_score_correction_bias", (e,))
         if self.shared_intermediate_size:
             name = "mlp.shared_expert." if self.shared_gate else "mlp.shared_experts."
-            out.update(_mlp_shapes(name, h, self.shared_intermediate_size))
+            out.update(_mlp_tensors("shared", name, h, self.shared_intermediate_size))
             if self.shared_gate:
-                out["mlp.shared_expert_gate.weight"] = (1, h)
+                out["shared_gate"] = ("mlp.shared_expert_gate.weight", (1, h))
         return out
 
     def check_tensors(self, index: dict[str, tuple[str, str, tuple[int, ...]]], where: str) -> None:
@@ -352,8 +363,10 @@ def _quant_words(quant: Quantization | None) -> str:
     return f" ({quant.method})" if quant is not None else ""
 
 
-def _mlp_shapes(prefix: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
-    return {prefix + "gate_proj.weight": (i, h), prefix + "up_proj.weight": (i, h), prefix + "down_proj.weight": (h, i)}
+def _mlp_tensors(role: str, prefix: str, h: int, i: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A SwiGLU MLP's three projections: <role>.gate / .up / .down."""
+    return {f"{role}.gate": (prefix + "gate_proj.weight", (i, h)), f"{role}.up": (prefix + "up_proj.weight", (i, h)),
+            f"{role}.down": (prefix + "down_proj.weight", (h, i))}
 
 
 def _ranges(layers: tuple[int, ...]) -> str:
@@ -517,6 +530,7 @@ def _gpt_oss(raw: dict, c: dict) -> Arch:
 _PARSERS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "olmoe": _olmoe,
             "deepseek_v3": _deepseek_v3, "deepseek_v2": lambda raw, c: _deepseek_v3(raw, c, "deepseek_v2"),
             "gpt_oss": _gpt_oss}
+SUPPORTED = tuple(_PARSERS)  # the families we read: the API's Literal is tested against it (test_families)
 
 
 def _check(a: Arch, raw: dict, source: str) -> None:
