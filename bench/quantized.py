@@ -64,6 +64,7 @@ SHAPES = {
                                               top_k=8)),
     "gpt_oss": ("mxfp4", None, dict(hidden_size=2880, intermediate_size=2880, num_heads=45, num_kv_heads=9, top_k=4)),
 }
+LAYERS = (("deepseek-v3", "fp8"), ("gpt-oss-20b", "mxfp4"))  # part 4: published shape, its release's format
 QUICK = {"deepseek_v3": dict(hidden_size=512, intermediate_size=256, num_heads=4, num_kv_heads=4, top_k=2),
          "qwen3_moe": dict(hidden_size=256, intermediate_size=128, num_heads=4, num_kv_heads=2, top_k=2),
          "gpt_oss": dict(hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=2, top_k=2)}
@@ -76,6 +77,7 @@ def parse_args():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32, help="served: tokens generated per request")
     p.add_argument("--layer-tokens", type=int, default=16, help="layer: tokens generated per request")
+    p.add_argument("--layer", action="append", choices=[s for s, _ in LAYERS], help="layer: only these shapes")
     p.add_argument("--page-cache-cap", type=int, default=128 << 20,
                    help="served: bytes each shard replica may charge once its tiers are filled")
     p.add_argument("--cache-dir", default=os.environ.get("MOE_BENCH_CACHE", str(Path(tempfile.gettempdir()) / "moe-bench")))
@@ -246,6 +248,7 @@ class ServedApp:
         self.head.connect_driver(namespace="bench")
         self.client = RayServeClient(self.head.dashboard_url, self.head.token)
         self.url = f"http://127.0.0.1:{self.head.serve_http_port}"
+        self.deployed: Path | None = None
 
     def measure(self, path: Path, label: str, placement: dict, hot: int, warm: int, batch: int, tokens: int) -> dict:
         """Decode tokens/s at `batch` (the prefill and first token's run subtracted), the cold
@@ -261,16 +264,26 @@ class ServedApp:
         args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=self.groups,
                        max_batch_size=batch, kv_cache_budget_bytes=2**30, max_model_len=512,
                        ingress_num_cpus=1, shard_num_cpus=1, ingress_torch_threads=2)
+        if self.deployed is not None and path != self.deployed:  # another checkpoint: the old app goes
+            self.client.delete_all()  # first (its RUNNING would answer wait_running before the new one is up)
+            self.client.wait_gone("bench", timeout_s=300)
+        self.deployed = path
         self.client.put({"http_options": {"host": "127.0.0.1", "port": self.head.serve_http_port},
                          "applications": [serve_application("bench", "/", args, placement, tiers=tiers,
                                                             prefetch_lookahead=1)]})
         self.client.wait_running(["bench"], timeout_s=1800)
-        shards = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="bench") for g in range(self.groups)]
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            st = [s.status.remote().result() for s in shards]
-            if all(x["budgets"]["warm"] == warm for x in st):
-                break
+        while True:  # until the new app's shards answer with its budgets (handles of a replaced app fail)
+            shards = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="bench") for g in range(self.groups)]
+            try:
+                st = [s.status.remote().result(timeout_s=60) for s in shards]
+                if all(x["budgets"]["warm"] == warm for x in st):
+                    break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+            if time.monotonic() > deadline:
+                raise TimeoutError("the shards did not report the new app's budgets in 600 s")
             time.sleep(1)
         ps = prompts(batch, 8, cfg.vocab_size, 2)
 
@@ -352,20 +365,23 @@ def bench_served(paths: dict[str, Path], work: Path, batches: tuple[int, ...], t
 
 
 def layer_checkpoint(cache: Path, shape: str, method: str) -> Path:
-    """One MoE layer of `shape` at its published dimensions, every expert, in `method`'s layout."""
+    """One MoE layer of `shape` at its published dimensions, every expert, in `method`'s layout,
+    its router as drawn."""
     from moe_workers.model import published
     from moe_workers.model.random_init import write_random_checkpoint
 
-    path = cache / f"layer-{shape}-{method}"
+    path = cache / f"layer-{shape}-{method}-balanced"
     if not (path / "config.json").exists():
         print(f"writing {path} (one {shape} layer, {method}) ...", flush=True)
+        # the router as drawn (router_scale 1): near-uniform routing, as the released models are
+        # trained to balance it (a sharpened random router sends most tokens to a few experts)
         write_random_checkpoint(path, published.family_of(shape), vocab_size=512, dtype=torch.bfloat16,
-                                router_scale=10.0, quantize=method, block=(128, 128),
+                                router_scale=1.0, quantize=method, block=(128, 128),
                                 max_position_embeddings=512, overrides=published.overrides(shape, num_layers=1))
     return path
 
 
-def bench_layer(path: Path, work: Path, batches: tuple[int, ...], tokens: int, page_cache_cap: int,
+def bench_layer(app: ServedApp, path: Path, work: Path, batches: tuple[int, ...], tokens: int,
                 groups: int = 2) -> dict:
     """Served with each shard's warm tier at 25% of its experts (stored form) and a hot tier of
     one token's experts: decode tokens/s, disk bytes a token, and the bound the disk and memory
@@ -383,25 +399,21 @@ def bench_layer(path: Path, work: Path, batches: tuple[int, ...], tokens: int, p
     warm, hot = per_shard * stored // 4, cfg.top_k * compute
     out: dict = {"experts": cfg.num_experts, "top_k": cfg.top_k, "stored_expert_bytes": stored,
                  "compute_expert_bytes": compute, "warm_per_shard": warm, "hot_per_shard": hot}
-    app = ServedApp(work, page_cache_cap, groups)
-    try:
-        for batch in batches:
-            r = out[f"b{batch}"] = app.measure(path, path.name, _placement(cfg, groups), hot, warm, batch, tokens)
-            files = sorted(str(f) for f in (work / f"served-cold-{path.name}").rglob("*.safetensors"))
-            drop_from_page_cache(files)
-            sample = files[:: max(1, len(files) // 16)]
-            disk = sum(os.path.getsize(f) for f in sample) / direct_read(sample, 16 << 20, 4)
-            memory = Bandwidth(1 << 29).measure()
-            distinct = cfg.num_experts * (1 - (1 - cfg.top_k / cfg.num_experts) ** batch)  # expected, random routing
-            disk_bytes = r["decode_cold_reads_per_step"] * stored
-            bound_s = disk_bytes / disk + step_bytes(path, distinct, 8, batch) / memory
-            r.update(disk_GB_per_s=disk / 1e9, memory_GB_per_s=memory / 1e9, disk_bytes_per_token=disk_bytes / batch,
-                     bound_tps=batch / bound_s, vs_bound=r["decode_tps"] / (batch / bound_s))
-            print(f"  batch {batch:2}: {r['decode_tps']:6.2f} tok/s, {disk_bytes / batch / 1e6:7.1f} MB from disk a token, "
-                  f"bound {batch / bound_s:6.2f} tok/s (disk {disk / 1e9:.2f} GB/s, memory {memory / 1e9:.1f} GB/s): "
-                  f"{r['vs_bound']:.2f}; in RAM {r['in_ram']} of {per_shard}; decoder {r['decoder']}", flush=True)
-    finally:
-        app.close()
+    for batch in batches:
+        r = out[f"b{batch}"] = app.measure(path, path.name, _placement(cfg, groups), hot, warm, batch, tokens)
+        files = sorted(str(f) for f in (work / f"served-cold-{path.name}").rglob("*.safetensors"))
+        drop_from_page_cache(files)
+        sample = files[:: max(1, len(files) // 16)]
+        disk = sum(os.path.getsize(f) for f in sample) / direct_read(sample, 16 << 20, 4)
+        memory = Bandwidth(1 << 29).measure()
+        distinct = cfg.num_experts * (1 - (1 - cfg.top_k / cfg.num_experts) ** batch)  # expected, random routing
+        disk_bytes = r["decode_cold_reads_per_step"] * stored
+        bound_s = disk_bytes / disk + step_bytes(path, distinct, 8, batch) / memory
+        r.update(disk_GB_per_s=disk / 1e9, memory_GB_per_s=memory / 1e9, disk_bytes_per_token=disk_bytes / batch,
+                 bound_tps=batch / bound_s, vs_bound=r["decode_tps"] / (batch / bound_s))
+        print(f"  batch {batch:2}: {r['decode_tps']:6.2f} tok/s, {disk_bytes / batch / 1e6:7.1f} MB from disk a token, "
+              f"bound {batch / bound_s:6.2f} tok/s (disk {disk / 1e9:.2f} GB/s, memory {memory / 1e9:.1f} GB/s): "
+              f"{r['vs_bound']:.2f}; in RAM {r['in_ram']} of {per_shard}; decoder {r['decoder']}", flush=True)
     return out
 
 
@@ -444,15 +456,20 @@ def main() -> int:
     if a.only in (None, "layer"):
         print("\n4. one layer at a published shape, served with each shard's warm tier at 25% of its experts",
               flush=True)
-        for shape, method in (("gpt-oss-20b", "mxfp4"),) if a.quick else (("deepseek-v3", "fp8"), ("gpt-oss-20b", "mxfp4")):
-            path = layer_checkpoint(cache, shape, method)
-            print(f"  {shape} ({method}):", flush=True)
-            r = results[f"layer-{shape}"] = bench_layer(path, work, (1,) if a.quick else (1, 16),
-                                                        8 if a.quick else a.layer_tokens, a.page_cache_cap)
-            for batch in (1,) if a.quick else (1, 16):
-                figures[f"layer-tps-b{batch}-{shape}"] = r[f"b{batch}"]["decode_tps"]
-                figures[f"layer-vs-bound-b{batch}-{shape}"] = r[f"b{batch}"]["vs_bound"]
-                figures[f"layer-disk-MB-per-token-b{batch}-{shape}"] = r[f"b{batch}"]["disk_bytes_per_token"] / 1e6
+        shapes = [(s, m) for s, m in ((("gpt-oss-20b", "mxfp4"),) if a.quick else LAYERS) if not a.layer or s in a.layer]
+        paths = {shape: layer_checkpoint(cache, shape, method) for shape, method in shapes}
+        app = ServedApp(work, a.page_cache_cap)  # one head for all: Serve keeps a driver's first cluster
+        try:
+            for shape, method in shapes:
+                print(f"  {shape} ({method}):", flush=True)
+                r = results[f"layer-{shape}"] = bench_layer(app, paths[shape], work, (1,) if a.quick else (1, 16),
+                                                            8 if a.quick else a.layer_tokens)
+                for batch in (1,) if a.quick else (1, 16):
+                    figures[f"layer-tps-b{batch}-{shape}"] = r[f"b{batch}"]["decode_tps"]
+                    figures[f"layer-vs-bound-b{batch}-{shape}"] = r[f"b{batch}"]["vs_bound"]
+                    figures[f"layer-disk-MB-per-token-b{batch}-{shape}"] = r[f"b{batch}"]["disk_bytes_per_token"] / 1e6
+        finally:
+            app.close()
     return report(a.out, results, figures)
 
 
