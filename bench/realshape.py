@@ -106,8 +106,9 @@ class Bandwidth:
 def kernels(shapes: list[str], reps: int = 3) -> tuple[list[dict], dict]:
     """A decode step's matrix-vector products at each shape's expert matrices, bf16, one row:
     F.linear, our `linear` (torch.mv for one bf16 row), and gpt_oss' x @ W in transformers'
-    [in, out] layout, each over more matrices than L3 holds, against a plain read of the same bytes."""
-    from moe_workers.model.layers import linear
+    [in, out] layout by torch and by our `in_out` (the C kernel), each over more matrices than L3
+    holds, against a plain read of the same bytes."""
+    from moe_workers.model.layers import in_out, linear
 
     rows, figures = [], {}
     for name in dict.fromkeys(SHAPES[s][0] for s in shapes):
@@ -131,14 +132,59 @@ def kernels(shapes: list[str], reps: int = 3) -> tuple[list[dict], dict]:
                 wt = [m.t().contiguous() for m in ws]  # [in, out], as transformers and our store keep them
                 del ws
                 row["in_out_layout_gbs"] = rate(lambda m: x @ m, wt)
+                row["in_out_ours_gbs"] = rate(lambda m: in_out(x, m), wt)  # the C kernel where it builds
             rows.append(row)
-            extra = f", x @ W [in, out] {row['in_out_layout_gbs']:.1f}" if "in_out_layout_gbs" in row else ""
+            extra = (f", x @ W [in, out] {row['in_out_layout_gbs']:.1f}, ours in [in, out] {row['in_out_ours_gbs']:.1f}"
+                     if "in_out_layout_gbs" in row else "")
             print(f"{name:14s} {row['matrix']:>11s}: read {row['read_gbs']:.1f} GB/s, F.linear {row['f_linear_gbs']:.1f}, "
                   f"ours {row['ours_gbs']:.1f}{extra}", flush=True)
     for name in dict.fromkeys(SHAPES[s][0] for s in shapes):
-        mine = [r for r in rows if r["shape"] == name]
+        if published.family_of(name) != "gpt_oss":
+            rows.append(_experts_step(name, reps))
+    for name in dict.fromkeys(SHAPES[s][0] for s in shapes):
+        mine = [r for r in rows if r["shape"] == name and "ours_gbs" in r]
         figures[f"matvec-vs-read-{name}"] = min(r["ours_gbs"] / r["read_gbs"] for r in mine)
+        step = [r for r in rows if r["shape"] == name and "step_native_gbs" in r]
+        if step:
+            figures[f"experts-step-native-over-torch-{name}"] = step[0]["step_native_gbs"] / step[0]["step_torch_gbs"]
     return rows, figures
+
+
+def _experts_step(name: str, reps: int) -> dict:
+    """One decode step's routed experts at the shape (top-k SwiGLU experts, one row each):
+    expert by expert through torch (`layers.expert_mlp`, three products) against the C kernels
+    (`experts.native_rows`: every expert's gate/up rows in one call, then the down rows), over
+    more weights than L3 holds; GB/s of weights read, and a plain read of the same bytes."""
+    from types import SimpleNamespace
+
+    from moe_workers.model.experts import native_rows
+    from moe_workers.model.layers import expert_mlp
+
+    fields = published.overrides(name, num_layers=1)
+    h = fields["hidden_size"]
+    i = fields.get("moe_intermediate_size", fields["intermediate_size"])
+    k = fields["num_experts_per_tok"]
+    per_step = 3 * i * h * 2 * k
+    sets = max(2, (1536 << 20) // per_step)
+    steps = [[{p: torch.randn(*shape).to(torch.bfloat16) for p, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i)))}
+              for _ in range(k)] for _ in range(sets)]
+    xs = [torch.randn(1, h).to(torch.bfloat16) for _ in range(k)]
+    out = torch.empty(k, h, dtype=torch.bfloat16)
+    cfg = SimpleNamespace(expert_act="silu")  # all native_rows asks of the config: not gpt_oss' activation
+
+    def rate(fn) -> float:
+        fn(steps[0])
+        best = min(_timed(lambda: [fn(st) for st in steps]) for _ in range(reps))
+        return sets * per_step / best / 1e9
+
+    row = {"shape": name, "matrix": f"{k} experts x 3 x {i}x{h}",
+           "read_gbs": rate(lambda st: [w[p].view(torch.int32).max() for w in st for p in w]),
+           "step_torch_gbs": rate(lambda st: [expert_mlp(x, w["w1"], w["w2"], w["w3"]) for x, w in zip(xs, st)]),
+           "step_native_gbs": rate(lambda st: native_rows(cfg, xs, st, list(out.split(1))))}
+    print(f"{name:14s} {row['matrix']:>24s}: read {row['read_gbs']:.1f} GB/s, expert by expert (torch) "
+          f"{row['step_torch_gbs']:.1f}, one call a phase (C) {row['step_native_gbs']:.1f}", flush=True)
+    return row
+
 
 
 def _timed(fn) -> float:

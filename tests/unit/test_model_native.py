@@ -83,3 +83,79 @@ def test_large_parts_split_across_threads_give_the_same_bits_as_one_call(cache, 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     whole = dequantize_fp8(q, s, (128, 128), torch.bfloat16), decode_mxfp4(b, e, torch.bfloat16)
     assert all(torch.equal(a.view(torch.int16), c.view(torch.int16)) for a, c in zip(split, whole))
+
+
+def test_a_decode_steps_swiglu_experts_in_c_equal_torchs_within_bf16_rounding(cache):
+    """Every expert's one row through the C kernels (gate/up rows, then down rows, split across
+    threads) against layers.expert_mlp on the same bf16 weights, at shapes with and without
+    a vector tail (hidden 2048 / 200, intermediate 768 / 72)."""
+    from moe_workers.model.layers import expert_mlp
+
+    g = torch.Generator().manual_seed(4)
+    for hidden, inter, n in ((2048, 768, 8), (200, 72, 3)):
+        w1, w3 = ([(torch.randn(inter, hidden, generator=g) * 0.03).bfloat16() for _ in range(n)] for _ in range(2))
+        w2 = [(torch.randn(hidden, inter, generator=g) * 0.03).bfloat16() for _ in range(n)]
+        xs = [torch.randn(1, hidden, generator=g).bfloat16() for _ in range(n)]
+        out = torch.full((n, hidden), float("nan"), dtype=torch.bfloat16)
+        native.swiglu_rows([x[0] for x in xs], w1, w3, w2, list(out))
+        for e in range(n):
+            want = expert_mlp(xs[e], w1[e], w2[e], w3[e])[0].float()
+            torch.testing.assert_close(out[e].float(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+        assert not out.isnan().any()
+
+
+def test_local_experts_and_a_shard_call_take_the_c_path_for_one_row_each_and_torch_otherwise(cache, tmp_path):
+    """The in-process model's decode step and a shard's compute_rows give the torch path's
+    values (within bf16 rounding) when every expert has one row, and fall back to torch for
+    several rows an expert (the same numbers as before: nothing else changed)."""
+    from checkpoints import make_family
+    from moe_workers.model.checkpoint import Checkpoint
+    from moe_workers.model.experts import LocalExperts, compute_rows, native_rows
+
+    make_family(tmp_path, "qwen3_moe", hidden_size=256, intermediate_size=64)
+    ckpt = Checkpoint(tmp_path)
+    experts = LocalExperts(ckpt, torch.bfloat16)
+    cfg, layer = ckpt.config, ckpt.config.sparse_layers[0]
+    keys = [(layer, e) for e in range(4)]
+    x = torch.randn(4, cfg.hidden_size).bfloat16()
+    calls = []
+    real = native.swiglu_rows
+    try:
+        native.swiglu_rows = lambda *a: (calls.append(len(a[0])), real(*a))[1]
+        out = torch.empty_like(x)
+        compute_rows(experts.weights, keys, [1, 1, 1, 1], x, out, cfg)
+        assert calls == [4]
+        want = torch.cat([experts.forward(layer, {e: x[e:e + 1]})[e] for e in range(4)])
+        torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+        two = torch.empty_like(x)
+        compute_rows(experts.weights, keys[:2], [2, 2], x, two, cfg)  # two rows an expert: torch
+        assert calls == [4]
+        indices = torch.tensor([[0, 2]])
+        weights = torch.tensor([[0.6, 0.4]])
+        experts.moe(layer, x[:1], indices, weights)
+        assert calls == [4, 2]
+    finally:
+        native.swiglu_rows = real
+    assert not native_rows(cfg, [x[:2]], [experts.weights[keys[0]]], [out[:2]])  # two rows: not taken
+
+
+def test_x_times_w_in_transformers_layout_in_c_equals_torchs_within_bf16_rounding(cache, monkeypatch):
+    """gpt-oss' bf16 experts in [in, out]: one row through the C kernel (columns split across
+    threads, a tail that is not a whole vector) against torch's x @ w, and a whole gpt-oss expert
+    with the kernel against the same expert computed by torch alone."""
+    from moe_workers.model.layers import gpt_oss_expert, in_out
+
+    g = torch.Generator().manual_seed(6)
+    for n, m in ((2880, 5760), (100, 2050)):
+        w = (torch.randn(n, m, generator=g) * 0.03).bfloat16()
+        x = torch.randn(1, n, generator=g).bfloat16()
+        want = (x @ w).float()
+        torch.testing.assert_close(in_out(x, w).float(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+    w = {"gate_up": (torch.randn(64, 96, generator=g) * 0.1).bfloat16(), "gate_up_bias": torch.randn(96).bfloat16(),
+         "down": (torch.randn(48, 64, generator=g) * 0.1).bfloat16(), "down_bias": torch.randn(64).bfloat16()}
+    x = torch.randn(1, 64, generator=g).bfloat16()
+    ours = gpt_oss_expert(x, w, 1.702, 7.0).float()
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    native.reset()
+    theirs = gpt_oss_expert(x, w, 1.702, 7.0).float()
+    torch.testing.assert_close(ours, theirs, rtol=2 ** -5, atol=2 ** -5 * theirs.abs().max().item())

@@ -68,6 +68,27 @@ class StepBatch:
             self.ids, self.positions, self.last_rows = (t.to(device) for t in (self.ids, self.positions, self.last_rows))
 
 
+def _fuse(w: dict) -> None:
+    """One product where several read the same input: q, k and v (with their biases) as one
+    [q; k; v] weight, DeepSeek's q_a and kv_a as one, and each SwiGLU MLP's gate and up as one
+    [gate; up] (`layers.mlp`). A decode step then makes one call and one pass over x per group
+    instead of two or three; each output row is the same dot product as before."""
+    if "k" in w:
+        parts = [w.pop(c) for c in ("q", "k", "v")]
+        biases = [w.pop(f"{c}_bias") for c in ("q", "k", "v")]
+        w["qkv"], w["qkv_sizes"] = torch.cat(parts), [t.shape[0] for t in parts]
+        w["qkv_bias"] = torch.cat(biases) if all(b is not None for b in biases) else None
+    if "q_a" in w:
+        q_a, kv_a = w.pop("q_a"), w.pop("kv_a")
+        w["q_a_kv_a"] = torch.cat((q_a, kv_a))
+        rank = w["kv_a_norm"].shape[0]  # kv_a's rows: the latent (kv_lora_rank), then the roped key
+        w["q_a_kv_a_sizes"] = [q_a.shape[0], rank, kv_a.shape[0] - rank]
+    for role in ("mlp", "shared"):
+        if role + ".gate" in w:
+            gate, up, down = (w.pop(f"{role}.{k}") for k in ("gate", "up", "down"))
+            w[role] = (torch.cat((gate, up)), down)
+
+
 # roles a layer may lack (biases, norms, sinks): None where the family has none
 _OPTIONAL = ("o_bias", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "sinks")
 
@@ -106,9 +127,7 @@ class DenseModel:
                     w[role] = get(name, None).float()
                 else:
                     w[role] = get(name, torch.float32 if role == "correction" else dt)
-            for mlp_role in ("mlp", "shared"):
-                if mlp_role + ".gate" in w:
-                    w[mlp_role] = tuple(w.pop(f"{mlp_role}.{k}") for k in ("gate", "up", "down"))
+            _fuse(w)
             self.layers.append(w)
         inv_freq, self.rope_scaling = rope_parameters(cfg.head_dim, cfg.rope_theta, cfg.rope_params,
                                                       cfg.max_position_embeddings)
@@ -154,7 +173,7 @@ class DenseModel:
         cfg, w = self.cfg, self.layers[layer]
         x = rms_norm(h, w["in_norm"], cfg.rms_norm_eps)
         n = x.shape[0]
-        q, k, v = (linear(x, w[c], w[f"{c}_bias"]) for c in ("q", "k", "v"))
+        q, k, v = linear(x, w["qkv"], w["qkv_bias"]).split(w["qkv_sizes"], dim=-1)
         if cfg.qk_norm == "full":  # olmoe: over the whole projection
             q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
         q = q.view(n, cfg.num_heads, cfg.head_dim)
@@ -176,13 +195,14 @@ class DenseModel:
         nope, rope_dim, vdim, heads = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.num_heads
         x = rms_norm(h, w["in_norm"], cfg.rms_norm_eps)
         n = x.shape[0]
-        if cfg.q_lora_rank:
-            q = linear(rms_norm(linear(x, w["q_a"]), w["q_a_norm"], 1e-6), w["q_b"])
+        if cfg.q_lora_rank:  # q_a and kv_a read x in one product (`_fuse`)
+            q_a, latent, k_rot = linear(x, w["q_a_kv_a"]).split(w["q_a_kv_a_sizes"], dim=-1)
+            q = linear(rms_norm(q_a, w["q_a_norm"], 1e-6), w["q_b"])
         else:
             q = linear(x, w["q"])
+            latent, k_rot = linear(x, w["kv_a"]).split([cfg.kv_lora_rank, rope_dim], dim=-1)
         q = q.view(n, heads, nope + rope_dim)
         q_pass, q_rot = q[..., :nope], q[..., nope:]
-        latent, k_rot = linear(x, w["kv_a"]).split([cfg.kv_lora_rank, rope_dim], dim=-1)
         latent = rms_norm(latent, w["kv_a_norm"], 1e-6)
         rotate = _rope_interleaved if cfg.rope_interleave else apply_rope
         q_rot = rotate(q_rot, batch.cos, batch.sin)

@@ -5,7 +5,7 @@ scales, or mxfp4 blocks and E8M0 scales) into its compute parts (`Arch.expert_pa
 arithmetic transformers uses (products in float32, then one rounding to the compute dtype), so a
 quantized checkpoint serves what transformers computes from it. On a CPU the C decoder
 (`native.py`) does it where a C compiler is at hand; the torch table lookups below give the
-same bits everywhere else (an accelerator, no compiler, MOE_NATIVE_DECODE=0). `quantize_fp8` / `pack_mxfp4`
+same bits everywhere else (an accelerator, no compiler, MOE_NATIVE=0). `quantize_fp8` / `pack_mxfp4`
 write the published layouts (nothing on CPU writes them): for `moectl init-model --quantize`,
 the tests and the benches.
 """

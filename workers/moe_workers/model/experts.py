@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import routes
+from . import native, routes
 from .checkpoint import Checkpoint
 from .layers import combine, expert_forward, group_by_expert
 
@@ -27,9 +27,15 @@ class LocalExperts:
         if indices.numel() <= routes.SMALL:  # decode: the routing in Python ints
             r = routes.route(indices)
             experts = list(r.by_expert)
-            outputs = [expert_forward(self.cfg, routes.gather(x, r, [e]), self.weights[(layer, e)]) for e in experts]
-            return routes.combine(r, r.order(experts), torch.cat(outputs) if len(outputs) > 1 else outputs[0],
-                                  weights, x.dtype)
+            xs = [routes.gather(x, r, [e]) for e in experts]
+            ws = [self.weights[(layer, e)] for e in experts]
+            out = torch.empty(len(experts), x.shape[1], dtype=x.dtype, device=x.device)
+            if native_rows(self.cfg, xs, ws, list(out.split(1))):
+                outputs = out
+            else:
+                outputs = [expert_forward(self.cfg, xe, w) for xe, w in zip(xs, ws)]
+                outputs = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+            return routes.combine(r, r.order(experts), outputs, weights, x.dtype)
         groups = group_by_expert(indices)
         outputs = self.forward(layer, {e: x[rows] for e, (rows, _) in groups.items()})
         return combine(x.shape[0], x.shape[1], x.dtype, groups, outputs, weights)
@@ -43,9 +49,30 @@ def compute_rows(weights: dict, keys: list[tuple[int, int]], counts: list[int], 
     device = next(iter(weights[keys[0]].values())).device if keys else x.device
     xd = x if x.device == device else x.to(device, non_blocking=True)
     od = out if out.device == device else torch.empty_like(xd)
-    start = 0
-    for key, n in zip(keys, counts):
-        expert_forward(cfg, xd[start:start + n], weights[key], out=od[start:start + n])
-        start += n
+    if not (all(n == 1 for n in counts) and native_rows(cfg, list(xd[:len(keys)].split(1)), [weights[k] for k in keys],
+                                                           list(od[:len(keys)].split(1)))):
+        start = 0
+        for key, n in zip(keys, counts):
+            expert_forward(cfg, xd[start:start + n], weights[key], out=od[start:start + n])
+            start += n
     if od is not out:
         out.copy_(od)
+
+
+def native_rows(cfg, xs: list[torch.Tensor], ws: list[dict[str, torch.Tensor]], outs: list[torch.Tensor]) -> bool:
+    """A decode step's SwiGLU experts, one bfloat16 row each on the CPU, through the C kernels
+    (`native.swiglu_rows`: every expert's gate/up rows in one call, then its down rows, split
+    across the torch threads) instead of three products and two element-wise ops per expert in
+    Python; the same values within bfloat16's rounding. False, with nothing done, where they do
+    not apply: gpt_oss' activation, another dtype or device, several rows, no C compiler."""
+    if not xs or cfg.expert_act == "gpt_oss" or xs[0].dtype != torch.bfloat16 or xs[0].device.type != "cpu":
+        return False
+    parts = [(w["w1"], w["w3"], w["w2"]) for w in ws]
+    if any(x.shape[0] != 1 for x in xs) or any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous()
+                                               for p in parts for t in p):
+        return False
+    if native.library() is None:
+        return False
+    native.swiglu_rows([x[0] for x in xs], [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts],
+                       [o[0] for o in outs])
+    return True

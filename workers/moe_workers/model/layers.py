@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except one bf16 row on the CPU, a decode step's: there torch's matrix-vector
@@ -24,6 +26,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         y = torch.mv(w, x[0]).unsqueeze(0)
         return y if bias is None else y.add_(bias)
     return F.linear(x, w, bias)
+
+
+def in_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w for weights in transformers' [in, out] layout (gpt-oss' bf16 experts). One bf16 row on
+    the CPU goes through the C kernel, which reads each row of w once, in order (26-30 GB/s where
+    torch's x @ w reads this layout at 10-12; `bench/realshape.py --only kernels`); else torch."""
+    if (x.dim() == 2 and x.shape[0] == 1 and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and w.device.type == "cpu" and w.is_contiguous() and native.library() is not None):
+        return native.vecmat(x[0], w, torch.empty(1, w.shape[1], dtype=x.dtype))
+    return x @ w
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -153,9 +165,11 @@ def route_softmax_group(x: torch.Tensor, gate: torch.Tensor, top_k: int, n_group
     return indices, weights * scale
 
 
-def mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """A dense SwiGLU MLP (dense layers, shared experts): down(silu(gate x) * up x)."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+def mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A dense SwiGLU MLP (dense layers, shared experts): down(silu(gate x) * up x), gate and up
+    stacked as one [gate; up] weight (one product over x)."""
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)
 
 
 def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
@@ -187,12 +201,12 @@ def gpt_oss_expert(x: torch.Tensor, w: dict[str, torch.Tensor], alpha: float, li
                    out: torch.Tensor | None = None, out_in: bool = False) -> torch.Tensor:
     """gpt_oss' clamped SwiGLU with biases; gate and up interleaved in gate_up's columns.
     `out_in`: the weights in [out, in] (decoded from mxfp4) instead of transformers' [in, out]."""
-    gate_up = linear(x, w["gate_up"], w["gate_up_bias"]) if out_in else x @ w["gate_up"] + w["gate_up_bias"]
+    gate_up = linear(x, w["gate_up"], w["gate_up_bias"]) if out_in else in_out(x, w["gate_up"]) + w["gate_up_bias"]
     gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     gate = gate.clamp(min=None, max=limit)
     up = up.clamp(min=-limit, max=limit)
     act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
-    result = linear(act, w["down"], w["down_bias"]) if out_in else act @ w["down"] + w["down_bias"]
+    result = linear(act, w["down"], w["down_bias"]) if out_in else in_out(act, w["down"]) + w["down_bias"]
     if out is None:
         return result
     out.copy_(result)

@@ -1,11 +1,12 @@
-"""The C decoder of quantized experts (`native_decode.c`), built for this machine on first use.
+"""The C kernels (`native_decode.c`: the quantized experts' decoder; `native_experts.c`: a decode
+step's SwiGLU experts), built for this machine on first use.
 
 A promotion of an fp8 or mxfp4 expert into a hot slot is a decode, and through torch ops (table
 lookups a few rows at a time) it runs at 1.5-4 GB/s of output on the CPUs we measure on, slower
 than the disk reads the same expert in bfloat16. The C loops, vectorised for the CPU they run on
 (`-O3 -march=native`), decode at several times that. The library is compiled once per source,
 compiler and CPU into a private cache directory and loaded with ctypes (no Python extension, no
-build step at install); where there is no C compiler, or MOE_NATIVE_DECODE=0, `library()` is
+build step at install); where there is no C compiler, or MOE_NATIVE=0, `library()` is
 None and dequant.py keeps its torch decoder, which gives the same bits. `describe()` says which
 decoder runs and why, for the shards' status.
 
@@ -32,11 +33,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native_decode.c")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("native_decode.c", "native_experts.c"))
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-std=gnu11")
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C side's OUT_* values
 PARALLEL_BYTES = 1 << 20  # outputs at least this large are decoded by several threads
-ENV_SWITCH, ENV_DIR = "MOE_NATIVE_DECODE", "MOE_NATIVE_DIR"
+ENV_SWITCH, ENV_DIR = "MOE_NATIVE", "MOE_NATIVE_DIR"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded library or None, "why": the reason when None
@@ -73,14 +74,16 @@ def _compiler() -> str | None:
 def _build(cc: str, d: Path) -> Path:
     """The library for this source, compiler and CPU: cached in `d`, else compiled into it."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join(s.encode() for s in (SOURCE.read_text(), cc, version, _cpu_id(), " ".join(FLAGS))))
+    texts = [src.read_text() for src in SOURCES]
+    key = hashlib.sha256(b"\0".join(s.encode() for s in (*texts, cc, version, _cpu_id(), " ".join(FLAGS))))
     lib = d / f"moe_decode-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     fd, tmp = tempfile.mkstemp(dir=d, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+                              timeout=120)
         if done.returncode:
             raise RuntimeError(f"{cc} failed: {(done.stderr or done.stdout).strip()[-400:]}")
         os.chmod(tmp, 0o700)
@@ -107,6 +110,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.moe_fp8.argtypes = [p, p, n, n, n, n, n, p, i]
     lib.moe_mxfp4.argtypes = [p, p, n, p, i]
     lib.moe_fp8.restype = lib.moe_mxfp4.restype = i
+    lib.moe_swiglu_up.argtypes = [p, p, p, n, n, n, n, p, p, p]
+    lib.moe_swiglu_down.argtypes = [p, p, n, n, n, n, p]
+    lib.moe_vecmat_rows.argtypes = [p, p, n, n, n, p]
+    lib.moe_swiglu_up.restype = lib.moe_swiglu_down.restype = lib.moe_vecmat_rows.restype = i
     lib.moe_native_isa.restype = ctypes.c_char_p
     return lib, lib.moe_native_isa().decode()
 
@@ -118,7 +125,8 @@ def library() -> ctypes.CDLL | None:
             if "lib" not in _state:
                 lib, why = _load()
                 if lib is None:
-                    log.warning("quantized experts decode through torch: %s", why)
+                    log.warning("C kernels unavailable (quantized experts decode through torch, "
+                                "experts compute through torch): %s", why)
                 _state.update(lib=lib, why=why)
     return _state["lib"]  # type: ignore[return-value]
 
@@ -192,4 +200,48 @@ def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torc
     def call(g0: int, g1: int):
         return lambda: lib.moe_mxfp4(b + 16 * g0, s + g0, g1 - g0, base + size * g0, kind)
     _parallel([call(a, b_) for a, b_ in _parts(groups, out.nbytes)])
+    return out
+
+
+def _pointers(tensors: list[torch.Tensor]):
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+def swiglu_rows(xs: list[torch.Tensor], w1: list[torch.Tensor], w3: list[torch.Tensor], w2: list[torch.Tensor],
+                outs: list[torch.Tensor]) -> None:
+    """outs[e] = w2[e] (silu(w1[e] xs[e]) * w3[e] xs[e]) for one bfloat16 row per expert (a decode
+    step's experts, in one call per phase, rows split across the torch threads). Everything
+    bfloat16, contiguous, on the CPU; weights [out, in]."""
+    lib, count = library(), len(xs)
+    inter, hidden = w1[0].shape
+    xs = [x.contiguous() for x in xs]
+    gate, up, h = (torch.empty(count, inter, dtype=torch.bfloat16) for _ in range(3))
+    scratch = [list(t) for t in (gate, up, h)]
+    p_w1, p_w3, p_w2, p_x, p_out = (_pointers(t) for t in (w1, w3, w2, xs, outs))
+    p_gate, p_up, p_h = (_pointers(t) for t in scratch)
+    nbytes = sum(w.nbytes for w in w1) * 2
+
+    def up_rows(r0: int, r1: int):
+        return lambda: lib.moe_swiglu_up(p_w1, p_w3, p_x, count, hidden, r0, r1, p_gate, p_up, p_h)
+
+    def down_rows(r0: int, r1: int):
+        return lambda: lib.moe_swiglu_down(p_w2, p_h, count, inter, r0, r1, p_out)
+    _parallel([up_rows(a, b) for a, b in _parts(inter, nbytes)])
+    _parallel([down_rows(a, b) for a, b in _parts(hidden, nbytes // 2)])
+
+
+def vecmat(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x @ w for one bfloat16 row x [n] and w [n, m] ([in, out], contiguous): each torch
+    thread sums the products of a contiguous range of w's rows in float32, then the sums are
+    added and rounded once into out [m]."""
+    lib = library()
+    n, m = w.shape
+    x = x.contiguous()
+    parts = _parts(n, w.nbytes)
+    acc = torch.empty(len(parts), m, dtype=torch.float32)
+
+    def rows(j: int, r0: int, r1: int):
+        return lambda: lib.moe_vecmat_rows(x.data_ptr(), w.data_ptr(), m, r0, r1, acc[j].data_ptr())
+    _parallel([rows(j, a, b) for j, (a, b) in enumerate(parts)])
+    out.copy_(acc.sum(0) if len(parts) > 1 else acc[0])
     return out
