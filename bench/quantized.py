@@ -248,7 +248,6 @@ class ServedApp:
         self.head.connect_driver(namespace="bench")
         self.client = RayServeClient(self.head.dashboard_url, self.head.token)
         self.url = f"http://127.0.0.1:{self.head.serve_http_port}"
-        self.deployed: Path | None = None
 
     def measure(self, path: Path, label: str, placement: dict, hot: int, warm: int, batch: int, tokens: int) -> dict:
         """Decode tokens/s at `batch` (the prefill and first token's run subtracted), the cold
@@ -264,16 +263,15 @@ class ServedApp:
         args = AppArgs(model_path=str(path), served_model_name="bench", num_groups=self.groups,
                        max_batch_size=batch, kv_cache_budget_bytes=2**30, max_model_len=512,
                        ingress_num_cpus=1, shard_num_cpus=1, ingress_torch_threads=2)
-        if self.deployed is not None and path != self.deployed:  # another checkpoint: the old app goes
-            self.client.delete_all()  # first (its RUNNING would answer wait_running before the new one is up)
-            self.client.wait_gone("bench", timeout_s=300)
-        self.deployed = path
         self.client.put({"http_options": {"host": "127.0.0.1", "port": self.head.serve_http_port},
                          "applications": [serve_application("bench", "/", args, placement, tiers=tiers,
                                                             prefetch_lookahead=1)]})
         self.client.wait_running(["bench"], timeout_s=1800)
         deadline = time.monotonic() + 600
-        while True:  # until the new app's shards answer with its budgets (handles of a replaced app fail)
+        # the app is replaced in place (deleting every app would stop Serve's controller, which this
+        # driver's Serve client stays bound to); until the new shards answer with their budgets, the
+        # old ones may, or a handle may fail while replicas are replaced
+        while True:
             shards = [serve.get_deployment_handle(f"ExpertShard-{g}", app_name="bench") for g in range(self.groups)]
             try:
                 st = [s.status.remote().result(timeout_s=60) for s in shards]
