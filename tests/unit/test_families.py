@@ -78,6 +78,12 @@ def test_our_writer_loads_in_transformers_with_every_tensor(tmp_path, family):
     with torch.no_grad():
         torch.testing.assert_close(ours.prompt_logits(prompt), ref.eval()(torch.tensor([prompt])).logits[0],
                                    atol=1e-4, rtol=1e-4)
+    # the dense part holds every dense tensor once (fused projections included; MLA adds its
+    # absorbed copies of kv_b): what the Ingress reports as its dense bytes
+    dense = sum(p.numel() * 4 for n, p in ref.state_dict().items() if ".experts." not in n
+                and not (n == "lm_head.weight" and ref.config.tie_word_embeddings))
+    absorbed = sum(a.numel() * 4 + b.numel() * 4 for a, b in ours.dense._absorb.values())
+    assert ours.dense.nbytes() == dense + absorbed
 
 
 def test_written_checkpoints_are_readable_by_other_users(tmp_path):

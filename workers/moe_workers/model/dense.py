@@ -76,13 +76,11 @@ def _fuse(w: dict) -> None:
     if "k" in w:
         parts = [w.pop(c) for c in ("q", "k", "v")]
         biases = [w.pop(f"{c}_bias") for c in ("q", "k", "v")]
-        w["qkv"], w["qkv_sizes"] = torch.cat(parts), [t.shape[0] for t in parts]
+        w["qkv"] = torch.cat(parts)
         w["qkv_bias"] = torch.cat(biases) if all(b is not None for b in biases) else None
     if "q_a" in w:
         q_a, kv_a = w.pop("q_a"), w.pop("kv_a")
         w["q_a_kv_a"] = torch.cat((q_a, kv_a))
-        rank = w["kv_a_norm"].shape[0]  # kv_a's rows: the latent (kv_lora_rank), then the roped key
-        w["q_a_kv_a_sizes"] = [q_a.shape[0], rank, kv_a.shape[0] - rank]
     for role in ("mlp", "shared"):
         if role + ".gate" in w:
             gate, up, down = (w.pop(f"{role}.{k}") for k in ("gate", "up", "down"))
@@ -173,7 +171,8 @@ class DenseModel:
         cfg, w = self.cfg, self.layers[layer]
         x = rms_norm(h, w["in_norm"], cfg.rms_norm_eps)
         n = x.shape[0]
-        q, k, v = linear(x, w["qkv"], w["qkv_bias"]).split(w["qkv_sizes"], dim=-1)
+        kv = cfg.num_kv_heads * cfg.head_dim
+        q, k, v = linear(x, w["qkv"], w["qkv_bias"]).split([cfg.num_heads * cfg.head_dim, kv, kv], dim=-1)
         if cfg.qk_norm == "full":  # olmoe: over the whole projection
             q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
         q = q.view(n, cfg.num_heads, cfg.head_dim)
@@ -196,7 +195,7 @@ class DenseModel:
         x = rms_norm(h, w["in_norm"], cfg.rms_norm_eps)
         n = x.shape[0]
         if cfg.q_lora_rank:  # q_a and kv_a read x in one product (`_fuse`)
-            q_a, latent, k_rot = linear(x, w["q_a_kv_a"]).split(w["q_a_kv_a_sizes"], dim=-1)
+            q_a, latent, k_rot = linear(x, w["q_a_kv_a"]).split([cfg.q_lora_rank, cfg.kv_lora_rank, rope_dim], dim=-1)
             q = linear(rms_norm(q_a, w["q_a_norm"], 1e-6), w["q_b"])
         else:
             q = linear(x, w["q"])
