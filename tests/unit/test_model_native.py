@@ -111,6 +111,7 @@ def test_local_experts_and_a_shard_call_take_the_c_path_for_one_row_each_and_tor
     from checkpoints import make_family
     from moe_workers.model.checkpoint import Checkpoint
     from moe_workers.model.experts import LocalExperts, compute_rows, native_rows
+    from moe_workers.model.layers import expert_forward
 
     make_family(tmp_path, "qwen3_moe", hidden_size=256, intermediate_size=64)
     ckpt = Checkpoint(tmp_path)
@@ -130,10 +131,17 @@ def test_local_experts_and_a_shard_call_take_the_c_path_for_one_row_each_and_tor
         two = torch.empty_like(x)
         compute_rows(experts.weights, keys[:2], [2, 2], x, two, cfg)  # two rows an expert: torch
         assert calls == [4]
+        mixed = torch.empty_like(x)
+        compute_rows(experts.weights, keys[:3], [1, 2, 1], x, mixed, cfg)  # the single rows in C, the pair in torch
+        assert calls == [4, 2]
+        want = torch.cat([experts.forward(layer, {0: x[0:1]})[0], expert_forward(cfg, x[1:3], experts.weights[keys[1]]),
+                          experts.forward(layer, {2: x[3:4]})[2]])
+        torch.testing.assert_close(mixed.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+        calls.clear()
         indices = torch.tensor([[0, 2]])
         weights = torch.tensor([[0.6, 0.4]])
         experts.moe(layer, x[:1], indices, weights)
-        assert calls == [4, 2]
+        assert calls == [2]
     finally:
         native.swiglu_rows = real
     assert not native_rows(cfg, [x[:2]], [experts.weights[keys[0]]], [out[:2]])  # two rows: not taken

@@ -20,8 +20,17 @@ class LocalExperts:
                         for eid in ids}
 
     def forward(self, layer: int, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """{expert: its tokens' hidden states} -> {expert: its outputs}."""
-        return {e: expert_forward(self.cfg, x, self.weights[(layer, e)]) for e, x in inputs.items()}
+        """{expert: its tokens' hidden states} -> {expert: its outputs}; the experts with one row
+        in one native call (`native_rows`), the rest one by one."""
+        single = [e for e, x in inputs.items() if x.shape[0] == 1]
+        out: dict[int, torch.Tensor] = {}
+        if len(single) > 1:
+            rows = torch.empty(len(single), next(iter(inputs.values())).shape[1], dtype=inputs[single[0]].dtype)
+            if native_rows(self.cfg, [inputs[e] for e in single], [self.weights[(layer, e)] for e in single],
+                           list(rows.split(1))):
+                out.update(zip(single, rows.split(1)))
+        return {e: out[e] if e in out else expert_forward(self.cfg, x, self.weights[(layer, e)])
+                for e, x in inputs.items()}
 
     def moe(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if indices.numel() <= routes.SMALL:  # decode: the routing in Python ints
@@ -49,12 +58,17 @@ def compute_rows(weights: dict, keys: list[tuple[int, int]], counts: list[int], 
     device = next(iter(weights[keys[0]].values())).device if keys else x.device
     xd = x if x.device == device else x.to(device, non_blocking=True)
     od = out if out.device == device else torch.empty_like(xd)
-    if not (all(n == 1 for n in counts) and native_rows(cfg, list(xd[:len(keys)].split(1)), [weights[k] for k in keys],
-                                                           list(od[:len(keys)].split(1)))):
-        start = 0
-        for key, n in zip(keys, counts):
-            expert_forward(cfg, xd[start:start + n], weights[key], out=od[start:start + n])
-            start += n
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    single = [i for i, n in enumerate(counts) if n == 1]  # these in one native call where it applies
+    if len(single) < 2 or not native_rows(cfg, [xd[starts[i]:starts[i] + 1] for i in single],
+                                          [weights[keys[i]] for i in single], [od[starts[i]:starts[i] + 1] for i in single]):
+        single = []
+    done = set(single)
+    for i, (key, n) in enumerate(zip(keys, counts)):
+        if i not in done:
+            expert_forward(cfg, xd[starts[i]:starts[i] + n], weights[key], out=od[starts[i]:starts[i] + n])
     if od is not out:
         out.copy_(od)
 
