@@ -79,7 +79,7 @@ def test_large_parts_split_across_threads_give_the_same_bits_as_one_call(cache, 
     b, e = pack_mxfp4(w)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     split = dequantize_fp8(q, s, (128, 128), torch.bfloat16), decode_mxfp4(b, e, torch.bfloat16)
-    assert len(native._parts(1024, split[0].nbytes)) == 2
+    assert native._parts(1024, split[0].nbytes) == 2
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     whole = dequantize_fp8(q, s, (128, 128), torch.bfloat16), decode_mxfp4(b, e, torch.bfloat16)
     assert all(torch.equal(a.view(torch.int16), c.view(torch.int16)) for a, c in zip(split, whole))
@@ -167,3 +167,48 @@ def test_x_times_w_in_transformers_layout_in_c_equals_torchs_within_bf16_roundin
     native.reset()
     theirs = gpt_oss_expert(x, w, 1.702, 7.0).float()
     torch.testing.assert_close(ours, theirs, rtol=2 ** -5, atol=2 ** -5 * theirs.abs().max().item())
+
+
+def test_a_dense_projections_decode_row_in_c_equals_torchs_within_bf16_rounding(cache, monkeypatch):
+    """layers.linear on one bf16 row: the C matrix-vector product (rows split across torch's
+    threads; row counts that are not a multiple of 4 or of the parts, a row length with a
+    vector tail, a bias) against F.linear, and the same call with the C kernels off (torch.mv)."""
+    import torch.nn.functional as F
+
+    from moe_workers.model.layers import linear
+
+    g = torch.Generator().manual_seed(8)
+    calls = []
+    real = native.matvec
+    monkeypatch.setattr(native, "matvec", lambda *a: (calls.append(a[0].shape), real(*a))[1])
+    for rows, n, bias in ((5120, 2048, False), (1030, 200, True), (3, 40, False)):
+        w = (torch.randn(rows, n, generator=g) * 0.03).bfloat16()
+        x = torch.randn(1, n, generator=g).bfloat16()
+        b = torch.randn(rows, generator=g).bfloat16() if bias else None
+        want = F.linear(x, w, b).float()
+        got = linear(x, w, b)
+        assert got.shape == (1, rows) and calls[-1] == (rows, n)
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    native.reset()
+    n_calls = len(calls)
+    torch.testing.assert_close(linear(x, w, b).float(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+    assert len(calls) == n_calls  # torch.mv served it
+
+
+def test_the_kernels_run_on_torchs_own_openmp_runtime(cache):
+    """The library's parallel entry points run on the OpenMP runtime torch loaded (one libgomp in
+    the process, so one team of threads: a second pool beside torch's left its spinning threads
+    on the cores the kernels needed), and give the same bits with one part as with several."""
+    assert native.library() is not None
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
+    w = (torch.randn(4096, 1024) * 0.03).bfloat16()
+    x = torch.randn(1024).bfloat16()
+    parts = native._parts(4096, w.nbytes)
+    assert parts == min(torch.get_num_threads(), 4096)
+    several = native.matvec(w, x, torch.empty(4096, dtype=torch.bfloat16))
+    one = torch.empty(4096, dtype=torch.bfloat16)
+    assert native.library().moe_matvec_par(w.data_ptr(), 4096, 1024, x.data_ptr(), one.data_ptr(), 1) == 0
+    assert torch.equal(several.view(torch.int16), one.view(torch.int16))

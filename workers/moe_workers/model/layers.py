@@ -17,13 +17,16 @@ from . import native
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except one bf16 row on the CPU, a decode step's: there torch's matrix-vector
-    product reads the weights at 0.9 of the machine's read bandwidth, where F.linear's path for
-    one row reads them at 0.3-0.75 (a long row, like Mixtral's down projection, the slowest;
-    `bench/realshape.py --only kernels`). Same products, summed in another order: within bf16's
-    rounding of F.linear."""
+    """F.linear, except one bf16 row on the CPU, a decode step's: there the C kernel
+    (`native.matvec`, rows split over torch's threads) reads the weights at 19-30 GB/s where
+    torch's matrix-vector product reads them at 6-16 and F.linear at 11-19 (2 cores, AMD EPYC;
+    `bench/realshape.py --only kernels`); torch.mv where there is no C compiler. Same products,
+    summed in another order: within bf16's rounding of F.linear."""
     if x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        y = torch.mv(w, x[0]).unsqueeze(0)
+        if w.dtype == torch.bfloat16 and w.is_contiguous() and native.library() is not None:
+            y = native.matvec(w, x[0], torch.empty(1, w.shape[0], dtype=x.dtype)[0]).unsqueeze(0)
+        else:
+            y = torch.mv(w, x[0]).unsqueeze(0)
         return y if bias is None else y.add_(bias)
     return F.linear(x, w, bias)
 

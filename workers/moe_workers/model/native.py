@@ -26,22 +26,20 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("native_decode.c", "native_experts.c"))
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-std=gnu11")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("native_decode.c", "native_experts.c", "native_parallel.c"))
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-std=gnu11", "-fopenmp")
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C side's OUT_* values
 PARALLEL_BYTES = 1 << 20  # outputs at least this large are decoded by several threads
 ENV_SWITCH, ENV_DIR = "MOE_NATIVE", "MOE_NATIVE_DIR"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded library or None, "why": the reason when None
-_pool: ThreadPoolExecutor | None = None
 
 
 def _cache_dir() -> Path:
@@ -107,13 +105,11 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, RuntimeError, subprocess.SubprocessError, PermissionError) as e:
         return None, f"build failed: {e}"
     p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.moe_fp8.argtypes = [p, p, n, n, n, n, n, p, i]
-    lib.moe_mxfp4.argtypes = [p, p, n, p, i]
-    lib.moe_fp8.restype = lib.moe_mxfp4.restype = i
-    lib.moe_swiglu_up.argtypes = [p, p, p, n, n, n, n, p, p, p]
-    lib.moe_swiglu_down.argtypes = [p, p, n, n, n, n, p]
-    lib.moe_vecmat_rows.argtypes = [p, p, n, n, n, p]
-    lib.moe_swiglu_up.restype = lib.moe_swiglu_down.restype = lib.moe_vecmat_rows.restype = i
+    for name, args in (("moe_fp8_par", [p, p, n, n, n, n, p, i, i]), ("moe_mxfp4_par", [p, p, n, p, i, i]),
+                       ("moe_swiglu_up_par", [p, p, p, n, n, n, p, p, p, i]),
+                       ("moe_swiglu_down_par", [p, p, n, n, n, p, i]), ("moe_vecmat_par", [p, p, n, n, p, i]),
+                       ("moe_matvec_par", [p, n, n, p, p, i])):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, i
     lib.moe_native_isa.restype = ctypes.c_char_p
     return lib, lib.moe_native_isa().decode()
 
@@ -149,24 +145,15 @@ def usable(*tensors: torch.Tensor, out: torch.Tensor) -> bool:
             and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and library() is not None)
 
 
-def _parallel(calls: list) -> None:
-    global _pool
-    if len(calls) == 1:
-        calls[0]()
-        return
-    if _pool is None:
-        with _lock:
-            _pool = _pool or ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()),
-                                                thread_name_prefix="moe-decode")
-    for f in [_pool.submit(c) for c in calls]:
-        f.result()
+def _parts(n: int, nbytes: int) -> int:
+    """How many ranges to split n rows or groups into: one per torch thread for a large output,
+    else one (the C side runs them on the calling thread's OpenMP team, torch's own)."""
+    return max(1, min(torch.get_num_threads() if nbytes >= PARALLEL_BYTES else 1, n))
 
 
-def _parts(n: int, nbytes: int) -> list[tuple[int, int]]:
-    """[start, end) ranges over n rows or groups: one per torch thread for a large output, else one."""
-    k = max(1, min(torch.get_num_threads() if nbytes >= PARALLEL_BYTES else 1, n))
-    step = -(-n // k)
-    return [(a, min(a + step, n)) for a in range(0, n, step)]
+def _check(rc: int, what: str) -> None:
+    if rc:
+        raise ValueError(f"{what}: the C kernel refused its arguments (code {rc})")
 
 
 def fp8(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out: torch.Tensor) -> torch.Tensor:
@@ -179,12 +166,8 @@ def fp8(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out: t
     if tuple(s.shape) != grid or tuple(out.shape) != (rows, cols) or codes.element_size() != 1:
         raise ValueError(f"fp8 decode: codes {tuple(codes.shape)}, scales {tuple(s.shape)} (want {grid}), "
                          f"out {tuple(out.shape)}")
-    base, width = out.data_ptr(), cols * out.element_size()
-
-    def call(r0: int, r1: int):
-        return lambda: lib.moe_fp8(codes.data_ptr(), s.data_ptr(), cols, r0, r1, block[0], block[1],
-                                   base + r0 * width, kind)
-    _parallel([call(a, b) for a, b in _parts(rows, out.nbytes)])
+    _check(lib.moe_fp8_par(codes.data_ptr(), s.data_ptr(), rows, cols, block[0], block[1], out.data_ptr(), kind,
+                           _parts(rows, out.nbytes)), "fp8 decode")
     return out
 
 
@@ -195,11 +178,8 @@ def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torc
     if blocks.numel() != 16 * groups or out.numel() != 32 * groups or blocks.element_size() != 1:
         raise ValueError(f"mxfp4 decode: blocks {tuple(blocks.shape)}, scales {tuple(scales.shape)}, "
                          f"out {tuple(out.shape)}")
-    b, s, base, size = blocks.data_ptr(), scales.data_ptr(), out.data_ptr(), 32 * out.element_size()
-
-    def call(g0: int, g1: int):
-        return lambda: lib.moe_mxfp4(b + 16 * g0, s + g0, g1 - g0, base + size * g0, kind)
-    _parallel([call(a, b_) for a, b_ in _parts(groups, out.nbytes)])
+    _check(lib.moe_mxfp4_par(blocks.data_ptr(), scales.data_ptr(), groups, out.data_ptr(), kind,
+                             _parts(groups, out.nbytes)), "mxfp4 decode")
     return out
 
 
@@ -220,28 +200,31 @@ def swiglu_rows(xs: list[torch.Tensor], w1: list[torch.Tensor], w3: list[torch.T
     p_w1, p_w3, p_w2, p_x, p_out = (_pointers(t) for t in (w1, w3, w2, xs, outs))
     p_gate, p_up, p_h = (_pointers(t) for t in scratch)
     nbytes = sum(w.nbytes for w in w1) * 2
+    _check(lib.moe_swiglu_up_par(p_w1, p_w3, p_x, count, hidden, inter, p_gate, p_up, p_h, _parts(inter, nbytes)),
+           "swiglu gate/up")
+    _check(lib.moe_swiglu_down_par(p_w2, p_h, count, inter, hidden, p_out, _parts(hidden, nbytes // 2)),
+           "swiglu down")
 
-    def up_rows(r0: int, r1: int):
-        return lambda: lib.moe_swiglu_up(p_w1, p_w3, p_x, count, hidden, r0, r1, p_gate, p_up, p_h)
 
-    def down_rows(r0: int, r1: int):
-        return lambda: lib.moe_swiglu_down(p_w2, p_h, count, inter, r0, r1, p_out)
-    _parallel([up_rows(a, b) for a, b in _parts(inter, nbytes)])
-    _parallel([down_rows(a, b) for a, b in _parts(hidden, nbytes // 2)])
+def matvec(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = w x for w [rows, n] and one row x [n] (bfloat16, contiguous, on the CPU): a dense
+    projection of a decode step, rows split across torch's threads."""
+    rows, n = w.shape
+    x = x.contiguous()
+    _check(library().moe_matvec_par(w.data_ptr(), rows, n, x.data_ptr(), out.data_ptr(), _parts(rows, w.nbytes)),
+           "matvec")
+    return out
 
 
 def vecmat(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = x @ w for one bfloat16 row x [n] and w [n, m] ([in, out], contiguous): each torch
-    thread sums the products of a contiguous range of w's rows in float32, then the sums are
+    """out = x @ w for one bfloat16 row x [n] and w [n, m] ([in, out], contiguous): each of torch's
+    threads sums the products of a contiguous range of w's rows in float32, then the sums are
     added and rounded once into out [m]."""
     lib = library()
     n, m = w.shape
     x = x.contiguous()
     parts = _parts(n, w.nbytes)
-    acc = torch.empty(len(parts), m, dtype=torch.float32)
-
-    def rows(j: int, r0: int, r1: int):
-        return lambda: lib.moe_vecmat_rows(x.data_ptr(), w.data_ptr(), m, r0, r1, acc[j].data_ptr())
-    _parallel([rows(j, a, b) for j, (a, b) in enumerate(parts)])
-    out.copy_(acc.sum(0) if len(parts) > 1 else acc[0])
+    acc = torch.zeros(parts, m, dtype=torch.float32)  # a part with no rows adds nothing
+    _check(lib.moe_vecmat_par(x.data_ptr(), w.data_ptr(), n, m, acc.data_ptr(), parts), "vecmat")
+    out.copy_(acc.sum(0) if parts > 1 else acc[0])
     return out

@@ -1,5 +1,6 @@
-/* A decode step's routed experts in C: one row each through SwiGLU experts (mixtral, qwen,
- * olmoe, deepseek), bfloat16 weights in [out, in], many experts in one call. Built with
+/* A decode step's products in C: one row each through SwiGLU experts (mixtral, qwen, olmoe,
+ * deepseek), bfloat16 weights in [out, in], many experts in one call; one row through a dense
+ * projection. Built with
  * native_decode.c into one library (moe_workers/model/native.py). A step computes each
  * expert's gate/up rows (`moe_swiglu_up`), then its down rows (`moe_swiglu_down`); each call
  * takes a range of rows of every expert, so the caller's threads split the rows and one call
@@ -71,6 +72,12 @@ static void matvec_rows(const uint16_t *w, long n, const uint16_t *x, long r0, l
         y[r + 2] = f32_to_bf16(s[2]); y[r + 3] = f32_to_bf16(s[3]);
     }
     for (; r < r1; r++) y[r] = f32_to_bf16(dot1(w + r * n, n, x));
+}
+
+/* rows [r0, r1) of y = w x for one matrix w [rows, n] (a dense projection's decode row) */
+int moe_matvec_rows(const uint16_t *w, long n, const uint16_t *x, long r0, long r1, uint16_t *y) {
+    matvec_rows(w, n, x, r0, r1, y);
+    return 0;
 }
 
 /* For each of `count` experts: rows [r0, r1) of h = silu(w1 x) * (w3 x), w1 and w3 [inter,
