@@ -105,7 +105,7 @@ class Bandwidth:
 
 def kernels(shapes: list[str], reps: int = 3) -> tuple[list[dict], dict]:
     """A decode step's matrix-vector products at each shape's expert matrices, bf16, one row:
-    F.linear, our `linear` (torch.mv for one bf16 row), and gpt_oss' x @ W in transformers'
+    F.linear, our `linear` (the C matrix-vector product for one bf16 row), and gpt_oss' x @ W in transformers'
     [in, out] layout by torch and by our `in_out` (the C kernel), each over more matrices than L3
     holds, against a plain read of the same bytes."""
     from moe_workers.model.layers import in_out, linear
