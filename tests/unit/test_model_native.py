@@ -97,54 +97,67 @@ def test_a_decode_steps_swiglu_experts_in_c_equal_torchs_within_bf16_rounding(ca
         w2 = [(torch.randn(hidden, inter, generator=g) * 0.03).bfloat16() for _ in range(n)]
         xs = [torch.randn(1, hidden, generator=g).bfloat16() for _ in range(n)]
         out = torch.full((n, hidden), float("nan"), dtype=torch.bfloat16)
-        native.swiglu_rows([x[0] for x in xs], w1, w3, w2, list(out))
+        native.swiglu_rows(xs, w1, w3, w2, list(out.split(1)))
         for e in range(n):
             want = expert_mlp(xs[e], w1[e], w2[e], w3[e])[0].float()
             torch.testing.assert_close(out[e].float(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
         assert not out.isnan().any()
 
 
-def test_local_experts_and_a_shard_call_take_the_c_path_for_one_row_each_and_torch_otherwise(cache, tmp_path):
-    """The in-process model's decode step and a shard's compute_rows give the torch path's
-    values (within bf16 rounding) when every expert has one row, and fall back to torch for
-    several rows an expert (the same numbers as before: nothing else changed)."""
+def _torch_expert(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A SwiGLU expert through torch's F.linear alone (what the C path replaces)."""
+    import torch.nn.functional as F
+
+    return F.linear(F.silu(F.linear(x, w["w1"])) * F.linear(x, w["w3"]), w["w2"])
+
+
+def test_local_experts_and_a_shard_call_take_the_c_path_for_a_few_rows_each_and_torch_beyond(cache, tmp_path):
+    """The in-process model's decode step and a shard's compute_rows put every expert with up to
+    ROWS_MAX rows in one C call (values within bf16 rounding of torch's), an expert with more rows
+    through torch, and a row's values do not depend on how many rows share its expert (the same
+    bits alone and among 16: the served and in-process batches agree whatever their grouping)."""
     from checkpoints import make_family
     from moe_workers.model.checkpoint import Checkpoint
     from moe_workers.model.experts import LocalExperts, compute_rows, native_rows
-    from moe_workers.model.layers import expert_forward
 
     make_family(tmp_path, "qwen3_moe", hidden_size=256, intermediate_size=64)
     ckpt = Checkpoint(tmp_path)
     experts = LocalExperts(ckpt, torch.bfloat16)
     cfg, layer = ckpt.config, ckpt.config.sparse_layers[0]
     keys = [(layer, e) for e in range(4)]
-    x = torch.randn(4, cfg.hidden_size).bfloat16()
+    big = native.ROWS_MAX + 1
+    x = torch.randn(3 * native.ROWS_MAX + big, cfg.hidden_size).bfloat16()
     calls = []
     real = native.swiglu_rows
     try:
-        native.swiglu_rows = lambda *a: (calls.append(len(a[0])), real(*a))[1]
-        out = torch.empty_like(x)
-        compute_rows(experts.weights, keys, [1, 1, 1, 1], x, out, cfg)
-        assert calls == [4]
-        want = torch.cat([experts.forward(layer, {e: x[e:e + 1]})[e] for e in range(4)])
-        torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
-        two = torch.empty_like(x)
-        compute_rows(experts.weights, keys[:2], [2, 2], x, two, cfg)  # two rows an expert: torch
-        assert calls == [4]
-        mixed = torch.empty_like(x)
-        compute_rows(experts.weights, keys[:3], [1, 2, 1], x, mixed, cfg)  # the single rows in C, the pair in torch
-        assert calls == [4, 2]
-        want = torch.cat([experts.forward(layer, {0: x[0:1]})[0], expert_forward(cfg, x[1:3], experts.weights[keys[1]]),
-                          experts.forward(layer, {2: x[3:4]})[2]])
-        torch.testing.assert_close(mixed.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+        native.swiglu_rows = lambda *a: (calls.append([t.shape[0] for t in a[0]]), real(*a))[1]
+        for counts in ([1, 1, 1, 1], [2, 2], [1, native.ROWS_MAX, 3], [1, big, 2]):
+            calls.clear()
+            n = sum(counts)
+            out = torch.full((n, cfg.hidden_size), float("nan"), dtype=torch.bfloat16)
+            compute_rows(experts.weights, keys[:len(counts)], counts, x[:n], out, cfg)
+            assert calls == [[c for c in counts if c <= native.ROWS_MAX]], counts  # one call; `big` in torch
+            at = 0
+            for key, c in zip(keys, counts):
+                want = _torch_expert(x[at:at + c], experts.weights[key]).float()
+                torch.testing.assert_close(out[at:at + c].float(), want, rtol=2 ** -6,
+                                           atol=2 ** -6 * want.abs().max().item())
+                at += c
+        many = torch.empty(native.ROWS_MAX, cfg.hidden_size, dtype=torch.bfloat16)
+        compute_rows(experts.weights, keys[:1], [native.ROWS_MAX], x[:native.ROWS_MAX], many, cfg)
+        for i in (0, 5, native.ROWS_MAX - 1):
+            alone = torch.empty(1, cfg.hidden_size, dtype=torch.bfloat16)
+            compute_rows(experts.weights, keys[:1], [1], x[i:i + 1], alone, cfg)
+            assert torch.equal(alone.view(torch.int16), many[i:i + 1].view(torch.int16))
         calls.clear()
-        indices = torch.tensor([[0, 2]])
-        weights = torch.tensor([[0.6, 0.4]])
-        experts.moe(layer, x[:1], indices, weights)
-        assert calls == [2]
+        experts.moe(layer, x[:1], torch.tensor([[0, 2]]), torch.tensor([[0.6, 0.4]]))
+        assert calls == [[1, 1]]
+        calls.clear()
+        experts.forward(layer, {0: x[:2], 1: x[2:2 + big]})
+        assert calls == [[2]]
     finally:
         native.swiglu_rows = real
-    assert not native_rows(cfg, [x[:2]], [experts.weights[keys[0]]], [out[:2]])  # two rows: not taken
+    assert not native_rows(cfg, [x[:big]], [experts.weights[keys[0]]], [out[:big]])  # too many rows: not taken
 
 
 def test_x_times_w_in_transformers_layout_in_c_equals_torchs_within_bf16_rounding(cache, monkeypatch):
@@ -170,9 +183,9 @@ def test_x_times_w_in_transformers_layout_in_c_equals_torchs_within_bf16_roundin
 
 
 def test_a_dense_projections_decode_row_in_c_equals_torchs_within_bf16_rounding(cache, monkeypatch):
-    """layers.linear on one bf16 row: the C matrix-vector product (rows split across torch's
-    threads; row counts that are not a multiple of 4 or of the parts, a row length with a
-    vector tail, a bias) against F.linear, and the same call with the C kernels off (torch.mv)."""
+    """layers.linear on a few bf16 rows: the C product (w's rows split across torch's threads; row
+    counts that are not a multiple of 4 or of the parts, a row length with a vector tail, a bias,
+    1 to ROWS_MAX rows of x) against F.linear, and the same call with the C kernels off (torch)."""
     import torch.nn.functional as F
 
     from moe_workers.model.layers import linear
@@ -181,19 +194,20 @@ def test_a_dense_projections_decode_row_in_c_equals_torchs_within_bf16_rounding(
     calls = []
     real = native.matvec
     monkeypatch.setattr(native, "matvec", lambda *a: (calls.append(a[0].shape), real(*a))[1])
-    for rows, n, bias in ((5120, 2048, False), (1030, 200, True), (3, 40, False)):
+    for rows, n, bias, nx in ((5120, 2048, False, 1), (1030, 200, True, 1), (3, 40, False, 1), (1030, 200, True, 7),
+                              (2048, 256, False, native.ROWS_MAX)):
         w = (torch.randn(rows, n, generator=g) * 0.03).bfloat16()
-        x = torch.randn(1, n, generator=g).bfloat16()
+        x = torch.randn(nx, n, generator=g).bfloat16()
         b = torch.randn(rows, generator=g).bfloat16() if bias else None
         want = F.linear(x, w, b).float()
         got = linear(x, w, b)
-        assert got.shape == (1, rows) and calls[-1] == (rows, n)
+        assert got.shape == (nx, rows) and calls[-1] == (rows, n)
         torch.testing.assert_close(got.float(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     native.reset()
     n_calls = len(calls)
     torch.testing.assert_close(linear(x, w, b).float(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
-    assert len(calls) == n_calls  # torch.mv served it
+    assert len(calls) == n_calls  # torch served it
 
 
 def test_the_kernels_run_on_torchs_own_openmp_runtime(cache):
@@ -208,7 +222,7 @@ def test_the_kernels_run_on_torchs_own_openmp_runtime(cache):
     x = torch.randn(1024).bfloat16()
     parts = native._parts(4096, w.nbytes)
     assert parts == min(torch.get_num_threads(), 4096)
-    several = native.matvec(w, x, torch.empty(4096, dtype=torch.bfloat16))
+    several = native.matvec(w, x[None], torch.empty(1, 4096, dtype=torch.bfloat16))[0]
     one = torch.empty(4096, dtype=torch.bfloat16)
-    assert native.library().moe_matvec_par(w.data_ptr(), 4096, 1024, x.data_ptr(), one.data_ptr(), 1) == 0
+    assert native.library().moe_matvec_par(w.data_ptr(), 4096, 1024, x.data_ptr(), 1, one.data_ptr(), 1) == 0
     assert torch.equal(several.view(torch.int16), one.view(torch.int16))

@@ -20,15 +20,16 @@ class LocalExperts:
                         for eid in ids}
 
     def forward(self, layer: int, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """{expert: its tokens' hidden states} -> {expert: its outputs}; the experts with one row
+        """{expert: its tokens' hidden states} -> {expert: its outputs}; the experts with a few rows
         in one native call (`native_rows`), the rest one by one."""
-        single = [e for e, x in inputs.items() if x.shape[0] == 1]
+        few = [e for e, x in inputs.items() if x.shape[0] <= native.ROWS_MAX]
         out: dict[int, torch.Tensor] = {}
-        if len(single) > 1:
-            rows = torch.empty(len(single), next(iter(inputs.values())).shape[1], dtype=inputs[single[0]].dtype)
-            if native_rows(self.cfg, [inputs[e] for e in single], [self.weights[(layer, e)] for e in single],
-                           list(rows.split(1))):
-                out.update(zip(single, rows.split(1)))
+        if few:
+            rows = [inputs[e].shape[0] for e in few]
+            res = torch.empty(sum(rows), next(iter(inputs.values())).shape[1], dtype=inputs[few[0]].dtype)
+            if native_rows(self.cfg, [inputs[e] for e in few], [self.weights[(layer, e)] for e in few],
+                           list(res.split(rows))):
+                out.update(zip(few, res.split(rows)))
         return {e: out[e] if e in out else expert_forward(self.cfg, x, self.weights[(layer, e)])
                 for e, x in inputs.items()}
 
@@ -36,15 +37,11 @@ class LocalExperts:
         if indices.numel() <= routes.SMALL:  # decode: the routing in Python ints
             r = routes.route(indices)
             experts = list(r.by_expert)
-            xs = [routes.gather(x, r, [e]) for e in experts]
-            ws = [self.weights[(layer, e)] for e in experts]
-            out = torch.empty(len(experts), x.shape[1], dtype=x.dtype, device=x.device)
-            if native_rows(self.cfg, xs, ws, list(out.split(1))):
-                outputs = out
-            else:
-                outputs = [expert_forward(self.cfg, xe, w) for xe, w in zip(xs, ws)]
-                outputs = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-            return routes.combine(r, r.order(experts), outputs, weights, x.dtype)
+            rows = routes.gather(x, r, experts)
+            out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+            compute_rows(self.weights, [(layer, e) for e in experts], [len(r.by_expert[e]) for e in experts], rows,
+                         out, self.cfg)
+            return routes.combine(r, r.order(experts), out, weights, x.dtype)
         groups = group_by_expert(indices)
         outputs = self.forward(layer, {e: x[rows] for e, (rows, _) in groups.items()})
         return combine(x.shape[0], x.shape[1], x.dtype, groups, outputs, weights)
@@ -61,11 +58,12 @@ def compute_rows(weights: dict, keys: list[tuple[int, int]], counts: list[int], 
     starts = [0]
     for n in counts:
         starts.append(starts[-1] + n)
-    single = [i for i, n in enumerate(counts) if n == 1]  # these in one native call where it applies
-    if len(single) < 2 or not native_rows(cfg, [xd[starts[i]:starts[i] + 1] for i in single],
-                                          [weights[keys[i]] for i in single], [od[starts[i]:starts[i] + 1] for i in single]):
-        single = []
-    done = set(single)
+    few = [i for i, n in enumerate(counts) if 0 < n <= native.ROWS_MAX]  # these in one native call where it applies
+    if not few or not native_rows(
+            cfg, [xd[starts[i]:starts[i + 1]] for i in few], [weights[keys[i]] for i in few],
+            [od[starts[i]:starts[i + 1]] for i in few]):
+        few = []
+    done = set(few)
     for i, (key, n) in enumerate(zip(keys, counts)):
         if i not in done:
             expert_forward(cfg, xd[starts[i]:starts[i] + n], weights[key], out=od[starts[i]:starts[i] + n])
@@ -74,19 +72,20 @@ def compute_rows(weights: dict, keys: list[tuple[int, int]], counts: list[int], 
 
 
 def native_rows(cfg, xs: list[torch.Tensor], ws: list[dict[str, torch.Tensor]], outs: list[torch.Tensor]) -> bool:
-    """A decode step's SwiGLU experts, one bfloat16 row each on the CPU, through the C kernels
-    (`native.swiglu_rows`: every expert's gate/up rows in one call, then its down rows, split
-    across the torch threads) instead of three products and two element-wise ops per expert in
-    Python; the same values within bfloat16's rounding. False, with nothing done, where they do
-    not apply: gpt_oss' activation, another dtype or device, several rows, no C compiler."""
+    """A decode step's SwiGLU experts, up to `native.ROWS_MAX` bfloat16 rows each on the CPU,
+    through the C kernels (`native.swiglu_rows`: every expert's gate/up rows in one call, then its
+    down rows, each weight row read once for all of its expert's rows, split across torch's
+    threads) instead of three products and two element-wise ops per expert in Python; the same
+    values within bfloat16's rounding, and a row's values do not depend on how many rows share
+    its expert. False, with nothing done, where they do not apply: gpt_oss' activation, another
+    dtype or device, more rows, no C compiler."""
     if not xs or cfg.expert_act == "gpt_oss" or xs[0].dtype != torch.bfloat16 or xs[0].device.type != "cpu":
         return False
     parts = [(w["w1"], w["w3"], w["w2"]) for w in ws]
-    if any(x.shape[0] != 1 for x in xs) or any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous()
-                                               for p in parts for t in p):
+    if any(not 0 < x.shape[0] <= native.ROWS_MAX for x in xs) or any(
+            t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous() for p in parts for t in p):
         return False
     if native.library() is None:
         return False
-    native.swiglu_rows([x[0] for x in xs], [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts],
-                       [o[0] for o in outs])
+    native.swiglu_rows(xs, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], outs)
     return True

@@ -17,17 +17,19 @@ from . import native
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except one bf16 row on the CPU, a decode step's: there the C kernel
-    (`native.matvec`, rows split over torch's threads) reads the weights at 19-30 GB/s where
-    torch's matrix-vector product reads them at 6-16 and F.linear at 11-19 (2 cores, AMD EPYC;
-    `bench/realshape.py --only kernels`); torch.mv where there is no C compiler. Same products,
-    summed in another order: within bf16's rounding of F.linear."""
-    if x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+    """F.linear, except a decode step's few bf16 rows on the CPU (up to `native.ROWS_MAX`): there
+    the C kernel (`native.matvec`, each row of w read once for all of x's rows, w's rows split over
+    torch's threads) reads the weights at 19-30 GB/s for one row where torch's matrix-vector
+    product reads them at 6-16 and F.linear at 11-19 (2 cores, AMD EPYC; `bench/realshape.py --only
+    kernels`); one row through torch.mv where there is no C compiler. Same products, summed in
+    another order: within bf16's rounding of F.linear."""
+    if x.dim() == 2 and x.shape[0] <= native.ROWS_MAX and x.dtype == torch.bfloat16 and x.device.type == "cpu":
         if w.dtype == torch.bfloat16 and w.is_contiguous() and native.library() is not None:
-            y = native.matvec(w, x[0], torch.empty(1, w.shape[0], dtype=x.dtype)[0]).unsqueeze(0)
-        else:
+            y = native.matvec(w, x, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype))
+            return y if bias is None else y.add_(bias)
+        if x.shape[0] == 1:
             y = torch.mv(w, x[0]).unsqueeze(0)
-        return y if bias is None else y.add_(bias)
+            return y if bias is None else y.add_(bias)
     return F.linear(x, w, bias)
 
 
@@ -188,7 +190,7 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
     gate.mul_(linear(x, w3))
     if out is None:
         return linear(gate, w2)
-    if gate.shape[0] == 1:
+    if gate.shape[0] <= native.ROWS_MAX:  # `linear`'s decode-rows path, as without `out`
         return out.copy_(linear(gate, w2))
     return torch.mm(gate, w2.t(), out=out)
 

@@ -36,6 +36,7 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in ("native_decode.c", "native
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-std=gnu11", "-fopenmp")
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C side's OUT_* values
 PARALLEL_BYTES = 1 << 20  # outputs at least this large are decoded by several threads
+ROWS_MAX = 16  # rows of x a product takes in C at most (a decode step's); beyond, torch's GEMM
 ENV_SWITCH, ENV_DIR = "MOE_NATIVE", "MOE_NATIVE_DIR"
 
 _lock = threading.Lock()
@@ -106,9 +107,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"build failed: {e}"
     p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     for name, args in (("moe_fp8_par", [p, p, n, n, n, n, p, i, i]), ("moe_mxfp4_par", [p, p, n, p, i, i]),
-                       ("moe_swiglu_up_par", [p, p, p, n, n, n, p, p, p, i]),
-                       ("moe_swiglu_down_par", [p, p, n, n, n, p, i]), ("moe_vecmat_par", [p, p, n, n, p, i]),
-                       ("moe_matvec_par", [p, n, n, p, p, i])):
+                       ("moe_swiglu_up_par", [p, p, p, p, n, n, n, p, p, p, i]),
+                       ("moe_swiglu_down_par", [p, p, p, n, n, n, p, i]), ("moe_vecmat_par", [p, p, n, n, p, i]),
+                       ("moe_matvec_par", [p, n, n, p, n, p, i])):
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, i
     lib.moe_native_isa.restype = ctypes.c_char_p
     return lib, lib.moe_native_isa().decode()
@@ -189,30 +190,39 @@ def _pointers(tensors: list[torch.Tensor]):
 
 def swiglu_rows(xs: list[torch.Tensor], w1: list[torch.Tensor], w3: list[torch.Tensor], w2: list[torch.Tensor],
                 outs: list[torch.Tensor]) -> None:
-    """outs[e] = w2[e] (silu(w1[e] xs[e]) * w3[e] xs[e]) for one bfloat16 row per expert (a decode
-    step's experts, in one call per phase, rows split across the torch threads). Everything
-    bfloat16, contiguous, on the CPU; weights [out, in]."""
+    """outs[e] = (silu(xs[e] w1[e]^T) * xs[e] w3[e]^T) w2[e]^T for a few bfloat16 rows an expert
+    (xs[e] [n_e, hidden], n_e <= ROWS_MAX: a decode step's experts, in one call per phase, each
+    weight row read once for all of its expert's rows, the weight rows split across torch's
+    threads). Everything bfloat16, contiguous, on the CPU; weights [out, in]."""
     lib, count = library(), len(xs)
     inter, hidden = w1[0].shape
     xs = [x.contiguous() for x in xs]
-    gate, up, h = (torch.empty(count, inter, dtype=torch.bfloat16) for _ in range(3))
-    scratch = [list(t) for t in (gate, up, h)]
-    p_w1, p_w3, p_w2, p_x, p_out = (_pointers(t) for t in (w1, w3, w2, xs, outs))
-    p_gate, p_up, p_h = (_pointers(t) for t in scratch)
+    rows = [x.shape[0] for x in xs]
+    if any(x.dim() != 2 or x.shape[1] != hidden or not 0 < x.shape[0] <= ROWS_MAX for x in xs) or any(
+            tuple(o.shape) != tuple(x.shape) or not o.is_contiguous() for o, x in zip(outs, xs)) or len(outs) != count:
+        raise ValueError(f"swiglu rows: inputs {[tuple(x.shape) for x in xs]}, outputs {[tuple(o.shape) for o in outs]} "
+                         f"(want [1-{ROWS_MAX}, {hidden}] each, outputs alike)")
+    gate, up, h = (torch.empty(sum(rows), inter, dtype=torch.bfloat16).split(rows) for _ in range(3))
+    p_w1, p_w3, p_w2, p_x, p_out, p_gate, p_up, p_h = (_pointers(t) for t in (w1, w3, w2, xs, outs, gate, up, h))
+    p_rows = (ctypes.c_long * count)(*rows)
     nbytes = sum(w.nbytes for w in w1) * 2
-    _check(lib.moe_swiglu_up_par(p_w1, p_w3, p_x, count, hidden, inter, p_gate, p_up, p_h, _parts(inter, nbytes)),
-           "swiglu gate/up")
-    _check(lib.moe_swiglu_down_par(p_w2, p_h, count, inter, hidden, p_out, _parts(hidden, nbytes // 2)),
+    _check(lib.moe_swiglu_up_par(p_w1, p_w3, p_x, p_rows, count, hidden, inter, p_gate, p_up, p_h,
+                                 _parts(inter, nbytes)), "swiglu gate/up")
+    _check(lib.moe_swiglu_down_par(p_w2, p_h, p_rows, count, inter, hidden, p_out, _parts(hidden, nbytes // 2)),
            "swiglu down")
 
 
 def matvec(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = w x for w [rows, n] and one row x [n] (bfloat16, contiguous, on the CPU): a dense
-    projection of a decode step, rows split across torch's threads."""
+    """out = x w^T for w [rows, n] and a few rows x [nx, n], nx <= ROWS_MAX (bfloat16, contiguous,
+    on the CPU): a dense projection of a decode step, each row of w read once for all of x, the
+    rows of w split across torch's threads; out [nx, rows]."""
     rows, n = w.shape
     x = x.contiguous()
-    _check(library().moe_matvec_par(w.data_ptr(), rows, n, x.data_ptr(), out.data_ptr(), _parts(rows, w.nbytes)),
-           "matvec")
+    if x.dim() != 2 or x.shape[1] != n or not 0 < x.shape[0] <= ROWS_MAX or tuple(out.shape) != (x.shape[0], rows) \
+            or not out.is_contiguous():
+        raise ValueError(f"matvec: w {tuple(w.shape)}, x {tuple(x.shape)}, out {tuple(out.shape)}")
+    _check(library().moe_matvec_par(w.data_ptr(), rows, n, x.data_ptr(), x.shape[0], out.data_ptr(),
+                                    _parts(rows, w.nbytes)), "matvec")
     return out
 
 

@@ -25,28 +25,35 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : r);
 }
 
-/* four rows of w (row stride n) against x, n values each */
-static void dot4(const uint16_t *w, long n, const uint16_t *x, float *out) {
+/* Four rows of w (row stride n) against K rows of x (row stride ldx), n values each: out[a][b]
+ * = w row a . x row b. Each (a, b) sum runs in its own accumulator in the same order whatever K
+ * is, so a row's result does not depend on how many rows share the call. */
+static inline __attribute__((always_inline)) void dot4xk(const uint16_t *w, long n, const uint16_t *x, long ldx,
+                                                         const int K, float out[4][4]) {
     long i = 0;
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    float s[4][4] = {{0.f}};
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m512 acc[4][4];
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < K; b++) acc[a][b] = _mm512_setzero_ps();
     for (; i + 32 <= n; i += 32) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i);
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + i), xv);
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + n + i), xv);
-        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + 2 * n + i), xv);
-        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + 3 * n + i), xv);
+        __m512bh wv[4];
+        for (int a = 0; a < 4; a++) wv[a] = (__m512bh)_mm512_loadu_si512(w + a * n + i);
+        for (int b = 0; b < K; b++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + b * ldx + i);
+            for (int a = 0; a < 4; a++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[a], xv);
+        }
     }
-    s0 = _mm512_reduce_add_ps(a0); s1 = _mm512_reduce_add_ps(a1);
-    s2 = _mm512_reduce_add_ps(a2); s3 = _mm512_reduce_add_ps(a3);
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < K; b++) s[a][b] = _mm512_reduce_add_ps(acc[a][b]);
 #endif
-    for (; i < n; i++) {
-        const float xi = bf16_to_f32(x[i]);
-        s0 += bf16_to_f32(w[i]) * xi; s1 += bf16_to_f32(w[n + i]) * xi;
-        s2 += bf16_to_f32(w[2 * n + i]) * xi; s3 += bf16_to_f32(w[3 * n + i]) * xi;
-    }
-    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;
+    for (; i < n; i++)
+        for (int b = 0; b < K; b++) {
+            const float xi = bf16_to_f32(x[b * ldx + i]);
+            for (int a = 0; a < 4; a++) s[a][b] += bf16_to_f32(w[a * n + i]) * xi;
+        }
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < K; b++) out[a][b] = s[a][b];
 }
 
 static float dot1(const uint16_t *w, long n, const uint16_t *x) {
@@ -62,45 +69,62 @@ static float dot1(const uint16_t *w, long n, const uint16_t *x) {
     return s;
 }
 
-/* rows [r0, r1) of `rows`-row products w (row length n) against x, rounded into y */
-static void matvec_rows(const uint16_t *w, long n, const uint16_t *x, long r0, long r1, uint16_t *y) {
+/* Rows [r0, r1) of Y = X w^T for nx rows of X [nx, n] against w [rows, n], rounded into Y [nx,
+ * ldy]: four rows of w at a time against up to four rows of X, so each row of w is read from
+ * memory once for all of X (a block of four stays in cache while X's rows go by). */
+static void matmat_rows(const uint16_t *w, long n, const uint16_t *x, long nx, long r0, long r1, uint16_t *y,
+                        long ldy) {
     long r = r0;
-    float s[4];
-    for (; r + 4 <= r1; r += 4) {
-        dot4(w + r * n, n, x, s);
-        y[r] = f32_to_bf16(s[0]); y[r + 1] = f32_to_bf16(s[1]);
-        y[r + 2] = f32_to_bf16(s[2]); y[r + 3] = f32_to_bf16(s[3]);
-    }
-    for (; r < r1; r++) y[r] = f32_to_bf16(dot1(w + r * n, n, x));
-}
-
-/* rows [r0, r1) of y = w x for one matrix w [rows, n] (a dense projection's decode row) */
-int moe_matvec_rows(const uint16_t *w, long n, const uint16_t *x, long r0, long r1, uint16_t *y) {
-    matvec_rows(w, n, x, r0, r1, y);
-    return 0;
-}
-
-/* For each of `count` experts: rows [r0, r1) of h = silu(w1 x) * (w3 x), w1 and w3 [inter,
- * hidden], x [hidden], h [inter] (all bfloat16; pointers per expert). `gate` and `up` are
- * scratch of `inter` values per expert (the products before the activation). */
-int moe_swiglu_up(const uint16_t *const *w1, const uint16_t *const *w3, const uint16_t *const *x, long count,
-                  long hidden, long r0, long r1, uint16_t *const *gate, uint16_t *const *up, uint16_t *const *h) {
-    for (long e = 0; e < count; e++) {
-        matvec_rows(w1[e], hidden, x[e], r0, r1, gate[e]);
-        matvec_rows(w3[e], hidden, x[e], r0, r1, up[e]);
-        for (long r = r0; r < r1; r++) {
-            const float g = bf16_to_f32(gate[e][r]);
-            const float a = bf16_to_f32(f32_to_bf16(g / (1.0f + expf(-g))));
-            h[e][r] = f32_to_bf16(a * bf16_to_f32(up[e][r]));
+    float s[4][4];
+    for (; r + 4 <= r1; r += 4)
+        for (long b0 = 0; b0 < nx; b0 += 4) {
+            const long k = nx - b0 < 4 ? nx - b0 : 4;
+            const uint16_t *xb = x + b0 * n;
+            switch (k) {
+            case 1: dot4xk(w + r * n, n, xb, n, 1, s); break;
+            case 2: dot4xk(w + r * n, n, xb, n, 2, s); break;
+            case 3: dot4xk(w + r * n, n, xb, n, 3, s); break;
+            default: dot4xk(w + r * n, n, xb, n, 4, s); break;
+            }
+            for (long b = 0; b < k; b++)
+                for (int a = 0; a < 4; a++) y[(b0 + b) * ldy + r + a] = f32_to_bf16(s[a][b]);
         }
+    for (; r < r1; r++)
+        for (long b = 0; b < nx; b++) y[b * ldy + r] = f32_to_bf16(dot1(w + r * n, n, x + b * n));
+}
+
+/* rows [r0, r1) of Y = X w^T for nx rows X [nx, n] and one matrix w [rows, n] (a dense
+ * projection's decode rows); Y [nx, rows] */
+int moe_matvec_rows(const uint16_t *w, long n, const uint16_t *x, long nx, long rows, long r0, long r1, uint16_t *y) {
+    matmat_rows(w, n, x, nx, r0, r1, y, rows);
+    return 0;
+}
+
+/* For each of `count` experts, with nx[e] rows X_e [nx[e], hidden]: rows [r0, r1) of H_e =
+ * silu(X_e w1^T) * (X_e w3^T), w1 and w3 [inter, hidden], H_e [nx[e], inter] (all bfloat16;
+ * pointers per expert). `gate` and `up` are scratch of H_e's shape per expert (the products
+ * before the activation). */
+int moe_swiglu_up(const uint16_t *const *w1, const uint16_t *const *w3, const uint16_t *const *x, const long *nx,
+                  long count, long hidden, long inter, long r0, long r1, uint16_t *const *gate, uint16_t *const *up,
+                  uint16_t *const *h) {
+    for (long e = 0; e < count; e++) {
+        matmat_rows(w1[e], hidden, x[e], nx[e], r0, r1, gate[e], inter);
+        matmat_rows(w3[e], hidden, x[e], nx[e], r0, r1, up[e], inter);
+        for (long b = 0; b < nx[e]; b++)
+            for (long r = r0; r < r1; r++) {
+                const float g = bf16_to_f32(gate[e][b * inter + r]);
+                const float a = bf16_to_f32(f32_to_bf16(g / (1.0f + expf(-g))));
+                h[e][b * inter + r] = f32_to_bf16(a * bf16_to_f32(up[e][b * inter + r]));
+            }
     }
     return 0;
 }
 
-/* For each of `count` experts: rows [r0, r1) of y = w2 h, w2 [hidden, inter], h [inter], y [hidden]. */
-int moe_swiglu_down(const uint16_t *const *w2, const uint16_t *const *h, long count, long inter, long r0, long r1,
-                    uint16_t *const *y) {
-    for (long e = 0; e < count; e++) matvec_rows(w2[e], inter, h[e], r0, r1, y[e]);
+/* For each of `count` experts: rows [r0, r1) of Y_e = H_e w2^T, w2 [hidden, inter], H_e [nx[e],
+ * inter], Y_e [nx[e], hidden]. */
+int moe_swiglu_down(const uint16_t *const *w2, const uint16_t *const *h, const long *nx, long count, long inter,
+                    long hidden, long r0, long r1, uint16_t *const *y) {
+    for (long e = 0; e < count; e++) matmat_rows(w2[e], inter, h[e], nx[e], r0, r1, y[e], hidden);
     return 0;
 }
 

@@ -13,11 +13,12 @@
 
 int moe_fp8(const uint8_t *q, const float *s, long cols, long row0, long row1, long b0, long b1, void *out, int kind);
 int moe_mxfp4(const uint8_t *b, const uint8_t *s, long groups, void *out, int kind);
-int moe_swiglu_up(const uint16_t *const *w1, const uint16_t *const *w3, const uint16_t *const *x, long count,
-                  long hidden, long r0, long r1, uint16_t *const *gate, uint16_t *const *up, uint16_t *const *h);
-int moe_swiglu_down(const uint16_t *const *w2, const uint16_t *const *h, long count, long inter, long r0, long r1,
-                    uint16_t *const *y);
-int moe_matvec_rows(const uint16_t *w, long n, const uint16_t *x, long r0, long r1, uint16_t *y);
+int moe_swiglu_up(const uint16_t *const *w1, const uint16_t *const *w3, const uint16_t *const *x, const long *nx,
+                  long count, long hidden, long inter, long r0, long r1, uint16_t *const *gate, uint16_t *const *up,
+                  uint16_t *const *h);
+int moe_swiglu_down(const uint16_t *const *w2, const uint16_t *const *h, const long *nx, long count, long inter,
+                    long hidden, long r0, long r1, uint16_t *const *y);
+int moe_matvec_rows(const uint16_t *w, long n, const uint16_t *x, long nx, long rows, long r0, long r1, uint16_t *y);
 int moe_vecmat_rows(const uint16_t *x, const uint16_t *w, long m, long r0, long r1, float *acc);
 
 static const long KIND_BYTES[] = {4, 2, 2}; /* OUT_F32, OUT_BF16, OUT_F16 */
@@ -57,19 +58,19 @@ int moe_mxfp4_par(const uint8_t *blocks, const uint8_t *s, long groups, void *ou
               moe_mxfp4(blocks + 16 * a, s + a, b - a, (char *)out + 32 * a * KIND_BYTES[kind], kind))
 }
 
-int moe_swiglu_up_par(const uint16_t *const *w1, const uint16_t *const *w3, const uint16_t *const *x, long count,
-                      long hidden, long inter, uint16_t *const *gate, uint16_t *const *up, uint16_t *const *h,
-                      int parts) {
-    EACH_PART(inter, parts, moe_swiglu_up(w1, w3, x, count, hidden, a, b, gate, up, h))
+int moe_swiglu_up_par(const uint16_t *const *w1, const uint16_t *const *w3, const uint16_t *const *x, const long *nx,
+                      long count, long hidden, long inter, uint16_t *const *gate, uint16_t *const *up,
+                      uint16_t *const *h, int parts) {
+    EACH_PART(inter, parts, moe_swiglu_up(w1, w3, x, nx, count, hidden, inter, a, b, gate, up, h))
 }
 
-int moe_swiglu_down_par(const uint16_t *const *w2, const uint16_t *const *h, long count, long inter, long hidden,
-                        uint16_t *const *y, int parts) {
-    EACH_PART(hidden, parts, moe_swiglu_down(w2, h, count, inter, a, b, y))
+int moe_swiglu_down_par(const uint16_t *const *w2, const uint16_t *const *h, const long *nx, long count, long inter,
+                        long hidden, uint16_t *const *y, int parts) {
+    EACH_PART(hidden, parts, moe_swiglu_down(w2, h, nx, count, inter, hidden, a, b, y))
 }
 
-int moe_matvec_par(const uint16_t *w, long rows, long n, const uint16_t *x, uint16_t *y, int parts) {
-    EACH_PART(rows, parts, moe_matvec_rows(w, n, x, a, b, y))
+int moe_matvec_par(const uint16_t *w, long rows, long n, const uint16_t *x, long nx, uint16_t *y, int parts) {
+    EACH_PART(rows, parts, moe_matvec_rows(w, n, x, nx, rows, a, b, y))
 }
 
 /* acc [parts, m]: part p's sum over its rows of w; the caller adds the rows */
