@@ -71,6 +71,15 @@ def test_shapes_that_do_not_agree_are_refused_before_the_c_code_reads_memory(cac
     b, e = pack_mxfp4(torch.randn(8, 64))
     with pytest.raises(ValueError, match="mxfp4 decode"):
         native.mxfp4(b, e, torch.empty(8, 32, dtype=torch.bfloat16))
+    w = torch.zeros(64, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="swiglu rows"):  # one row given as 1-D: 32 rows to the C code
+        native.swiglu_rows([torch.zeros(32, dtype=torch.bfloat16)], [w], [w], [w.t().contiguous()],
+                           [torch.empty(1, 32, dtype=torch.bfloat16)])
+    too_many = native.ROWS_MAX + 1
+    with pytest.raises(ValueError, match="matvec"):
+        native.matvec(w, torch.zeros(too_many, 32, dtype=torch.bfloat16), torch.empty(too_many, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="matvec"):
+        native.matvec(w, torch.zeros(2, 32, dtype=torch.bfloat16), torch.empty(1, 64, dtype=torch.bfloat16))
 
 
 def test_large_parts_split_across_threads_give_the_same_bits_as_one_call(cache, monkeypatch):

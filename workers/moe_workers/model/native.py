@@ -200,8 +200,8 @@ def swiglu_rows(xs: list[torch.Tensor], w1: list[torch.Tensor], w3: list[torch.T
     rows = [x.shape[0] for x in xs]
     if any(x.dim() != 2 or x.shape[1] != hidden or not 0 < x.shape[0] <= ROWS_MAX for x in xs) or any(
             tuple(o.shape) != tuple(x.shape) or not o.is_contiguous() for o, x in zip(outs, xs)) or len(outs) != count:
-        raise ValueError(f"swiglu rows: inputs {[tuple(x.shape) for x in xs]}, outputs {[tuple(o.shape) for o in outs]} "
-                         f"(want [1-{ROWS_MAX}, {hidden}] each, outputs alike)")
+        raise ValueError(f"swiglu rows: inputs {[tuple(x.shape) for x in xs]}, outputs "
+                         f"{[tuple(o.shape) for o in outs]} (want [1-{ROWS_MAX}, {hidden}] each, outputs alike)")
     gate, up, h = (torch.empty(sum(rows), inter, dtype=torch.bfloat16).split(rows) for _ in range(3))
     p_w1, p_w3, p_w2, p_x, p_out, p_gate, p_up, p_h = (_pointers(t) for t in (w1, w3, w2, xs, outs, gate, up, h))
     p_rows = (ctypes.c_long * count)(*rows)
