@@ -11,8 +11,9 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install --no-cache-dir "torch==2.13.0" ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} \
  && pip install --no-cache-dir "ray[serve]==2.60.0" "safetensors==0.8.0" "tokenizers==0.23.3" "numpy==2.4.6" "jinja2==3.1.6" "llguidance==1.9.1" \
       "pydantic==2.14.4" "PyYAML==6.0.4" "prometheus-client==0.26.0" "requests==2.34.2" "psutil==7.2.2"
-# a C compiler: the shards build the quantized experts' decoder for the node's CPU at first use
-# (moe_workers/model/native.py; without one they decode through torch, several times slower)
+# a C compiler: the replicas build the C kernels for the node's CPU at first use (the quantized
+# experts' decoder, a decode step's products; moe_workers/model/native.py; without one, torch
+# does the same work, several times slower)
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
