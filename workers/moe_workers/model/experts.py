@@ -20,31 +20,29 @@ class LocalExperts:
                         for eid in ids}
 
     def forward(self, layer: int, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """{expert: its tokens' hidden states} -> {expert: its outputs}; the experts with a few rows
-        in one native call (`native_rows`), the rest one by one."""
-        few = [e for e, x in inputs.items() if x.shape[0] <= native.ROWS_MAX]
-        out: dict[int, torch.Tensor] = {}
-        if few:
-            rows = [inputs[e].shape[0] for e in few]
-            res = torch.empty(sum(rows), next(iter(inputs.values())).shape[1], dtype=inputs[few[0]].dtype)
-            if native_rows(self.cfg, [inputs[e] for e in few], [self.weights[(layer, e)] for e in few],
-                           list(res.split(rows))):
-                out.update(zip(few, res.split(rows)))
-        return {e: out[e] if e in out else expert_forward(self.cfg, x, self.weights[(layer, e)])
-                for e, x in inputs.items()}
+        """{expert: its tokens' hidden states} -> {expert: its outputs}, through `compute_rows`."""
+        experts = list(inputs)
+        counts = [inputs[e].shape[0] for e in experts]
+        out = self._compute(layer, experts, counts, torch.cat([inputs[e] for e in experts]))
+        return dict(zip(experts, out.split(counts)))
 
     def moe(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if indices.numel() <= routes.SMALL:  # decode: the routing in Python ints
             r = routes.route(indices)
             experts = list(r.by_expert)
-            rows = routes.gather(x, r, experts)
-            out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-            compute_rows(self.weights, [(layer, e) for e in experts], [len(r.by_expert[e]) for e in experts], rows,
-                         out, self.cfg)
+            out = self._compute(layer, experts, [len(r.by_expert[e]) for e in experts], routes.gather(x, r, experts))
             return routes.combine(r, r.order(experts), out, weights, x.dtype)
         groups = group_by_expert(indices)
-        outputs = self.forward(layer, {e: x[rows] for e, (rows, _) in groups.items()})
-        return combine(x.shape[0], x.shape[1], x.dtype, groups, outputs, weights)
+        experts = list(groups)
+        counts = [groups[e][0].numel() for e in experts]
+        out = self._compute(layer, experts, counts, x[torch.cat([groups[e][0] for e in experts])])
+        return combine(x.shape[0], x.shape[1], x.dtype, groups, dict(zip(experts, out.split(counts))), weights)
+
+    def _compute(self, layer: int, experts: list[int], counts: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """`counts[i]` rows for experts[i] of `layer`, concatenated in that order -> their outputs."""
+        out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+        compute_rows(self.weights, [(layer, e) for e in experts], counts, rows, out, self.cfg)
+        return out
 
 
 def compute_rows(weights: dict, keys: list[tuple[int, int]], counts: list[int], x: torch.Tensor,

@@ -23,14 +23,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     product reads them at 6-16 and F.linear at 11-19 (2 cores, AMD EPYC; `bench/realshape.py --only
     kernels`); one row through torch.mv where there is no C compiler. Same products, summed in
     another order: within bf16's rounding of F.linear."""
-    if x.dim() == 2 and x.shape[0] <= native.ROWS_MAX and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        if w.dtype == torch.bfloat16 and w.is_contiguous() and native.library() is not None:
-            y = native.matvec(w, x, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype))
-            return y if bias is None else y.add_(bias)
-        if x.shape[0] == 1:
-            y = torch.mv(w, x[0]).unsqueeze(0)
-            return y if bias is None else y.add_(bias)
-    return F.linear(x, w, bias)
+    if not (x.dim() == 2 and x.shape[0] <= native.ROWS_MAX and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+        return F.linear(x, w, bias)
+    if w.dtype == torch.bfloat16 and w.is_contiguous() and native.library() is not None:
+        y = native.matvec(w, x, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype))
+    elif x.shape[0] == 1:
+        y = torch.mv(w, x[0]).unsqueeze(0)
+    else:
+        return F.linear(x, w, bias)
+    return y if bias is None else y.add_(bias)
 
 
 def in_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
-/* A decode step's products in C: one row each through SwiGLU experts (mixtral, qwen, olmoe,
- * deepseek), bfloat16 weights in [out, in], many experts in one call; one row through a dense
- * projection. Built with
- * native_decode.c into one library (moe_workers/model/native.py). A step computes each
+/* A decode step's products in C: a few rows each (up to native.ROWS_MAX) through SwiGLU experts
+ * (mixtral, qwen, olmoe, deepseek), bfloat16 weights in [out, in], many experts in one call; a
+ * few rows through a dense projection. Built with native_decode.c and native_parallel.c into
+ * one library (moe_workers/model/native.py). A step computes each
  * expert's gate/up rows (`moe_swiglu_up`), then its down rows (`moe_swiglu_down`); each call
  * takes a range of rows of every expert, so the caller's threads split the rows and one call
  * replaces a Python loop of three products per expert.
