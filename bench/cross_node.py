@@ -67,7 +67,7 @@ def main() -> int:
     env = {**os.environ, "KUBECONFIG": cp["KUBECONFIG"]}
 
     def kubectl(*args: str, input: str | None = None) -> str:
-        return subprocess.run([str(cache / "bin" / "kubectl"), *args], input=input, capture_output=True, text=True,
+        return subprocess.run([str(Path(cp["MOE_TESTENV_KUBE_BIN"]) / "kubectl"), *args], input=input, capture_output=True, text=True,
                               check=True, env=env).stdout
 
     def ready(name: str) -> bool:

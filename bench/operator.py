@@ -49,8 +49,7 @@ def start_control_plane(state: Path, install: bool = True) -> dict:
                          capture_output=True, text=True).stdout
     env = dict(line.removeprefix("export ").split("=", 1) for line in out.splitlines()
                if line.startswith("export ") and "PATH=" not in line)
-    cache = Path(os.environ.get("MOE_CACHE_DIR", Path.home() / ".cache" / "moe-operator"))
-    env["KUBECTL"] = str(cache / "bin" / "kubectl")
+    env["KUBECTL"] = str(Path(env["MOE_TESTENV_KUBE_BIN"]) / "kubectl")
     env["TOKEN"] = next(line.split(",")[0] for line in (state / "tokens.csv").read_text().splitlines()
                         if ",admin," in line)
     return env
@@ -265,7 +264,7 @@ def node_bench(out: str) -> int:
     cp = dict(line.removeprefix("export ").split("=", 1) for line in started.stdout.splitlines()
               if line.startswith("export ") and "PATH=" not in line)
     cache = Path(os.environ.get("MOE_CACHE_DIR", Path.home() / ".cache" / "moe-operator"))
-    cp["KUBECTL"] = str(cache / "bin" / "kubectl")
+    cp["KUBECTL"] = str(Path(cp["MOE_TESTENV_KUBE_BIN"]) / "kubectl")
     helm = str(cache / "bin" / "helm")
     env = {**os.environ, "KUBECONFIG": cp["KUBECONFIG"]}
     try:

@@ -30,18 +30,20 @@ class KubeEnv:
     developer_kubeconfig: Path
     server: str
     bin_dir: Path
+    kube_bin: Path  # kubectl and the control plane of the release under test (MOE_KUBE_VERSION)
+    kube_version: str
 
     @property
     def env(self) -> dict[str, str]:
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig),
-                "PATH": f"{self.bin_dir}:{os.environ.get('PATH', '')}"}
+                "PATH": f"{self.kube_bin}:{self.bin_dir}:{os.environ.get('PATH', '')}"}
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True,
                 kubeconfig: Path | None = None) -> subprocess.CompletedProcess:
         env = self.env
         if kubeconfig is not None:
             env["KUBECONFIG"] = str(kubeconfig)
-        proc = subprocess.run([str(self.bin_dir / "kubectl"), *args], input=input, env=env,
+        proc = subprocess.run([str(self.kube_bin / "kubectl"), *args], input=input, env=env,
                               capture_output=True, text=True, timeout=120)
         if check and proc.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
@@ -73,18 +75,20 @@ def _testenv_start(state: Path, *flags: str, timeout_s: float) -> dict[str, str]
                 if line.startswith("export ") and "PATH=" not in line)
 
 
+def _kube_fields(exports: dict[str, str]) -> dict:
+    return dict(kubeconfig=Path(exports["KUBECONFIG"]),
+                developer_kubeconfig=Path(exports["MOE_TESTENV_DEVELOPER_KUBECONFIG"]),
+                server=exports["MOE_TESTENV_SERVER"], bin_dir=_cache_bin(),
+                kube_bin=Path(exports["MOE_TESTENV_KUBE_BIN"]), kube_version=exports["MOE_TESTENV_KUBE_VERSION"])
+
+
 @pytest.fixture(scope="session")
 def k8s(tmp_path_factory) -> KubeEnv:
-    bin_dir = _cache_bin()
-    missing = [b for b in ("etcd", "kube-apiserver", "kubectl", "helm") if not (bin_dir / b).exists()]
-    if missing:
-        pytest.fail(f"test environment not installed ({', '.join(missing)} missing in {bin_dir}); "
-                    f"run: scripts/testenv install", pytrace=False)
+    """etcd + kube-apiserver of the release MOE_KUBE_VERSION names (scripts/testenv's default
+    otherwise); a missing binary fails here with the command that installs it."""
     state = tmp_path_factory.mktemp("testenv")
     exports = _testenv_start(state, timeout_s=180)
-    env = KubeEnv(dir=state, kubeconfig=Path(exports["KUBECONFIG"]),
-                  developer_kubeconfig=Path(exports["MOE_TESTENV_DEVELOPER_KUBECONFIG"]),
-                  server=exports["MOE_TESTENV_SERVER"], bin_dir=bin_dir)
+    env = KubeEnv(dir=state, **_kube_fields(exports))
     try:
         yield env
     finally:
@@ -105,17 +109,9 @@ def k8s_node(tmp_path_factory) -> NodeEnv:
     scheduler and controller-manager, the operator and Ray images imported. Needs root. Module
     scope: stopped once the node tests are done, not held idle through the rest of the suite
     (seven servers and containerd on CI's two cores)."""
-    bin_dir = _cache_bin()
-    missing = [b for b in ("kubelet", "kube-proxy", "kube-scheduler", "kube-controller-manager", "pause")
-               if not (bin_dir / b).exists()]
-    if missing:
-        pytest.fail(f"node binaries not installed ({', '.join(missing)} missing in {bin_dir}); "
-                    f"run: scripts/testenv install", pytrace=False)
     state = tmp_path_factory.mktemp("testenv-node")
     exports = _testenv_start(state, "--node", timeout_s=900)
-    env = NodeEnv(dir=state, kubeconfig=Path(exports["KUBECONFIG"]),
-                  developer_kubeconfig=Path(exports["MOE_TESTENV_DEVELOPER_KUBECONFIG"]),
-                  server=exports["MOE_TESTENV_SERVER"], bin_dir=bin_dir,
+    env = NodeEnv(dir=state, **_kube_fields(exports),
                   operator_image=exports["MOE_OPERATOR_IMAGE"], ray_image=exports["MOE_RAY_IMAGE"])
     try:
         yield env

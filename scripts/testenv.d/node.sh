@@ -1,6 +1,12 @@
 # shellcheck shell=bash
-# A real node beside the control plane: containerd + runc + CNI bridge, kubelet, kube-proxy,
-# kube-scheduler and kube-controller-manager (sourced by scripts/testenv).
+# A real node beside the control plane: containerd 2 + runc + CNI bridge, kubelet, kube-proxy,
+# kube-scheduler and kube-controller-manager, all built by testenv.d/build.sh (sourced by
+# scripts/testenv).
+#
+# The kubelet runs on the host's cgroups with the cgroupfs driver. Where the host mounts cgroup v1
+# (these VMs: v1 controllers, an empty unified hierarchy), Kubernetes 1.35's kubelet refuses to
+# start unless told otherwise: the node's KubeletConfiguration sets failCgroupV1: false there,
+# and leaves it at the default on a cgroup v2 host.
 #
 # Addresses stay inside the machine: Pods on a bridge of their own (198.18.0.0/24, gateway
 # 198.18.0.1, no masquerade), Services in 198.19.0.0/24. The apiserver and the kubelet listen on
@@ -26,14 +32,16 @@ NODE_BINARIES="kubelet kube-proxy kube-scheduler kube-controller-manager"
 NODE_SYSCTLS="net/ipv4/ip_forward net/ipv4/conf/all/route_localnet net/bridge/bridge-nf-call-iptables
   vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops kernel/keys/root_maxkeys
   kernel/keys/root_maxbytes"
-# host paths the kubelet 1.20 creates whatever its flags say
+# host paths the kubelet creates whatever its flags say
 NODE_HOST_DIRS="/var/lib/kubelet /var/log/pods /var/log/containers"
 
-install_node_packages() {
-  apt_install containerd runc containernetworking-plugins iptables conntrack
+install_node_packages() {  # containerd, runc and the CNI plugins are built (build_containerd)
+  apt_install iptables conntrack
 }
 
-ctr_() { ctr -a "$CTRD_SOCK" -n k8s.io "$@"; }
+ctr_() { "$BIN/ctr" -a "$CTRD_SOCK" -n k8s.io "$@"; }
+
+cgroup_v2() { [ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" = cgroup2fs ]; }
 
 node_prepare_host() { # dir: the bridge first, so the apiserver can listen on its address
   local dir=$1 nd=$1/node s d
@@ -59,29 +67,58 @@ node_prepare_host() { # dir: the bridge first, so the apiserver can listen on it
 node_write_configs() { # dir
   local dir=$1 nd=$1/node
   mkdir -p "$nd/cni/net.d" "$nd/cni/ipam" "$nd/kubelet" "$CTRD_ROOT"
+  # containerd 2's configuration schema (version 3: the CRI's image and runtime plugins apart)
   cat >"$nd/containerd.toml" <<TOML
-version = 2
+version = 3
 root = "$CTRD_ROOT"
 state = "$CTRD_STATE"
 [grpc]
   address = "$CTRD_SOCK"
 [debug]
   level = "warn"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "$PAUSE_IMAGE"
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "$PAUSE_IMAGE"
+[plugins."io.containerd.cri.v1.runtime"]
   restrict_oom_score_adj = true
   enable_selinux = false
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
         SystemdCgroup = false
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+        BinaryName = "$BIN/runc"
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["$CNI_BIN"]
     conf_dir = "$nd/cni/net.d"
 TOML
+  local fail_v1=true; cgroup_v2 || fail_v1=false
+  cat >"$nd/kubelet.yaml" <<YAML
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+containerRuntimeEndpoint: unix://$CTRD_SOCK
+imageServiceEndpoint: unix://$CTRD_SOCK
+runtimeRequestTimeout: 5m
+cgroupDriver: cgroupfs
+failCgroupV1: $fail_v1
+failSwapOn: false
+address: $NODE_GW
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: 0
+# the apiserver reaches the kubelet (logs, exec, port-forward) without a client certificate here;
+# the kubelet listens on the node's bridge address only
+authentication: {anonymous: {enabled: true}, webhook: {enabled: false}}
+authorization: {mode: AlwaysAllow}
+evictionHard: {}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+makeIPTablesUtilChains: false
+serializeImagePulls: false
+maxPods: 30
+YAML
   cat >"$nd/cni/net.d/10-moe.conflist" <<JSON
 {
   "cniVersion": "0.4.0",
@@ -97,43 +134,40 @@ JSON
 
 node_start() { # dir server token
   local dir=$1 server=$2 token=$3 nd=$1/node
-  for b in $NODE_BINARIES; do [ -x "$BIN/$b" ] || die "$b not installed; run: scripts/testenv install"; done
-  command -v containerd >/dev/null || die "containerd not installed; run: scripts/testenv install"
+  for b in $NODE_BINARIES; do [ -x "$KUBE_BIN/$b" ] || die "$b v$KUBE_VERSION not installed; run: scripts/testenv install"; done
+  for b in containerd containerd-shim-runc-v2 ctr runc; do
+    [ -x "$BIN/$b" ] || die "$b not installed; run: scripts/testenv install"
+  done
   node_write_configs "$dir"
   write_kubeconfig "$nd/kubeconfig" "$server" admin "$token"
-  $SUDO containerd --config "$nd/containerd.toml" >"$nd/containerd.log" 2>&1 &
+  # the shim is found on containerd's PATH
+  $SUDO env PATH="$BIN:$PATH" "$BIN/containerd" --config "$nd/containerd.toml" >"$nd/containerd.log" 2>&1 &
   echo $! >>"$dir/pids"
   local i
   for ((i = 0; i < 100; i++)); do [ -S "$CTRD_SOCK" ] && ctr_ version >/dev/null 2>&1 && break; sleep 0.1; done
   ctr_ version >/dev/null 2>&1 || { tail -n 20 "$nd/containerd.log" >&2; die "containerd did not start"; }
   images_import_pause
 
-  $SUDO "$BIN/kubelet" --kubeconfig "$nd/kubeconfig" --container-runtime remote \
-    --container-runtime-endpoint "unix://$CTRD_SOCK" --image-service-endpoint "unix://$CTRD_SOCK" \
-    --runtime-request-timeout 5m --cgroup-driver cgroupfs --fail-swap-on=false \
+  $SUDO "$KUBE_BIN/kubelet" --config "$nd/kubelet.yaml" --kubeconfig "$nd/kubeconfig" \
     --root-dir "$nd/kubelet" --cert-dir "$nd/kubelet/pki" --volume-plugin-dir "$nd/kubelet/volume-plugins" \
-    --hostname-override "$NODE_NAME" --node-ip "$NODE_GW" --address "$NODE_GW" \
-    --read-only-port 0 --healthz-bind-address 127.0.0.1 --healthz-port 0 \
-    --pod-infra-container-image "$PAUSE_IMAGE" --eviction-hard= --image-gc-high-threshold 100 \
-    --image-gc-low-threshold 99 --make-iptables-util-chains=false --serialize-image-pulls=false \
-    --max-pods 30 >"$nd/kubelet.log" 2>&1 &
+    --hostname-override "$NODE_NAME" --node-ip "$NODE_GW" >"$nd/kubelet.log" 2>&1 &
   echo $! >>"$dir/pids"; echo $! >"$nd/kubelet.pid"
-  $SUDO "$BIN/kube-proxy" --kubeconfig "$nd/kubeconfig" --hostname-override "$NODE_NAME" \
+  $SUDO "$KUBE_BIN/kube-proxy" --kubeconfig "$nd/kubeconfig" --hostname-override "$NODE_NAME" \
     --proxy-mode iptables --cluster-cidr "$NODE_POD_CIDR" --bind-address "$NODE_GW" \
     --healthz-bind-address "127.0.0.1:$(free_port)" --metrics-bind-address "127.0.0.1:$(free_port)" \
     --conntrack-max-per-core 0 --conntrack-tcp-timeout-established 0 --conntrack-tcp-timeout-close-wait 0 \
     >"$nd/kube-proxy.log" 2>&1 &
   echo $! >>"$dir/pids"
-  "$BIN/kube-scheduler" --kubeconfig "$nd/kubeconfig" --leader-elect=false --port 0 --secure-port 0 \
+  "$KUBE_BIN/kube-scheduler" --kubeconfig "$nd/kubeconfig" --leader-elect=false --secure-port 0 \
     >"$nd/kube-scheduler.log" 2>&1 &
   echo $! >>"$dir/pids"
-  "$BIN/kube-controller-manager" --kubeconfig "$nd/kubeconfig" --leader-elect=false --port 0 --secure-port 0 \
+  "$KUBE_BIN/kube-controller-manager" --kubeconfig "$nd/kubeconfig" --leader-elect=false --secure-port 0 \
     --service-account-private-key-file "$dir/certs/sa.key" --root-ca-file "$dir/certs/apiserver.crt" \
     --use-service-account-credentials=false --controllers '*,-csrsigning,-csrapproving,-csrcleaner' \
     >"$nd/kube-controller-manager.log" 2>&1 &
   echo $! >>"$dir/pids"
 
-  local kc=(env KUBECONFIG="$nd/kubeconfig" "$BIN/kubectl")
+  local kc=(env KUBECONFIG="$nd/kubeconfig" "$KUBE_BIN/kubectl")
   for ((i = 0; i < 600; i++)); do
     [ "$("${kc[@]}" get node "$NODE_NAME" -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" = True ] &&
       "${kc[@]}" get sa default >/dev/null 2>&1 && return 0
@@ -188,7 +222,7 @@ node_cleanup_host() { # dir: after the node's processes are gone
     grep -qx "$ns" "$nd/netns-before" 2>/dev/null || as_root ip netns delete "$(basename "$ns")" 2>/dev/null || true
   done
   if [ -f "$nd/bridge" ]; then as_root ip link delete "$(cat "$nd/bridge")" 2>/dev/null || true; rm -f "$nd/bridge"; fi
-  [ -x "$BIN/kube-proxy" ] && as_root "$BIN/kube-proxy" --cleanup >/dev/null 2>&1 || true
+  [ -x "$KUBE_BIN/kube-proxy" ] && as_root "$KUBE_BIN/kube-proxy" --cleanup >/dev/null 2>&1 || true
   node_remove_chains "$nd"
   local cg
   for cg in /sys/fs/cgroup/*/kubepods; do

@@ -32,6 +32,14 @@ class ApiModel(BaseModel):
     )
 
 
+def cel_rules(*rules: dict[str, str]) -> ConfigDict:
+    """A model's cross-field rules as the CRD's CEL `x-kubernetes-validations`: the apiserver refuses
+    a manifest that breaks one with its message (Kubernetes 1.29+). The model's own validator
+    checks the same rule for `moectl up`, which has no apiserver, and says the values too (a CEL
+    message that formats numbers is over the apiserver's cost budget)."""
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": list(rules)})
+
+
 # ---------------------------------------------------------------------------------------------
 # spec.model
 
@@ -138,6 +146,16 @@ class KubeRayCluster(ApiModel):
 class RayTarget(ApiModel):
     """Where the Serve application runs."""
 
+    model_config = cel_rules(
+        {"rule": "self.mode != 'KubeRay' || has(self.kubeRay)",
+         "message": "ray.kubeRay is required when ray.mode is KubeRay", "fieldPath": ".kubeRay"},
+        {"rule": "self.mode != 'KubeRay' || !has(self.authTokenSecretRef) || self.authTokenSecretRef.key == 'auth_token'",
+         "messageExpression": "'ray.authTokenSecretRef.key: KubeRay reads the Ray token from the key auth_token of "
+                              "Secret ' + self.authTokenSecretRef.name + ', not \\'' + self.authTokenSecretRef.key + "
+                              "'\\'; store it there and set key: auth_token'",
+         "fieldPath": ".authTokenSecretRef.key"},
+    )
+
     mode: Literal["Existing", "KubeRay"] = Field(
         default="Existing",
         description="Existing: deploy onto a running Ray cluster through its dashboard REST API "
@@ -169,7 +187,7 @@ class RayTarget(ApiModel):
         ref = self.auth_token_secret_ref
         if self.mode == "KubeRay" and ref is not None and ref.key != "auth_token":
             raise ValueError(f"ray.authTokenSecretRef.key: KubeRay reads the Ray token from the key auth_token of "
-                             f"Secret {ref.name}, not {ref.key!r}; store it there and set key: auth_token")
+                             f"Secret {ref.name}, not '{ref.key}'; store it there and set key: auth_token")
         return self
 
 
@@ -194,9 +212,12 @@ def check_label_keys(labels: dict[str, str]) -> dict[str, str]:
 class IngressAutoscaling(ApiModel):
     """Ray Serve's autoscaler for the Ingress deployment, applied in place (no replica restarts):
     each replica it adds joins the expert channel, and the admission gate counts its capacity.
-    minReplicas above maxReplicas: Ready=False (InvalidSpec) naming both; a schema rule comparing
-    two fields needs CEL (Kubernetes 1.25+), which apiservers before it, and kubectl's validation
-    against them, refuse in a CRD."""
+    minReplicas above maxReplicas: refused by the apiserver (a CEL rule) naming both."""
+
+    model_config = cel_rules(
+        {"rule": "self.minReplicas <= self.maxReplicas", "fieldPath": ".minReplicas",
+         "message": "ingress.autoscaling.minReplicas is above maxReplicas"},
+    )
 
     min_replicas: int = Field(default=1, ge=1, le=64, description="Fewest Ingress replicas (the count it starts with).")
     max_replicas: int = Field(default=4, ge=1, le=64, description="Most Ingress replicas.")
@@ -407,7 +428,9 @@ class ExpertOverride(ApiModel):
 class GroupNodes(ApiModel):
     """Shard groups pinned to the Ray nodes that carry some labels."""
 
-    groups: list[int] = Field(min_length=1, max_length=1024, description="Shard group indices (0 .. groups-1).")
+    groups: list[Annotated[int, Field(ge=0, le=1023)]] = Field(
+        min_length=1, max_length=1024, description="Shard group indices (0 .. groups-1), each once.",
+        json_schema_extra={"x-kubernetes-list-type": "set"})
     ray_node_labels: RayNodeLabels = Field(
         min_length=1, description="Ray node labels (`ray start --labels k=v`; KubeRay: the worker group's "
         "rayStartParams labels) these groups' replicas must run on; each label must match.")
@@ -419,7 +442,16 @@ class GroupNodes(ApiModel):
 
 
 class ExpertsSpec(ApiModel):
-    """The ExpertShard deployments: how experts are split, replicated and stored."""
+    """The ExpertShard deployments: how experts are split, replicated and stored. A group pinned
+    twice across groupNodes entries is refused by the operator (Ready=False, InvalidSpec): that
+    check does not fit the apiserver's CEL cost budget; the range of each index and repeats within
+    one entry are the schema's."""
+
+    model_config = cel_rules(
+        {"rule": "!has(self.groupNodes) || self.groupNodes.all(e, e.groups.all(g, g < self.groups))",
+         "fieldPath": ".groupNodes",
+         "message": "experts.groupNodes names a group that does not exist: the groups are 0 .. experts.groups - 1"},
+    )
 
     groups: int = Field(
         default=4, ge=1, le=1024,
@@ -451,7 +483,7 @@ class ExpertsSpec(ApiModel):
         default_factory=dict, description="Ray node labels every shard replica must run on (groupNodes "
         "overrides it per group). A group no live Ray node can take: Ready=False (Unschedulable) naming it.")
     group_nodes: list[GroupNodes] = Field(
-        default_factory=list, max_length=1024,
+        default_factory=list, max_length=64,
         description="Pin shard groups to Ray nodes by label, so groups spread over nodes as the user wants "
         "(each group at most once). Changing a group's pin restarts that group's replicas only.")
     tiers: TierSpec = Field(description="Byte budgets and policy of the hot, warm and cold tiers.")
@@ -506,6 +538,11 @@ class ExpertsSpec(ApiModel):
 class MetricsSource(ApiModel):
     """Where the autoscaler reads per-expert load."""
 
+    model_config = cel_rules(
+        {"rule": "self.source != 'Prometheus' || has(self.prometheusUrl)", "fieldPath": ".prometheusUrl",
+         "message": "metrics.prometheusUrl is required when metrics.source is Prometheus"},
+    )
+
     source: Literal["Direct", "Prometheus"] = Field(
         default="Direct",
         description="Direct scrapes the Ray metrics endpoints; Prometheus queries a Prometheus "
@@ -531,6 +568,11 @@ class MetricsSource(ApiModel):
 
 class AutoscalingSpec(ApiModel):
     """React to how the experts are actually used: replicate, move, and scale."""
+
+    model_config = cel_rules(
+        {"rule": "self.minReplicasPerGroup <= self.maxReplicasPerGroup", "fieldPath": ".minReplicasPerGroup",
+         "message": "autoscaling.minReplicasPerGroup is above maxReplicasPerGroup"},
+    )
 
     mode: Literal["Off", "Recommend", "Auto"] = Field(
         default="Off",
