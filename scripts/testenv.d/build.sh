@@ -8,6 +8,8 @@
 #   etcd         $ETCD_VERSION, the release Kubernetes 1.35 is tested with
 #   containerd   $CONTAINERD_VERSION (containerd, containerd-shim-runc-v2, ctr), runc $RUNC_VERSION
 #                (cgo, with seccomp), the CNI plugins $CNI_VERSION (bridge, host-local, loopback, portmap)
+#   CoreDNS      $COREDNS_VERSION with the bind, errors and kubernetes plugins only: the node's
+#                cluster DNS (KubeRay addresses a Ray head by its Service's name)
 #   KubeRay      ray-operator $KUBERAY_VERSION, and its CRDs and RBAC as the module ships them
 #
 # k8s.io/kubernetes replaces each staging module (k8s.io/api, ...) with a path inside its own tree, so
@@ -20,6 +22,7 @@ CONTAINERD_VERSION=2.2.9
 RUNC_VERSION=1.4.4
 CNI_VERSION=1.9.1
 KUBERAY_VERSION=1.5.0
+COREDNS_VERSION=1.14.7
 KUBE_BIN="$CACHE/kube/v$KUBE_VERSION"
 KUBE_BINARIES="kube-apiserver kubelet kube-proxy kube-scheduler kube-controller-manager kubectl"
 CNI_BIN="$CACHE/cni"
@@ -156,4 +159,30 @@ build_kuberay() { # ray-operator and, beside it, the CRDs and RBAC of the same m
   cp "$dir"/config/rbac/role.yaml "$KUBERAY_DIR/rbac/"
   chmod -R u+w "$KUBERAY_DIR"
   rm -rf "$work"
+}
+
+build_coredns() { # CoreDNS' main with the plugins the node's Corefile uses (bind, errors, kubernetes)
+  [ -x "$BIN/coredns" ] && "$BIN/coredns" -plugins 2>/dev/null | grep -qx bind &&
+    "$BIN/coredns" -version 2>/dev/null | grep -q "CoreDNS-$COREDNS_VERSION" && return 0
+  log "building CoreDNS v$COREDNS_VERSION (kubernetes plugin) from the Go module proxy"
+  local work="$CACHE/build/coredns" m=github.com/coredns/coredns
+  wrapper_module "$work" moe-operator.local/testenv-coredns
+  cat >"$work/main.go" <<'GO'
+package main
+
+import (
+	"github.com/coredns/coredns/coremain"
+
+	_ "github.com/coredns/coredns/core/dnsserver"
+	_ "github.com/coredns/coredns/plugin/bind"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+)
+
+func main() { coremain.Run() }
+GO
+  (cd "$work" && go_env go get "$m@v$COREDNS_VERSION" >"$work/get.log" 2>&1 &&
+    timed "CoreDNS v$COREDNS_VERSION" "$work/build.log" go_env CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" \
+      -o "$work/coredns" .) || { tail -n 30 "$work"/*.log >&2; die "build of CoreDNS v$COREDNS_VERSION failed"; }
+  mkdir -p "$BIN"; mv "$work/coredns" "$BIN/coredns"; rm -rf "$work"
 }

@@ -17,7 +17,7 @@ PAUSE_IMAGE=localhost/moe-operator/pause:3.2
 IMAGES="$CACHE/images"
 BUILDAH_RUN="$CACHE/buildah-run"
 DEBIAN_MIRROR=${MOE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-BASE_PACKAGES=python3,python3-pip,ca-certificates,procps
+BASE_PACKAGES=python3,python3-pip,ca-certificates,procps,wget  # wget: KubeRay's probes run it
 
 install_image_tools() {
   apt_install buildah debootstrap skopeo gcc libc6-dev

@@ -9,9 +9,9 @@
 # and leaves it at the default on a cgroup v2 host.
 #
 # Addresses stay inside the machine: Pods on a bridge of their own (198.18.0.0/24, gateway
-# 198.18.0.1, no masquerade), Services in 198.19.0.0/24. The apiserver and the kubelet listen on
-# the bridge's address only. There is no cluster DNS: Pods find Services by ClusterIP or by the
-# *_SERVICE_HOST env vars the kubelet sets.
+# 198.18.0.1, no masquerade), Services in 198.19.0.0/24. The apiserver, the kubelet and the
+# cluster DNS (CoreDNS, its kubernetes plugin: <svc>.<ns>.svc.cluster.local, nothing outside the
+# cluster) listen on the bridge's address only.
 #
 # Everything the node changes on the host is recorded in DIR/node/ when it is made, and `stop`
 # undoes exactly that: processes by pid, containers, mounts, network namespaces, the bridge, the
@@ -23,6 +23,7 @@ NODE_BRIDGE=moe-br0
 NODE_GW=198.18.0.1
 NODE_POD_CIDR=198.18.0.0/24
 NODE_SERVICE_CIDR=198.19.0.0/24
+NODE_DOMAIN=cluster.local
 NODE_LOCK=/run/moe-testenv-node
 CTRD_STATE=/run/moe-testenv-containerd
 CTRD_SOCK=$CTRD_STATE/containerd.sock
@@ -118,7 +119,22 @@ imageGCLowThresholdPercent: 99
 makeIPTablesUtilChains: false
 serializeImagePulls: false
 maxPods: 30
+clusterDNS: [$NODE_GW]
+clusterDomain: $NODE_DOMAIN
 YAML
+  cat >"$nd/Corefile" <<COREFILE
+$NODE_DOMAIN:53 {
+    bind $NODE_GW
+    errors
+    kubernetes $NODE_DOMAIN {
+        kubeconfig $nd/kubeconfig
+    }
+}
+.:53 {
+    bind $NODE_GW
+    errors
+}
+COREFILE
   cat >"$nd/cni/net.d/10-moe.conflist" <<JSON
 {
   "cniVersion": "0.4.0",
@@ -135,7 +151,7 @@ JSON
 node_start() { # dir server token
   local dir=$1 server=$2 token=$3 nd=$1/node
   for b in $NODE_BINARIES; do [ -x "$KUBE_BIN/$b" ] || die "$b v$KUBE_VERSION not installed; run: scripts/testenv install"; done
-  for b in containerd containerd-shim-runc-v2 ctr runc; do
+  for b in containerd containerd-shim-runc-v2 ctr runc coredns; do
     [ -x "$BIN/$b" ] || die "$b not installed; run: scripts/testenv install"
   done
   node_write_configs "$dir"
@@ -147,6 +163,8 @@ node_start() { # dir server token
   for ((i = 0; i < 100; i++)); do [ -S "$CTRD_SOCK" ] && ctr_ version >/dev/null 2>&1 && break; sleep 0.1; done
   ctr_ version >/dev/null 2>&1 || { tail -n 20 "$nd/containerd.log" >&2; die "containerd did not start"; }
   images_import_pause
+  "$BIN/coredns" -conf "$nd/Corefile" >"$nd/coredns.log" 2>&1 &
+  echo $! >>"$dir/pids"
 
   $SUDO "$KUBE_BIN/kubelet" --config "$nd/kubelet.yaml" --kubeconfig "$nd/kubeconfig" \
     --root-dir "$nd/kubelet" --cert-dir "$nd/kubelet/pki" --volume-plugin-dir "$nd/kubelet/volume-plugins" \

@@ -139,9 +139,21 @@ def test_the_tier_policies_the_api_offers_are_the_stores():
     assert typing.get_args(field.annotation) == POLICIES and field.default == DEFAULT_POLICY
 
 
-def test_pins_are_refused_where_the_operator_writes_the_ray_cluster():
-    spec = {**VALID["spec"], "ray": {"mode": "KubeRay", "kubeRay": {"rayVersion": "2.60.0", "image": "moe-ray:1"}},
+def test_kuberay_pins_need_a_worker_group_with_their_labels():
+    kuberay = {"rayVersion": "2.60.0", "image": "moe-ray:1"}
+    spec = {**VALID["spec"], "ray": {"mode": "KubeRay", "kubeRay": kuberay},
             "experts": {**VALID["spec"]["experts"], "groupNodes": [{"groups": [1], "rayNodeLabels": {"pool": "b"}}]}}
-    with pytest.raises(SpecError, match="mode Existing with a Ray cluster whose nodes carry the labels"):
+    # the one default group has no labels: nothing could take group 1
+    with pytest.raises(SpecError, match=r"experts.groupNodes\[0\] asks for Ray node labels \{'pool': 'b'\}, "
+                                        r"which no worker group .* \(experts: no labels\)"):
         parse_spec(spec)
-    parse_spec({**spec, "ray": {"mode": "Existing"}})
+    groups = [{"name": "a", "labels": {"pool": "a"}}, {"name": "b", "replicas": 2, "labels": {"pool": "b", "zone": "z1"}}]
+    parse_spec({**spec, "ray": {"mode": "KubeRay", "kubeRay": {**kuberay, "workerGroups": groups}}})
+    ingress_pinned = {**spec, "ingress": {"rayNodeLabels": {"pool": "c"}},
+                      "ray": {"mode": "KubeRay", "kubeRay": {**kuberay, "workerGroups": groups}}}
+    with pytest.raises(SpecError, match=r"ingress.rayNodeLabels asks for .*'pool': 'c'.*a: \{'pool': 'a'\}"):
+        parse_spec(ingress_pinned)
+    parse_spec({**spec, "ray": {"mode": "Existing"}})  # there the Ray nodes' own labels decide (checked live)
+    twice = [{"name": "a"}, {"name": "a"}]
+    with pytest.raises(SpecError, match=r"workerGroups.*entry \[1\] names worker group a again"):
+        parse_spec({**spec, "ray": {"mode": "KubeRay", "kubeRay": {**kuberay, "workerGroups": twice}}})

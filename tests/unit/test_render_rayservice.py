@@ -130,3 +130,36 @@ def test_same_config_is_value_equality():
     assert same_config({"deployments": [{"ray_actor_options": {"num_cpus": 1.0}, "name": "Ingress"}], "name": "a"}, ours)
     assert not same_config(None, ours)
     assert not same_config({"name": "a", "deployments": [{"name": "Ingress", "ray_actor_options": {}}]}, ours)
+
+
+def test_worker_groups_carry_ray_node_labels_and_their_own_sizes():
+    raw = yaml.safe_load(open(KUBERAY_EXAMPLE))["spec"]
+    raw["ray"]["kubeRay"].update({
+        "headCpu": "500m", "headMemory": "2Gi", "upgradeStrategy": "NewCluster",
+        "workerGroups": [{"name": "pool-a", "replicas": 1, "labels": {"pool": "a"}},
+                         {"name": "pool-b", "replicas": 3, "labels": {"pool": "b"}, "cpu": "2", "gpus": 0}]})
+    raw["experts"]["groupNodes"] = [{"groups": [0], "rayNodeLabels": {"pool": "a"}},
+                                    {"groups": [1], "rayNodeLabels": {"pool": "b"}}]
+    spec = parse_spec(raw)
+    app = render_application("prod", "m", spec, initial_placement(32, 8, spec.experts.groups))
+    rs = render_rayservice("prod", "m", "u", spec, app)
+    cluster = rs["spec"]["rayClusterConfig"]
+    a, b = cluster["workerGroupSpecs"]
+    assert (a["groupName"], a["replicas"], a["labels"]) == ("pool-a", 1, {"pool": "a"})
+    assert (b["groupName"], b["minReplicas"], b["maxReplicas"], b["labels"]) == ("pool-b", 3, 3, {"pool": "b"})
+    assert "labels" not in a["rayStartParams"] and "labels" not in b["rayStartParams"]  # KubeRay refuses that
+    # a group's own size, else the kubeRay defaults
+    assert a["template"]["spec"]["containers"][0]["resources"]["limits"] == {"cpu": "16", "memory": "128Gi",
+                                                                          "nvidia.com/gpu": "2"}
+    assert b["template"]["spec"]["containers"][0]["resources"]["limits"] == {"cpu": "2", "memory": "128Gi"}
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert head == {"cpu": "500m", "memory": "2Gi"}
+    assert rs["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+    # the pins reach Serve as each shard group's label_selector, as in mode Existing
+    shards = {d["name"]: d for d in app["deployments"]}
+    assert shards["ExpertShard-1"]["ray_actor_options"]["label_selector"] == {"pool": "b"}
+    # without workerGroups: one unlabelled group, no upgradeStrategy written (KubeRay's default)
+    plain = render_rayservice("prod", "m", "u", _spec(), app)
+    assert [g["groupName"] for g in plain["spec"]["rayClusterConfig"]["workerGroupSpecs"]] == ["experts"]
+    assert "labels" not in plain["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert "upgradeStrategy" not in plain["spec"]

@@ -111,12 +111,45 @@ class ModelSource(ApiModel):
 # spec.ray
 
 
+RAY_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+RAY_LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
+RayNodeLabels = dict[str, Annotated[str, Field(pattern=RAY_LABEL_VALUE, max_length=63,
+                                                description="The label's value (empty, or up to 63 letters, digits, '-', '_', '.').")]]
+
+
+def check_label_keys(labels: dict[str, str]) -> dict[str, str]:
+    bad = [k for k in labels if not RAY_LABEL_KEY.match(k)]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not a Ray node label key (an optional DNS prefix and '/', then up to "
+                         "63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit)")
+    return labels
+
+
 class SecretKeyRef(ApiModel):
     """A key in a Secret in the MoEDeployment's namespace."""
 
     name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
                       description="Name of the Secret.")
     key: str = Field(default="token", min_length=1, max_length=253, description="Key within the Secret.")
+
+
+class KubeRayWorkerGroup(ApiModel):
+    """A worker group of the RayCluster: Pods of one size whose Ray nodes carry some labels
+    (KubeRay 1.5's per-group `labels`, given to `ray start --labels`), so that experts.groupNodes
+    and the rayNodeLabels fields can place replicas on them."""
+
+    name: str = Field(min_length=1, max_length=40, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$",
+                      description="The worker group's name (KubeRay's groupName).")
+    replicas: int = Field(default=1, ge=0, le=1000, description="Ray worker Pods in this group.")
+    labels: RayNodeLabels = Field(default_factory=dict, description="Ray node labels of this group's nodes.")
+    cpu: Quantity | None = Field(default=None, description="CPU request and limit of each Pod (default: kubeRay.workerCpu).")
+    memory: Bytes | None = Field(default=None, description="Memory of each Pod (default: kubeRay.workerMemory).")
+    gpus: int | None = Field(default=None, ge=0, le=16, description="nvidia.com/gpu per Pod (default: kubeRay.workerGpus).")
+
+    @field_validator("labels")
+    @classmethod
+    def _keys(cls, labels: dict[str, str]) -> dict[str, str]:
+        return check_label_keys(labels)
 
 
 class KubeRayCluster(ApiModel):
@@ -131,7 +164,10 @@ class KubeRayCluster(ApiModel):
         description="Container image for head and workers; it must have moe-operator's worker "
         "package (moe_workers) installed.",
     )
-    worker_replicas: int = Field(default=1, ge=0, le=1000, description="Ray worker Pods.")
+    head_cpu: Quantity = Field(default="2", description="CPU request and limit of the head Pod (it runs Ray's "
+                               "control processes and Serve's proxy; no replica is placed on it).")
+    head_memory: Bytes = Field(default="8Gi", description="Memory request and limit of the head Pod.")
+    worker_replicas: int = Field(default=1, ge=0, le=1000, description="Ray worker Pods (without workerGroups).")
     worker_cpu: Quantity = Field(default="4", description="CPU request and limit of each worker Pod.")
     worker_memory: Bytes = Field(default="16Gi", description="Memory request and limit of each worker Pod.")
     worker_gpus: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu per worker Pod.")
@@ -141,6 +177,34 @@ class KubeRayCluster(ApiModel):
         "may run under SCHED_RR (spec.ingress.realtimePriority). Off by default: the containers get no capability "
         "beyond the runtime's defaults, and the replicas' status says the class was not taken.",
     )
+    worker_groups: list[KubeRayWorkerGroup] = Field(
+        default_factory=list, max_length=16,
+        description="Worker groups, each with its own size and Ray node labels; empty: one unlabelled group "
+        "'experts' of workerReplicas Pods. Every label set that experts.groupNodes or a rayNodeLabels field "
+        "asks for must be carried by one of them.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+    upgrade_strategy: Literal["NewCluster", "None"] | None = Field(
+        default=None,
+        description="KubeRay's spec.upgradeStrategy.type. NewCluster (KubeRay's default): a change to the Ray "
+        "cluster (image, resources, worker groups) brings up a new RayCluster and moves the serve Service to it "
+        "once the application runs there; None: the cluster is never replaced, and such a change waits. "
+        "A change of the application alone is applied in place either way.")
+
+    @field_validator("worker_groups")
+    @classmethod
+    def _names_once(cls, groups: list[KubeRayWorkerGroup]) -> list[KubeRayWorkerGroup]:
+        seen: dict[str, int] = {}
+        for i, g in enumerate(groups):
+            if g.name in seen:
+                raise ValueError(f"entry [{i}] names worker group {g.name} again (first at [{seen[g.name]}])")
+            seen[g.name] = i
+        return groups
+
+    def node_label_sets(self) -> list[tuple[str, dict[str, str]]]:
+        """(worker group name, its Ray node labels) for every worker group rendered."""
+        if not self.worker_groups:
+            return [("experts", {})]
+        return [(g.name, dict(g.labels)) for g in self.worker_groups]
 
 
 class RayTarget(ApiModel):
@@ -193,20 +257,6 @@ class RayTarget(ApiModel):
 
 # ---------------------------------------------------------------------------------------------
 # spec.ingress
-
-
-RAY_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-RAY_LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
-RayNodeLabels = dict[str, Annotated[str, Field(pattern=RAY_LABEL_VALUE, max_length=63,
-                                                description="The label's value (empty, or up to 63 letters, digits, '-', '_', '.').")]]
-
-
-def check_label_keys(labels: dict[str, str]) -> dict[str, str]:
-    bad = [k for k in labels if not RAY_LABEL_KEY.match(k)]
-    if bad:
-        raise ValueError(f"{bad[0]!r} is not a Ray node label key (an optional DNS prefix and '/', then up to "
-                         "63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit)")
-    return labels
 
 
 class IngressAutoscaling(ApiModel):
@@ -630,12 +680,21 @@ class MoEDeploymentSpec(ApiModel):
     )
 
     @model_validator(mode="after")
-    def _pins_need_labelled_nodes(self) -> "MoEDeploymentSpec":
-        if self.ray.mode == "KubeRay" and (self.experts.group_nodes or self.experts.ray_node_labels
-                                           or self.ingress.ray_node_labels):
-            raise ValueError("experts.groupNodes and the rayNodeLabels fields pin replicas to labelled Ray nodes, "
-                             "and the RayCluster that mode KubeRay writes has one unlabelled worker group: use "
-                             "mode Existing with a Ray cluster whose nodes carry the labels")
+    def _pins_have_worker_groups(self) -> "MoEDeploymentSpec":
+        """Mode KubeRay: the operator writes the RayCluster, so every label set a pin asks for must
+        be some worker group's (the labels of a group include the pin's), or no node could ever take
+        those replicas."""
+        if self.ray.mode != "KubeRay" or self.ray.kube_ray is None:
+            return self
+        wanted = [(f"experts.groupNodes[{i}]", e.ray_node_labels) for i, e in enumerate(self.experts.group_nodes)]
+        wanted += [(field, labels) for field, labels in (("experts.rayNodeLabels", self.experts.ray_node_labels),
+                                                         ("ingress.rayNodeLabels", self.ingress.ray_node_labels)) if labels]
+        groups = self.ray.kube_ray.node_label_sets()
+        for field, labels in wanted:
+            if not any(all(have.get(k) == v for k, v in labels.items()) for _, have in groups):
+                offered = "; ".join(f"{n}: {have or 'no labels'}" for n, have in groups)
+                raise ValueError(f"{field} asks for Ray node labels {labels}, which no worker group of "
+                                 f"ray.kubeRay.workerGroups carries ({offered})")
         return self
 
 

@@ -48,6 +48,24 @@ def _resources(cpu, memory, gpus: int) -> dict:
     return {"requests": dict(limits), "limits": limits}
 
 
+def _worker_group(kr: models.KubeRayCluster, group: models.KubeRayWorkerGroup, container: dict,
+                  pod_labels: dict) -> dict:
+    """One workerGroupSpec: a fixed size (the operator scales replicas inside Ray, not Pods), the
+    group's Ray node labels as KubeRay 1.5's `labels` (never rayStartParams['labels'], which it refuses)."""
+    resources = _resources(group.cpu if group.cpu is not None else kr.worker_cpu,
+                           group.memory if group.memory is not None else kr.worker_memory,
+                           group.gpus if group.gpus is not None else kr.worker_gpus)
+    worker_container = {**container, "resources": resources}
+    if kr.allow_realtime:  # the replicas run on the workers (the head schedules none)
+        worker_container["securityContext"] = {"capabilities": {"add": ["SYS_NICE"]}}
+    out = {"groupName": group.name, "replicas": group.replicas, "minReplicas": group.replicas,
+           "maxReplicas": group.replicas, "rayStartParams": {},
+           "template": {"metadata": {"labels": pod_labels}, "spec": {"containers": [worker_container]}}}
+    if group.labels:
+        out["labels"] = dict(group.labels)
+    return out
+
+
 SERVE_PORT = 8000  # Serve's proxy in the RayService's cluster (the operator's MOE_SERVE_HTTP_PORT is for Existing)
 
 
@@ -63,24 +81,19 @@ def render_rayservice(namespace: str, name: str, uid: str, spec: MoEDeploymentSp
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},  # the head schedules no replicas
         "template": {"metadata": {"labels": labels}, "spec": {"containers": [{
-            **container, "resources": _resources(2, "8Gi", 0),
+            **container, "resources": _resources(kr.head_cpu, kr.head_memory, 0),
             "ports": [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
                       {"containerPort": http_port, "name": "serve"}]}]}},
     }
-    worker_container = {**container, "resources": _resources(kr.worker_cpu, kr.worker_memory, kr.worker_gpus)}
-    if kr.allow_realtime:  # the replicas run on the workers (the head schedules none)
-        worker_container["securityContext"] = {"capabilities": {"add": ["SYS_NICE"]}}
-    workers = {
-        "groupName": "experts",
-        "replicas": kr.worker_replicas, "minReplicas": kr.worker_replicas, "maxReplicas": kr.worker_replicas,
-        "rayStartParams": {},
-        "template": {"metadata": {"labels": labels}, "spec": {"containers": [worker_container]}},
-    }
+    groups = kr.worker_groups or [models.KubeRayWorkerGroup(name="experts", replicas=kr.worker_replicas)]
+    workers = [_worker_group(kr, g, container, labels) for g in groups]
     serve_config = {"http_options": {"host": "0.0.0.0", "port": http_port}, "applications": [application]}
-    cluster = {"rayVersion": kr.ray_version, "headGroupSpec": head, "workerGroupSpecs": [workers]}
+    cluster = {"rayVersion": kr.ray_version, "headGroupSpec": head, "workerGroupSpecs": workers}
     if spec.ray.auth_token_secret_ref is not None:  # Ray token auth on every Pod, from the user's Secret
         cluster["authOptions"] = {"mode": "token", "secretName": spec.ray.auth_token_secret_ref.name}
     rs_spec = {"serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False), "rayClusterConfig": cluster}
+    if kr.upgrade_strategy is not None:
+        rs_spec["upgradeStrategy"] = {"type": kr.upgrade_strategy}
     return {
         "apiVersion": RAYSERVICE_API_VERSION,
         "kind": "RayService",
