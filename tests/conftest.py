@@ -32,6 +32,7 @@ class KubeEnv:
     bin_dir: Path
     kube_bin: Path  # kubectl and the control plane of the release under test (MOE_KUBE_VERSION)
     kube_version: str
+    kuberay_dir: Path  # KubeRay's CRDs (crd/) and ClusterRole (rbac/) as its module ships them
 
     @property
     def env(self) -> dict[str, str]:
@@ -79,7 +80,8 @@ def _kube_fields(exports: dict[str, str]) -> dict:
     return dict(kubeconfig=Path(exports["KUBECONFIG"]),
                 developer_kubeconfig=Path(exports["MOE_TESTENV_DEVELOPER_KUBECONFIG"]),
                 server=exports["MOE_TESTENV_SERVER"], bin_dir=_cache_bin(),
-                kube_bin=Path(exports["MOE_TESTENV_KUBE_BIN"]), kube_version=exports["MOE_TESTENV_KUBE_VERSION"])
+                kube_bin=Path(exports["MOE_TESTENV_KUBE_BIN"]), kube_version=exports["MOE_TESTENV_KUBE_VERSION"],
+                kuberay_dir=Path(exports["MOE_KUBERAY_DIR"]))
 
 
 @pytest.fixture(scope="session")
@@ -101,6 +103,7 @@ class NodeEnv(KubeEnv):
 
     operator_image: str = ""
     ray_image: str = ""
+    kuberay_image: str = ""  # KubeRay's ray-operator, built from its module
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +115,8 @@ def k8s_node(tmp_path_factory) -> NodeEnv:
     state = tmp_path_factory.mktemp("testenv-node")
     exports = _testenv_start(state, "--node", timeout_s=900)
     env = NodeEnv(dir=state, **_kube_fields(exports),
-                  operator_image=exports["MOE_OPERATOR_IMAGE"], ray_image=exports["MOE_RAY_IMAGE"])
+                  operator_image=exports["MOE_OPERATOR_IMAGE"], ray_image=exports["MOE_RAY_IMAGE"],
+                  kuberay_image=exports["MOE_KUBERAY_IMAGE"])
     try:
         yield env
     finally:

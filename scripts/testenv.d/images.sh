@@ -6,8 +6,10 @@
 #   localhost/moe-operator/base:bookworm-H  debootstrap'd Debian bookworm with python3 and pip,
 #                                          shaped like python:3.11-slim (pip installs to /usr/local)
 #   localhost/moe-operator/operator:H       the root Dockerfile on that base
-#   localhost/moe-operator/ray:H            images/ray.Dockerfile on that base: Ray, torch (CPU, the
-#                                          same wheel the venv takes), the project's workers
+#   localhost/moe-operator/ray:H            images/ray.Dockerfile on that base: Ray, torch (PyPI's
+#                                          build, the same wheel the venv takes), the project's workers
+#   localhost/moe-operator/kuberay:vV       KubeRay's ray-operator (built by testenv.d/build.sh, static),
+#                                          alone in the image, as KubeRay's own image runs it
 #
 # buildah runs the Dockerfiles (chroot isolation, host network for PyPI); its storage lives in the
 # cache. Images are imported into the node's containerd, whose root is in the cache too, so a warm
@@ -105,12 +107,24 @@ import_image() { # ref: into the node's containerd, unless there already (MOE_TE
 OPERATOR_IMAGE_INPUTS="Dockerfile pyproject.toml operator workers"  # README.md: package metadata only
 RAY_IMAGE_INPUTS="images/ray.Dockerfile pyproject.toml operator workers"
 
+KUBERAY_IMAGE=localhost/moe-operator/kuberay:v$KUBERAY_VERSION
+
+kuberay_image() { # the operator binary alone, run as a non-root user
+  bah inspect --type image "$KUBERAY_IMAGE" >/dev/null 2>&1 && return 0
+  [ -x "$KUBERAY_DIR/bin/ray-operator" ] || die "ray-operator not built; run: scripts/testenv install"
+  local c; c=$(bah from scratch)
+  bah copy "$c" "$KUBERAY_DIR/bin/ray-operator" /manager >/dev/null
+  bah config --entrypoint '["/manager"]' --user 65532:65532 "$c"
+  bah commit -q "$c" "$KUBERAY_IMAGE" >/dev/null; bah rm "$c" >/dev/null
+}
+
 images_prebuild() {
   mkdir -p "$IMAGES"
   # shellcheck disable=SC2086
   bud_image localhost/moe-operator/operator $OPERATOR_IMAGE_INPUTS >/dev/null
   # shellcheck disable=SC2086
   bud_image localhost/moe-operator/ray $RAY_IMAGE_INPUTS >/dev/null
+  kuberay_image
 }
 
 images_import() { # -> env lines naming the images (containerd must run)
@@ -119,7 +133,9 @@ images_import() { # -> env lines naming the images (containerd must run)
   op=$(bud_image localhost/moe-operator/operator $OPERATOR_IMAGE_INPUTS)
   # shellcheck disable=SC2086
   ray=$(bud_image localhost/moe-operator/ray $RAY_IMAGE_INPUTS)
-  import_image "$op"; import_image "$ray"
+  kuberay_image
+  import_image "$op"; import_image "$ray"; import_image "$KUBERAY_IMAGE"
   echo "export MOE_OPERATOR_IMAGE=$op"
   echo "export MOE_RAY_IMAGE=$ray"
+  echo "export MOE_KUBERAY_IMAGE=$KUBERAY_IMAGE"
 }

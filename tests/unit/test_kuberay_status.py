@@ -1,6 +1,6 @@
 """The RayService status mapped to the MoEDeployment's conditions (no cluster).
 
-Each status below is written the way KubeRay (1.3 and later) writes it: conditions with its
+Each status below is written the way KubeRay (1.3 and later; 1.5.0 seen on the test node) writes it: conditions with its
 reasons, `observedGeneration`, and the Serve applications per cluster under
 `activeServiceStatus` / `pendingServiceStatus` as the Ray dashboard reports them.
 """
@@ -125,6 +125,19 @@ def test_a_pending_cluster_whose_app_failed_is_a_failed_deploy_not_an_upgrade():
         s = service_state(rs(status), APP)
         assert not s.ready and s.reason == cond.DEPLOY_FAILED and not s.progressing, s
         assert "kr-9fz2q" in s.message and "ModuleNotFoundError" in s.message
+
+
+def test_a_first_cluster_comes_up_as_the_pending_one_and_that_is_deploying():
+    """As KubeRay 1.5.0 wrote it on the test node (tests/e2e/test_kuberay_node.py): a new RayService's
+    first cluster is the pending one, with no active cluster, UpgradeInProgress False/Initializing."""
+    status = {"observedGeneration": 2,
+              "conditions": [ready("False", "Initializing", "RayService is initializing"),
+                             upgrade("False", "Initializing")],
+              "pendingServiceStatus": active("DEPLOYING", {"Ingress": {"status": "UPDATING"}}, cluster="kr-zsmgg")}
+    s = service_state(rs(status), APP)
+    assert not s.ready and s.reason == cond.DEPLOYING and s.progressing, s
+    assert s.message == ("KubeRay is starting the Ray cluster kr-zsmgg of RayService kr; application DEPLOYING "
+                         "(Initializing: RayService is initializing)")
 
 
 def test_pending_cluster_without_the_condition_is_an_upgrade_too():

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from . import models
+from moe_operator.render.rayservice import DNS1035_LABEL, MAX_RAYSERVICE_NAME
 
 def _resolve(node: Any, defs: dict[str, Any]) -> Any:
     if isinstance(node, list):
@@ -54,6 +55,9 @@ def _structural(node: Any) -> Any:
         node.pop(key, None)
     if node.get("additionalProperties") is False:
         node.pop("additionalProperties")
+    if node.get("additionalProperties") is True:  # dict[str, Any]: a Kubernetes object passed through as written
+        node.pop("additionalProperties")
+        node["x-kubernetes-preserve-unknown-fields"] = True
     for bound in ("exclusiveMinimum", "exclusiveMaximum"):
         if bound in node and not isinstance(node[bound], bool):
             node["minimum" if bound == "exclusiveMinimum" else "maximum"] = node[bound]
@@ -93,6 +97,15 @@ def build_crd() -> dict[str, Any]:
         "deployment runs the dense part and routes tokens to ExpertShard deployments that each "
         "host a subset of the experts, kept in hot/warm/cold tiers, hot-swappable one by one.",
         "required": ["spec"],
+        "x-kubernetes-validations": [{
+            # the one rule that needs metadata: CEL at the root may read metadata.name
+            "rule": f"!has(self.spec.ray) || !has(self.spec.ray.mode) || self.spec.ray.mode != 'KubeRay' || "
+                    f"(size(self.metadata.name) <= {MAX_RAYSERVICE_NAME} && "
+                    f"self.metadata.name.matches('{DNS1035_LABEL.pattern}'))",
+            "message": f"metadata.name: with ray.mode KubeRay the name becomes the RayService's, which KubeRay "
+                       f"requires to be a DNS-1035 label (lower-case letters, digits and '-', starting with a letter) "
+                       f"of at most {MAX_RAYSERVICE_NAME} characters",
+        }],
         "properties": {
             "apiVersion": {"type": "string", "description": "serving.moe.io/v1alpha1"},
             "kind": {"type": "string", "description": "MoEDeployment"},

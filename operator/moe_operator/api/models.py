@@ -8,7 +8,7 @@ descriptions become `kubectl explain` text, so write them for the person reading
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Any, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -177,6 +177,14 @@ class KubeRayCluster(ApiModel):
         "may run under SCHED_RR (spec.ingress.realtimePriority). Off by default: the containers get no capability "
         "beyond the runtime's defaults, and the replicas' status says the class was not taken.",
     )
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=64,
+        description="Pod volumes (core/v1 Volume, as in a Pod spec) of the head and worker Pods: where the model "
+        "checkpoint and the cold tier's disk come from (a PersistentVolumeClaim, a hostPath, ...).")
+    volume_mounts: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=64,
+        description="Mounts of those volumes in the Ray container (core/v1 VolumeMount), e.g. the checkpoint at "
+        "model.path's directory, read-only.")
     worker_groups: list[KubeRayWorkerGroup] = Field(
         default_factory=list, max_length=16,
         description="Worker groups, each with its own size and Ray node labels; empty: one unlabelled group "

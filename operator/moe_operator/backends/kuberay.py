@@ -41,6 +41,14 @@ class KubeRayError(RuntimeError):
     pass
 
 
+def _resource_missing(body: str) -> bool:
+    """Whether a 404 says the resource type is not served (no such CRD), not that an object is
+    missing: the apiserver answers an unknown path with plain text ("404 page not found"; older
+    releases "the server could not find the requested resource"), an absent object with a Status
+    naming it."""
+    return "page not found" in body or "the server could not find the requested resource" in body
+
+
 @dataclass
 class KubeRayClient:
     api: kubernetes.client.CustomObjectsApi
@@ -80,7 +88,7 @@ class KubeRayClient:
             return self.api.replace_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, body,
                                                              _request_timeout=30)
         except kubernetes.client.ApiException as e:
-            if e.status == 404 and "the server could not find the requested resource" in (e.body or ""):
+            if e.status == 404 and _resource_missing(e.body or ""):
                 raise KubeRayError("the RayService CRD (ray.io/v1) is not installed: install KubeRay") from None
             raise KubeRayError(f"writing RayService {ns}/{name}: {e.status} {e.reason}") from None
 

@@ -1,13 +1,16 @@
 """What a RayService's status says about our application (pure; no cluster).
 
-KubeRay (ray.io/v1, read as written by KubeRay 1.3 and later) keeps two kinds of status:
+KubeRay (ray.io/v1, read as written by KubeRay 1.3 and later; checked against the 1.5.0 controller)
+keeps two kinds of status:
 - conditions: `Ready` (True once the serve Service has endpoints, whatever the application does
   afterwards), `UpgradeInProgress` (a new RayCluster is being prepared beside the active one),
   with terminal reasons `InitializingTimeout` and `ValidationFailed` on Ready;
 - the Serve applications as the dashboard reports them, per cluster:
   `activeServiceStatus.applicationStatuses["<app>"]` (status RUNNING / DEPLOYING / DEPLOY_FAILED /
   UNHEALTHY / ..., message, and `serveDeploymentStatuses[<deployment>]` HEALTHY / UPDATING /
-  UNHEALTHY) and the same under `pendingServiceStatus` while an upgrade runs.
+  UNHEALTHY) and the same under `pendingServiceStatus` while an upgrade runs. A new RayService's
+  first cluster is pending too (no active cluster yet, `UpgradeInProgress` False with reason
+  `Initializing`) until its application runs: that is a first deploy, not an upgrade.
 Both belong to `status.observedGeneration`: a status older than the RayService we wrote says
 nothing about what we asked for.
 
@@ -75,6 +78,7 @@ def service_state(rayservice: dict, app: str) -> ServiceState:
     upgrade = _condition(status, "UpgradeInProgress") or {}
     pending = status.get("pendingServiceStatus") or {}
     active = _app(status.get("activeServiceStatus"), app)
+    first = not (status.get("activeServiceStatus") or {}).get("rayClusterName")
     if upgrade.get("status") == "True" or pending.get("rayClusterName") or pending.get("applicationStatuses"):
         pending_app = _app(pending, app) or {}
         if pending_app.get("status") == "DEPLOY_FAILED":  # the new cluster cannot run it: not an upgrade
@@ -84,6 +88,12 @@ def service_state(rayservice: dict, app: str) -> ServiceState:
                                 f"application {app} DEPLOY_FAILED on the new Ray cluster "
                                 f"{pending.get('rayClusterName') or ''}".rstrip() +
                                 f": {start or pending_app.get('message') or 'no message'}", degraded="; ".join(unhealthy))
+        if first:  # KubeRay brings a RayService's first cluster up as its pending one, then promotes it
+            return ServiceState(False, cond.DEPLOYING, f"KubeRay is starting the Ray cluster "
+                                f"{pending.get('rayClusterName') or ''} of RayService {name}".replace("  ", " ") +
+                                (f"; application {pending_app['status']}" if pending_app.get("status") else "") +
+                                (f" ({ready_cond.get('reason')}: {ready_cond.get('message')})"
+                                 if ready_cond.get("reason") else ""), progressing=True)
         return ServiceState(False, cond.UPGRADING, f"KubeRay is moving RayService {name} to a new Ray cluster "
                             f"{pending.get('rayClusterName') or ''}".rstrip() +
                             (f"; pending application {pending_app['status']}" if pending_app.get("status") else "") +

@@ -137,6 +137,8 @@ NOT_RENDERED: dict[str, str] = {
     "ray.kubeRay.workerGpus": NEW_CLUSTER,
     "ray.kubeRay.allowRealtime": NEW_CLUSTER,
     "ray.kubeRay.headCpu": NEW_CLUSTER,
+    "ray.kubeRay.volumes": NEW_CLUSTER,
+    "ray.kubeRay.volumeMounts": NEW_CLUSTER,
     "ray.kubeRay.headMemory": NEW_CLUSTER,
     "ray.kubeRay.workerGroups[].name": NEW_CLUSTER,
     "ray.kubeRay.workerGroups[].replicas": "KubeRay scales the running Ray cluster",

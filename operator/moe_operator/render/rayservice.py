@@ -48,7 +48,7 @@ def _resources(cpu, memory, gpus: int) -> dict:
     return {"requests": dict(limits), "limits": limits}
 
 
-def _worker_group(kr: models.KubeRayCluster, group: models.KubeRayWorkerGroup, container: dict,
+def _worker_group(kr: models.KubeRayCluster, group: models.KubeRayWorkerGroup, container: dict, pod: dict,
                   pod_labels: dict) -> dict:
     """One workerGroupSpec: a fixed size (the operator scales replicas inside Ray, not Pods), the
     group's Ray node labels as KubeRay 1.5's `labels` (never rayStartParams['labels'], which it refuses)."""
@@ -60,7 +60,7 @@ def _worker_group(kr: models.KubeRayCluster, group: models.KubeRayWorkerGroup, c
         worker_container["securityContext"] = {"capabilities": {"add": ["SYS_NICE"]}}
     out = {"groupName": group.name, "replicas": group.replicas, "minReplicas": group.replicas,
            "maxReplicas": group.replicas, "rayStartParams": {},
-           "template": {"metadata": {"labels": pod_labels}, "spec": {"containers": [worker_container]}}}
+           "template": {"metadata": {"labels": pod_labels}, "spec": {**pod, "containers": [worker_container]}}}
     if group.labels:
         out["labels"] = dict(group.labels)
     return out
@@ -78,15 +78,18 @@ def render_rayservice(namespace: str, name: str, uid: str, spec: MoEDeploymentSp
     labels = {"app.kubernetes.io/name": "moe-deployment", "app.kubernetes.io/instance": name,
               "app.kubernetes.io/managed-by": MANAGED_BY, MOEDEPLOYMENT_LABEL: name}
     container = {"name": "ray", "image": kr.image, "imagePullPolicy": "IfNotPresent"}
+    if kr.volume_mounts:
+        container["volumeMounts"] = [dict(m) for m in kr.volume_mounts]
+    pod = {"volumes": [dict(v) for v in kr.volumes]} if kr.volumes else {}
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},  # the head schedules no replicas
-        "template": {"metadata": {"labels": labels}, "spec": {"containers": [{
+        "template": {"metadata": {"labels": labels}, "spec": {**pod, "containers": [{
             **container, "resources": _resources(kr.head_cpu, kr.head_memory, 0),
             "ports": [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
                       {"containerPort": http_port, "name": "serve"}]}]}},
     }
     groups = kr.worker_groups or [models.KubeRayWorkerGroup(name="experts", replicas=kr.worker_replicas)]
-    workers = [_worker_group(kr, g, container, labels) for g in groups]
+    workers = [_worker_group(kr, g, container, pod, labels) for g in groups]
     serve_config = {"http_options": {"host": "0.0.0.0", "port": http_port}, "applications": [application]}
     cluster = {"rayVersion": kr.ray_version, "headGroupSpec": head, "workerGroupSpecs": workers}
     if spec.ray.auth_token_secret_ref is not None:  # Ray token auth on every Pod, from the user's Secret
