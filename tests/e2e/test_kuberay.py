@@ -27,10 +27,10 @@ pytestmark = pytest.mark.k8s
 MINIMAL_SPEC = {"rayClusterConfig": {"headGroupSpec": {"rayStartParams": {}, "template": {"spec": {"containers": [
     {"name": "ray-head", "image": "rayproject/ray:2.60.0"}]}}}}}
 
-def manifest(name, model_path, groups=2, shape=None):
+def manifest(name, model_path, groups=2, shape=None, auth=False):
     spec = {"model": {"path": str(model_path)},
             "ray": {"mode": "KubeRay", "kubeRay": {"image": "registry.example/moe-worker:0.1", "workerReplicas": 2},
-                    "authTokenSecretRef": {"name": "ray-auth", "key": "auth_token"}},
+                    **({"authTokenSecretRef": {"name": "ray-auth", "key": "auth_token"}} if auth else {})},
             "experts": {"groups": groups, "tiers": {"hot": {"budget": "16Mi"}, "warm": {"budget": "16Mi"}}}}
     if shape:
         spec["model"]["shape"] = shape
@@ -98,6 +98,13 @@ def test_operator_owns_a_rayservice_and_maps_its_status(crd_installed, tmp_path)
     op = Operator(k8s, None, str(roots), log)
     op.start()
     try:
+        # token auth asked for, and KubeRay 1.5.0's CRD has no authOptions: nothing is written (KubeRay
+        # would start a cluster without the token), the reason named
+        k8s.kubectl("apply", "-f", "-", input=json.dumps(manifest("kr", model, auth=True)))
+        _, c = wait_for(lambda: (r := condition(k8s, "kr"))[1] and "authOptions" in r[1]["message"] and r,
+                        what="the missing authOptions named")
+        assert c["status"] == "False" and "would run without the token authentication" in c["message"], c
+        assert not k8s.kubectl_json("get", "rayservices")["items"]
         k8s.kubectl("apply", "-f", "-", input=json.dumps(manifest("kr", model)))
         rs = wait_for(lambda: k8s.kubectl_json("get", "rayservices", "-o", "json")["items"], timeout_s=120,
                       what="RayService created")[0]
@@ -118,7 +125,7 @@ def test_operator_owns_a_rayservice_and_maps_its_status(crd_installed, tmp_path)
         assert workers["numOfHosts"] == 1 and workers["minReplicas"] == 2
         head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
         assert {p["protocol"] for p in head["ports"]} == {"TCP"}
-        assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": "ray-auth"}
+        assert "authOptions" not in rs["spec"]["rayClusterConfig"]
         assert rs["metadata"]["generation"] == 1
 
         writes = rayservice_writes(k8s)

@@ -43,7 +43,7 @@ def moedeployment(head_memory: str = "1536Mi") -> dict:
         "apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": NAME},
         "spec": {
             "model": {"path": "/models/tiny"},
-            "ray": {"mode": "KubeRay", "authTokenSecretRef": {"name": "ray-auth", "key": "auth_token"},
+            "ray": {"mode": "KubeRay",
                     "kubeRay": {"image": IMAGE["ray"], "headCpu": "150m", "headMemory": head_memory,
                                 # two clusters side by side during an upgrade fit the node's 2 CPUs
                                 "workerCpu": "350m", "workerMemory": "2560Mi",
@@ -93,7 +93,7 @@ def _moectl(k8s, *args):
     return subprocess.run([MOECTL, *args], env=k8s.env, capture_output=True, text=True, timeout=400)
 
 
-def test_kuberay_controller_serves_swaps_and_upgrades(k8s_node, tmp_path):
+def test_kuberay_controller_serves_swaps_and_upgrades(k8s_node, tmp_path, record_property):
     k8s = k8s_node
     models = tmp_path / "models"
     model = write_random_mixtral(models / "tiny", num_layers=2, num_experts=4, hidden_size=32,
@@ -106,7 +106,6 @@ def test_kuberay_controller_serves_swaps_and_upgrades(k8s_node, tmp_path):
     reference = InProcessModel(model)
     kuberay_dir = k8s.kuberay_dir
 
-    k8s.kubectl("create", "secret", "generic", "ray-auth", "--from-literal=auth_token=" + "t0k3n" * 8)
     try:
         k8s.helm(*helm_install_args(k8s.operator_image, "127.0.0.1", models, NS), "--set", "kuberay.enabled=true",
                  "--wait", "--timeout", "180s")
@@ -121,24 +120,28 @@ def test_kuberay_controller_serves_swaps_and_upgrades(k8s_node, tmp_path):
             k8s.kubectl("apply", "--server-side", "-f", str(f))
         wait_for(lambda: _status(k8s)[1].get("Ready", {}).get("reason") == "WaitingForKubeRay", timeout_s=120,
                  what="WaitingForKubeRay while no controller runs")
+        # (token auth, spec.ray.authTokenSecretRef, needs a KubeRay whose CRD has authOptions, which 1.5.0's has
+        # not: the operator refuses to write such a RayService; tests/e2e/test_kuberay.py checks it)
         # its RBAC and the operator as a Deployment
         k8s.kubectl("apply", "-f", "-", input=as_yaml(manifests(kuberay_dir, k8s.kuberay_image)))
         k8s.kubectl("-n", KUBERAY_NS, "rollout", "status", f"deploy/{KUBERAY}", "--timeout=120s")
 
         # what we report while KubeRay brings the cluster up, then Ready from KubeRay's own status
-        seen = set()
+        t0, seen = time.monotonic(), []
 
         def ready():
             st, conds = _status(k8s)
-            if "Ready" in conds:
-                seen.add(conds["Ready"]["reason"])
+            if "Ready" in conds and (not seen or seen[-1] != conds["Ready"]["reason"]):
+                seen.append(conds["Ready"]["reason"])
             return conds.get("Ready", {}).get("status") == "True" and (st, conds)
         try:
             st, conds = wait_for(ready, timeout_s=900, interval_s=2, what="MoEDeployment Ready=True")
         except AssertionError:
             raise AssertionError(f"not Ready (reasons seen: {seen})\n{_dump(k8s)}")
+        figures = {"ready_s": round(time.monotonic() - t0)}
         assert conds["Ready"]["reason"] == "Serving"
-        assert seen & {"WaitingForKubeRay", "Deploying", "NoServeEndpoints"}, seen  # it was not Ready at once
+        # KubeRay brings a first cluster up as its pending one: a deploy, never read as an upgrade
+        assert "Deploying" in seen and "Upgrading" not in seen, seen
         rs = _rayservice(k8s)
         ks_ready = next(c for c in rs["status"]["conditions"] if c["type"] == "Ready")
         assert ks_ready["status"] == "True", rs["status"]  # KubeRay's own verdict agrees
@@ -178,7 +181,7 @@ def test_kuberay_controller_serves_swaps_and_upgrades(k8s_node, tmp_path):
         assert [tokens(p) for p in prompts] == want_new
 
         # a change that needs a new Ray cluster, under 2 clients: KubeRay's NewCluster upgrade
-        phases = []
+        phases, t1 = [], time.monotonic()
         with Load(serve, clients=2) as load:
             k8s.kubectl("apply", "-f", "-", input=json.dumps(moedeployment(head_memory="1600Mi")))
 
@@ -196,6 +199,9 @@ def test_kuberay_controller_serves_swaps_and_upgrades(k8s_node, tmp_path):
             except AssertionError:
                 raise AssertionError(f"upgrade did not finish (phases {sorted(set(phases))})\n{_dump(k8s)}")
             time.sleep(3)
+        figures.update(upgrade_s=round(time.monotonic() - t1), upgrade_ok=load.ok, upgrade_failed=load.failed)
+        record_property("figures", json.dumps(figures))
+        print(f"kuberay e2e: {figures}")
         assert load.failed == 0, (load.ok, load.errors[:5])
         assert load.ok > 0
         # while KubeRay prepared the new cluster, we said so (its UpgradeInProgress=True, our Upgrading)
@@ -205,7 +211,6 @@ def test_kuberay_controller_serves_swaps_and_upgrades(k8s_node, tmp_path):
         head = k8s.kubectl_json("get", "pods", "-l", f"ray.io/cluster={new_cluster},ray.io/node-type=head")["items"][0]
         assert head["spec"]["containers"][0]["resources"]["limits"]["memory"] == "1600Mi"
         # the new cluster loads the checkpoint and the swapped expert again: the spec's override is the truth
-        st, _ = _status(k8s)
         assert [tokens(p) for p in prompts] == want_new
 
 

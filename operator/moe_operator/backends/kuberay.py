@@ -71,6 +71,8 @@ class KubeRayClient:
         current = self.get(ns, name)
         try:
             if current is None:
+                self._check_kept(self.api.create_namespaced_custom_object(
+                    GROUP, VERSION, ns, PLURAL, obj, dry_run="All", _request_timeout=30), obj)
                 self.writes += 1
                 return self.api.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, obj, _request_timeout=30)
             meta = current["metadata"]
@@ -84,6 +86,8 @@ class KubeRayClient:
                 **meta, "labels": {**(meta.get("labels") or {}), **obj["metadata"]["labels"]},
                 "annotations": {**(meta.get("annotations") or {}), **obj["metadata"]["annotations"]},
                 "ownerReferences": obj["metadata"]["ownerReferences"]}}
+            self._check_kept(self.api.replace_namespaced_custom_object(
+                GROUP, VERSION, ns, PLURAL, name, body, dry_run="All", _request_timeout=30), obj)
             self.writes += 1
             return self.api.replace_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, body,
                                                              _request_timeout=30)
@@ -91,6 +95,20 @@ class KubeRayClient:
             if e.status == 404 and _resource_missing(e.body or ""):
                 raise KubeRayError("the RayService CRD (ray.io/v1) is not installed: install KubeRay") from None
             raise KubeRayError(f"writing RayService {ns}/{name}: {e.status} {e.reason}") from None
+
+    @staticmethod
+    def _check_kept(stored: dict, obj: dict) -> None:
+        """Refuse to write a RayService whose CRD would drop what keeps the cluster safe: an older
+        KubeRay's schema prunes rayClusterConfig.authOptions (1.5.0 has none), and KubeRay would
+        then start a Ray cluster without the token authentication the MoEDeployment asks for.
+        `stored` is the apiserver's answer to a dry run of the same write."""
+        wanted = obj["spec"]["rayClusterConfig"].get("authOptions")
+        if wanted and not ((stored.get("spec") or {}).get("rayClusterConfig") or {}).get("authOptions"):
+            raise KubeRayError(
+                "the installed KubeRay's RayService CRD has no rayClusterConfig.authOptions (KubeRay 1.5.0 has "
+                "none): the Ray cluster would run without the token authentication spec.ray.authTokenSecretRef "
+                "asks for, so nothing was written; install a KubeRay whose CRD has authOptions, or remove "
+                "spec.ray.authTokenSecretRef to run the cluster without a token")
 
     def delete_owned(self, namespace: str, name: str, owner_uid: str) -> bool:
         """Delete the RayService if (and only if) `owner_uid` owns it; False when there was none of ours."""
