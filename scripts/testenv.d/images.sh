@@ -102,6 +102,10 @@ import_image() { # ref: into the node's containerd, unless there already (MOE_TE
   local tar; tar="$IMAGES/import-$$.tar"
   bah push -q "$1" "docker-archive:$tar:$1" >/dev/null
   import_archive "$tar"; rm -f "$tar"
+  # earlier builds of the same image leave the store (the Ray image is about 6 GB a version)
+  local old; for old in $(ctr_ images ls -q | grep "^${1%:*}:" | grep -vx "$1"); do
+    ctr_ images rm --sync "$old" >/dev/null 2>&1 || true
+  done
 }
 
 OPERATOR_IMAGE_INPUTS="Dockerfile pyproject.toml operator workers"  # README.md: package metadata only

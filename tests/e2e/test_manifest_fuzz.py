@@ -3,7 +3,7 @@ the operator's parser: they agree, and the parser raises nothing but its own val
 
 Agreement: what the apiserver refuses, the parser refuses too; what the parser accepts (after
 pruning unknown fields and nulls exactly as the apiserver does), the apiserver accepts. The
-parser may refuse more (rules the v1.20 schema cannot say; those become Ready=False InvalidSpec).
+parser may refuse more (rules the schema and its CEL cannot say; those become Ready=False InvalidSpec).
 """
 
 from __future__ import annotations

@@ -33,8 +33,12 @@ def test_rayservice_carries_the_same_serve_app_and_ownership():
     assert serve["applications"] == [app]
     cluster = rs["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == "2.60.0"
+    assert [(g["groupName"], g["replicas"], g["labels"]) for g in cluster["workerGroupSpecs"]] == [
+        ("pool-a", 2, {"pool": "a"}), ("pool-b", 2, {"pool": "b"})]
     worker = cluster["workerGroupSpecs"][0]
-    assert worker["replicas"] == 4
+    pod = worker["template"]["spec"]
+    assert pod["volumes"] == [{"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "models", "mountPath": "/models", "readOnly": True}]
     limits = worker["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits == {"cpu": "16", "memory": "128Gi", "nvidia.com/gpu": "2"}
     assert worker["template"]["spec"]["containers"][0]["image"] == "ghcr.io/example/moe-workers:0.1.0"
@@ -159,7 +163,9 @@ def test_worker_groups_carry_ray_node_labels_and_their_own_sizes():
     shards = {d["name"]: d for d in app["deployments"]}
     assert shards["ExpertShard-1"]["ray_actor_options"]["label_selector"] == {"pool": "b"}
     # without workerGroups: one unlabelled group, no upgradeStrategy written (KubeRay's default)
-    plain = render_rayservice("prod", "m", "u", _spec(), app)
+    raw = yaml.safe_load(open(KUBERAY_EXAMPLE))["spec"]
+    del raw["ray"]["kubeRay"]["workerGroups"], raw["experts"]["groupNodes"]
+    plain = render_rayservice("prod", "m", "u", parse_spec(raw), app)
     assert [g["groupName"] for g in plain["spec"]["rayClusterConfig"]["workerGroupSpecs"]] == ["experts"]
     assert "labels" not in plain["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     assert "upgradeStrategy" not in plain["spec"]
