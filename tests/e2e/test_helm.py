@@ -117,7 +117,12 @@ def test_install_upgrade_uninstall_and_rbac(k8s, tmp_path):
     ns = "moe-system"
     k8s.kubectl("create", "namespace", ns)
     try:
-        k8s.helm("install", "moe", CHART, "--namespace", ns, "--set", "allowedRoots={" + str(tmp_path) + "}",)
+        # helm 4 applies the chart's CRDs server-side: the MoEDeployment CRD kubectl applied before (other tests
+        # of this session, or a user's `kubectl apply -f crds/`) has kubectl's field manager, and helm stops on
+        # the conflict unless told to take the fields over (the docs say so)
+        pre = k8s.kubectl("get", "crd", "moedeployments.serving.moe.io", check=False).returncode == 0
+        k8s.helm("install", "moe", CHART, "--namespace", ns, "--set", "allowedRoots={" + str(tmp_path) + "}",
+                 *(["--force-conflicts"] if pre else []))
         sts = k8s.kubectl_json("get", "statefulset", "moe-moe-operator", "-n", ns)
         assert sts["spec"]["replicas"] == 1
         assert k8s.kubectl("get", "crd", "moedeployments.serving.moe.io").returncode == 0
