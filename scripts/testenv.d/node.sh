@@ -119,6 +119,10 @@ imageGCLowThresholdPercent: 99
 makeIPTablesUtilChains: false
 serializeImagePulls: false
 maxPods: 30
+# CPU limits are not enforced (no CFS quota): on a 2-core test node the Pods' shares are fractions
+# of a core, and a Ray head throttled to them misses its liveness probes while its processes start;
+# requests still decide where Pods fit
+cpuCFSQuota: false
 clusterDNS: [$NODE_GW]
 clusterDomain: $NODE_DOMAIN
 YAML
