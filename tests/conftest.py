@@ -126,8 +126,10 @@ def k8s_node(tmp_path_factory) -> NodeEnv:
 @pytest.fixture(scope="session")
 def crd_installed(k8s: KubeEnv) -> KubeEnv:
     k8s.kubectl("apply", "-f", str(REPO / "crds"))
-    k8s.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                "crd/moedeployments.serving.moe.io")
+    # served once Established (kubectl wait errors out, not waits, while a new CRD has no conditions yet)
+    from waiting import wait_for
+    wait_for(lambda: k8s.kubectl("get", "moedeployments", check=False).returncode == 0, timeout_s=60,
+             what="the MoEDeployment CRD served")
     return k8s
 
 
