@@ -27,8 +27,8 @@ import requests
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_operator", REPO / "bench" / "operator.py")
-bench_operator = importlib.util.module_from_spec(_spec)  # bench/operator.py: the control-plane helpers
+_spec = importlib.util.spec_from_file_location("bench_control_plane", REPO / "bench" / "control_plane.py")
+bench_operator = importlib.util.module_from_spec(_spec)  # bench/control_plane.py: the control-plane helpers
 _spec.loader.exec_module(bench_operator)  # type: ignore[union-attr]
 
 def write_expert_file(model: Path, path: Path, seed: int = 2) -> Path:

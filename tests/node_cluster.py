@@ -1,5 +1,5 @@
 """The Ray cluster of examples/ray-cluster.yaml and the operator's chart values for a test node:
-shared by the node e2e test and `bench/operator.py --node`."""
+shared by the node e2e test and `bench/control_plane.py --node`."""
 
 from __future__ import annotations
 

@@ -45,3 +45,16 @@ def test_the_gpu_kit_refuses_cuda_where_there_is_none_and_unknown_checks(tmp_pat
     proc = subprocess.run([str(REPO / "scripts" / "gpu-check"), "--device", "cpu", "--only", "nope"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "nope" in proc.stderr
+
+
+def test_no_bench_script_shadows_the_standard_library():
+    """`python bench/gpu.py` puts bench/ first on sys.path: a bench/operator.py made a fresh venv's
+    `import argparse` fail (partially initialized module 're'), the standard library's `operator`
+    not being imported yet. Without site (-S) nothing is imported before the script's own path is."""
+    shadows = sorted(p.stem for p in (REPO / "bench").glob("*.py") if p.stem in sys.stdlib_module_names)
+    assert shadows == [], shadows
+    proc = subprocess.run([sys.executable, "-S", str(REPO / "bench" / "gpu.py"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    # argparse and everything before the first third-party import load; torch is outside -S's path
+    assert "partially initialized" not in proc.stderr and "circular import" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 0 or "No module named 'torch'" in proc.stderr, proc.stderr[-2000:]

@@ -61,7 +61,7 @@ class KubeRayClient:
                 return None
             raise KubeRayError(f"reading RayService {namespace}/{name}: {e.status} {e.reason}") from None
 
-    writes: int = 0  # creates and replaces made (bench/operator.py counts them per pass)
+    writes: int = 0  # creates and replaces made (bench/control_plane.py counts them per pass)
 
     def apply(self, obj: dict) -> dict:
         """Create the RayService, or replace its spec when `needs_write` says so; a steady state

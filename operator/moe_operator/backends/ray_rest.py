@@ -34,7 +34,7 @@ class RayServeClient:
     dashboard_url: str
     token: str | None = None
     timeout_s: float = 30.0
-    puts: int = 0  # config writes made (bench/operator.py counts them per pass)
+    puts: int = 0  # config writes made (bench/control_plane.py counts them per pass)
     # held across a read-merge-write of the cluster's Serve config (moe_operator.reconcile);
     # RayClients gives every client of one cluster the same lock
     write_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

@@ -1,5 +1,5 @@
 """A Ray backend that only renders: it keeps the Serve config it is given in a file instead of
-deploying it. For benchmarking the control plane without Ray (bench/operator.py) and for
+deploying it. For benchmarking the control plane without Ray (bench/control_plane.py) and for
 inspecting exactly what would be applied. A ServeBackend (backends/serve_backend.py), as
 RayServeClient is."""
 

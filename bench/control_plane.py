@@ -1,8 +1,8 @@
 """Control-plane cost of the operator, on the real apiserver + etcd (scripts/testenv).
 
-    python bench/operator.py            # 50 MoEDeployments on the render-only backend
-    python bench/operator.py --quick    # 10
-    python bench/operator.py --node     # everything in Pods on a real node (needs root)
+    python bench/control_plane.py            # 50 MoEDeployments on the render-only backend
+    python bench/control_plane.py --quick    # 10
+    python bench/control_plane.py --node     # everything in Pods on a real node (needs root)
 
 A: one MoEDeployment on a local Ray head: seconds from `kubectl apply` to Ready=True, split into
    the operator's own work, Ray's (Serve config PUT -> app RUNNING), and the rest (watch latency,
