@@ -156,6 +156,35 @@ def test_tools_and_response_formats_are_checked_and_named(body, param, says):
     assert err.param == param and err.message.startswith(says), err.message
 
 
+SCHEMA_NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
+                          "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+
+@pytest.mark.parametrize("keyword", SCHEMA_NUMBER_KEYWORDS)
+@pytest.mark.parametrize("value", [-(2**63) - 1, 2**64, 10**20 - 1])
+def test_schema_integers_past_64_bits_are_a_400_naming_the_keyword(keyword, value):
+    """The grammar compiler reads int64 / uint64 only: a wider integer anywhere in a schema was a
+    500 ("Value is not JSON serializable"); in a tool's parameters as in a response format."""
+    schema = {"type": "object", "properties": {"a": {"type": "number", keyword: value}}}
+    err = _chat_error({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+    assert err.param == "response_format" and err.message == (
+        f"response_format.json_schema.schema: properties.a.{keyword}: {value} is outside the integers a schema "
+        "can hold [-2^63, 2^64)")
+    err = _chat_error({"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]})
+    assert err.param == "tools" and err.message.startswith(f"tools.0.function.parameters: properties.a.{keyword}: ")
+
+
+def test_schema_integers_at_the_64_bit_ends_and_wide_ones_elsewhere():
+    ends = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ends}}
+    assert parse_chat(decode_body(json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                              "response_format": fmt}).encode())).response_format.json_schema
+    for schema, where in (({"enum": [1, 2**64]}, "enum.1"), ({"const": -(2**63) - 1}, "const"),
+                          ({"anyOf": [{"default": 2**65}]}, "anyOf.0.default")):
+        err = _chat_error({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+        assert err.message.startswith(f"response_format.json_schema.schema: {where}: "), err.message
+
+
 def test_a_tool_call_sent_back_and_a_forced_choice_read_as_the_client_means():
     req = parse_chat(decode_body(json.dumps({
         "messages": [{"role": "user", "content": "hi"},

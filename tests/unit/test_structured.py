@@ -17,7 +17,7 @@ from checkpoints import make_family
 from moe_workers.model.sampling import SamplingParams, sample_batch
 from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
 from moe_workers.serve.engine import FinishReason, GenerationRequest
-from moe_workers.serve.protocol import RequestError, ResponseFormat
+from moe_workers.serve.protocol import JsonSchema, RequestError, ResponseFormat
 from moe_workers.serve.structured import Grammars, unpack_bits
 
 EOS = 2
@@ -85,6 +85,17 @@ def test_json_object_is_any_object_and_unsupported_keywords_are_named(grammars):
     with pytest.raises(RequestError) as info:
         grammars.constraint(_fmt({"type": "object", "if": {"required": ["a"]}, "then": {}}))
     assert info.value.param == "response_format" and "if" in info.value.message
+    assert info.value.message.startswith("response_format.json_schema.schema: unsupported")
+
+
+def test_a_schema_value_the_compiler_cannot_read_is_a_400_not_a_crash(grammars):
+    """protocol.py refuses integers past 64 bits in a schema; one that gets past it (a format built
+    without validation) is still a 400 naming response_format, not llguidance's ValueError."""
+    fmt = ResponseFormat.model_construct(type="json_schema", json_schema=JsonSchema.model_construct(
+        name="t", schema_={"type": "number", "minimum": -(2**63) - 1}))
+    with pytest.raises(RequestError) as info:
+        grammars.constraint(fmt)
+    assert info.value.status == 400 and info.value.param == "response_format"
     assert info.value.message.startswith("response_format.json_schema.schema: unsupported")
 
 

@@ -25,6 +25,7 @@ MAX_JSON_DEPTH = 32
 MAX_INT_DIGITS = 20  # int64 / uint64 need 20 at most
 MIN_TEMPERATURE = 1e-5  # below this (and above 0) logits / temperature leave floating point
 INT64 = (-(2**63), 2**63 - 1)
+SCHEMA_INTS = (-(2**63), 2**64 - 1)  # what a JSON schema's numbers may be: int64 or uint64 (llguidance's serde_json)
 _STRUCTURE = re.compile(rb'\\.|["\[\]{}]', re.S)
 
 
@@ -82,6 +83,23 @@ def schema_problem(schema, path: str = "") -> str | None:
         return f"{where}required: expected a list of property names"
     if "enum" in schema and not isinstance(schema["enum"], list):
         return f"{where}enum: expected a list"
+    return None if path else _wide_integer(schema)
+
+
+def _wide_integer(value, path: str = "") -> str | None:
+    """Where an integer outside int64 / uint64 stands in a schema (any keyword: minimum,
+    maxLength, multipleOf, enum, const, default ...), which no grammar compiler can read, or None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not SCHEMA_INTS[0] <= value <= SCHEMA_INTS[1]:
+            return f"{path or 'schema'}: {value} is outside the integers a schema can hold [-2^63, 2^64)"
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if (bad := _wide_integer(v, f"{path}.{i}" if path else str(i))) is not None:
+                return bad
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if (bad := _wide_integer(v, f"{path}.{k}" if path else str(k))) is not None:
+                return bad
     return None
 
 

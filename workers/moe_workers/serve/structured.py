@@ -119,7 +119,10 @@ class Grammars:
         import llguidance
 
         tokenizer = self._llg_tokenizer()
-        text = grammar()
+        try:
+            text = grammar()
+        except (ValueError, TypeError) as err:  # a value llguidance cannot read (protocol.py refuses those it knows)
+            raise RequestError(400, f"{where}: unsupported: {err}", param=param) from None
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
         if failed:
             raise RequestError(400, f"{where}: unsupported: {messages[0]}", param=param)
