@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_workers.model.sampling import SamplingParams, sample
-from moe_workers.serve.protocol import (MAX_JSON_DEPTH, MIN_TEMPERATURE, CompletionRequest, RequestError, parse_chat,
-                                        decode_body, parse_completion)
+from moe_workers.serve.protocol import (MAX_JSON_DEPTH, MIN_TEMPERATURE, CompletionRequest, RequestError, check_context,
+                                        decode_body, parse_chat, parse_completion)
 
 
 def _error(raw: bytes) -> RequestError:
@@ -197,3 +197,40 @@ def test_a_tool_call_sent_back_and_a_forced_choice_read_as_the_client_means():
     assert req.messages[1].tool_calls[0].function.name == "f"
     assert req.model_copy(update={"tool_choice": "none"}).calls_tools is False
     assert req.model_copy(update={"tool_choice": "auto"}).forced_functions() is None
+
+
+@pytest.mark.parametrize("prompt,new_tokens,param,says", [
+    (5000, 1, "prompt", "prompt: the prompt is 5000 tokens, and the context of 2048 tokens leaves no room"),
+    (2048, 1, "prompt", "prompt: the prompt is 2048 tokens, and the context of 2048"),
+    (2047, 2, "max_tokens", "max_tokens: prompt (2047 tokens) + max_tokens (2) exceeds the context of 2048 tokens"),
+    (1500, 1, "prompt", "prompt: the prompt is 1500 tokens, and the whole KV cache for one sequence (1024 tokens"),
+    (1000, 30, "max_tokens", "max_tokens: prompt (1000 tokens) + max_tokens (30) is more than the whole KV cache"),
+])
+def test_a_prompt_that_alone_does_not_fit_is_refused_naming_the_prompt(prompt, new_tokens, param, says):
+    """A prompt with no room for one token after it names the prompt, not the limit on new
+    tokens (it named max_tokens, which no value of could fix)."""
+    with pytest.raises(RequestError) as info:
+        check_context(prompt, new_tokens, max_len=2048, held=1024, prompt_param="prompt", tokens_param="max_tokens")
+    assert info.value.param == param and info.value.message.startswith(says), info.value.message
+    with pytest.raises(RequestError) as info:  # chat without a limit: the rest of the context, none left
+        check_context(2048, 0, 2048, 4096, "messages", "max_completion_tokens")
+    assert info.value.param == "messages"
+    check_context(1000, 24, 2048, 1024, "prompt", "max_tokens")  # exactly fits
+
+
+def test_stream_options_without_stream_are_refused_as_vllm_refuses_them():
+    for body in ({"prompt": [1], "stream_options": {"include_usage": True}},
+                 {"prompt": [1], "stream": False, "stream_options": {}}):
+        err = _error(json.dumps(body).encode())
+        assert (err.param, err.message) == ("stream_options", "stream_options: only with stream: true")
+    assert _chat_error({"stream_options": {"include_usage": True}}).param == "stream_options"
+    ok = parse_completion(decode_body(b'{"prompt":[1],"stream":true,"stream_options":{"include_usage":true}}'))
+    assert ok.include_usage
+    assert parse_completion(decode_body(b'{"prompt":[1],"stream_options":null}')).stream_options is None
+
+
+def test_a_key_given_twice_takes_its_last_value_as_vllm_does():
+    """json.loads, which FastAPI (hence vLLM) and pydantic's own parser follow: the last one wins."""
+    req = parse_completion(decode_body(b'{"prompt":[1],"max_tokens":2,"max_tokens":5}'))
+    assert req.max_tokens == 5
+    assert _error(b'{"prompt":[1],"max_tokens":2,"max_tokens":true}').param == "max_tokens"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -40,10 +40,9 @@ from moe_workers.serve.metrics import IngressMetrics
 from moe_workers.serve.migration import RESUME_HEADER, Resume, parse_resume
 from moe_workers.serve.board import weights_digest
 from moe_workers.serve.chat import ChatTemplate
-from moe_workers.serve.http_gate import Gate, read_body
+from moe_workers.serve.http_gate import install, read_body
 from moe_workers.serve.openai_render import Renderer, finish_text, raise_failed, usage_object
-from moe_workers.serve.protocol import RequestError, decode_body, parse_chat, parse_completion
-from moe_workers.serve.proxy_gate import RETRY_AFTER_S
+from moe_workers.serve.protocol import RequestError, check_context, decode_body, parse_chat, parse_completion
 from moe_workers.serve.structured import Grammars
 from moe_workers.serve.reasoning import Splitter, reasoning_format, split
 from moe_workers.serve.textstream import ChoiceText
@@ -55,15 +54,7 @@ from moe_workers.transport import ExpertChannel, Member, Part
 from moe_workers.transport.realtime import Realtime
 
 fastapi_app = FastAPI(title="moe-operator", docs_url=None, redoc_url=None)
-
-
-@fastapi_app.exception_handler(RequestError)
-async def _request_error(_: Request, err: RequestError):
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-
-fastapi_app.add_middleware(Gate)
+install(fastapi_app)  # refusals in OpenAI's error object; the API key and body size checked first
 
 
 @serve.deployment
@@ -285,7 +276,7 @@ class Ingress:
 
     # -- HTTP -----------------------------------------------------------------------------------
 
-    @fastapi_app.get("/v1/models")
+    @fastapi_app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(self):
         return {"object": "list", "data": [{
             "id": self.args.served_model_name, "object": "model", "owned_by": "moe-operator",
@@ -372,14 +363,8 @@ class Ingress:
         """Submit the request's n choices and answer them (whole, or as server-sent events); a
         resumed stream goes on after the tokens its client has, under its first response's id."""
         param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
-        if new_tokens < 1 or len(ids) + new_tokens > self.max_len:
-            raise RequestError(400, f"{param}: prompt ({len(ids)} tokens) + {param} ({new_tokens}) "
-                               f"exceeds the context of {self.max_len} tokens", param=param)
-        held = self.engine.max_sequence_tokens()
-        if len(ids) + new_tokens > held:
-            raise RequestError(400, f"{param}: prompt ({len(ids)} tokens) + {param} ({new_tokens}) is more than "
-                               f"the whole KV cache holds for one sequence ({held} tokens: "
-                               f"spec.ingress.kvCacheBudget)", param=param)
+        check_context(len(ids), new_tokens, self.max_len, self.engine.max_sequence_tokens(),
+                      "messages" if chat else "prompt", param)
         sampling = req.sampling(self.dense.cfg.vocab_size)
         prefix = resume.token_ids if resume is not None else []
         # the choices' text streams; a resumed one holds the text its client has, and what is held back
@@ -584,7 +569,7 @@ class Ingress:
             raise RequestError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
         return list(prompt)
 
-    @fastapi_app.get("/moe/v1/status")
+    @fastapi_app.api_route("/moe/v1/status", methods=["GET", "HEAD"])
     async def moe_status(self):
         """Every shard replica's experts (version digest, tier, tokens), tiers, swaps; this
         ingress replica's engine. What the operator and moectl read."""

@@ -169,6 +169,10 @@ class _Sampling(BaseModel):
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     response_format: ResponseFormat | None = None
 
+    def model_post_init(self, _context) -> None:
+        if self.stream_options is not None and not self.stream:  # as vLLM refuses it
+            raise ValueError("stream_options: only with stream: true")
+
     @field_validator("temperature")
     @classmethod
     def _usable_temperature(cls, v):
@@ -337,6 +341,7 @@ class ChatCompletionRequest(_Sampling):
     include_reasoning: bool | None = None  # a thinking model's reasoning_content (None: the app's default)
 
     def model_post_init(self, _context) -> None:
+        super().model_post_init(_context)
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) < len(names):
             raise ValueError("tools: two functions have the same name")
@@ -383,6 +388,23 @@ class RequestError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
+
+
+def check_context(prompt: int, new_tokens: int, max_len: int, held: int, prompt_param: str, tokens_param: str) -> None:
+    """A 400 if a prompt of `prompt` tokens and `new_tokens` more do not fit the context
+    (`max_len`) or what the whole KV cache holds for one sequence (`held`), naming the prompt
+    (`prompt_param`: prompt / messages) when it alone leaves no room for a token, else the limit
+    (`tokens_param`: max_tokens / max_completion_tokens)."""
+    room = ((max_len, f"the context of {max_len} tokens", f"exceeds the context of {max_len} tokens"),
+            (held, f"the whole KV cache for one sequence ({held} tokens: spec.ingress.kvCacheBudget)",
+             f"is more than the whole KV cache holds for one sequence ({held} tokens: spec.ingress.kvCacheBudget)"))
+    for limit, what, over in room:
+        if prompt >= limit:
+            raise RequestError(400, f"{prompt_param}: the prompt is {prompt} tokens, and {what} leaves no room "
+                               "for a token after it; shorten the prompt", param=prompt_param)
+        if prompt + new_tokens > limit:
+            raise RequestError(400, f"{tokens_param}: prompt ({prompt} tokens) + {tokens_param} ({new_tokens}) {over}",
+                               param=tokens_param)
 
 
 def _json_depth(raw: bytes) -> tuple[int, str | None]:
