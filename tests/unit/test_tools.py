@@ -16,7 +16,7 @@ from moe_workers.model.sampling import SamplingParams, sample_batch
 from moe_workers.model.tokenizer import write_byte_tokenizer
 from moe_workers.serve.structured import Grammars
 from moe_workers.serve.textstream import ChoiceText
-from moe_workers.serve.tools import DS, markers, parse, start_marker, tool_format
+from moe_workers.serve.tools import DS, cut_calls, markers, parse, start_marker, tool_format
 
 FUNCTIONS = [
     {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -113,3 +113,60 @@ def test_the_answer_stops_at_a_call_and_the_call_is_kept(tmp_path, special):
     text = "".join(choice.push(t)[0] for t in ids) + choice.finish()[0]
     assert text == "Sure." and choice.calling and not choice.stopped
     assert parse("mistral", tok.decode(choice.tokens, skip_special_tokens=False))[1][0].name == "add"
+
+
+@pytest.mark.parametrize("fmt", sorted(RECORDED))
+def test_a_call_cut_anywhere_keeps_the_whole_calls_and_the_arguments_written_so_far(fmt):
+    """max_tokens cut a forced call: the calls before it whole, then the one being written with
+    its arguments so far, never the markers that close it; nothing is dropped (it all was)."""
+    raw, _ = RECORDED[fmt]
+    raw = raw.split("<|im_end|>")[0].split("</s>")[0]
+    _, calls = parse(fmt, raw)
+    for n in range(len(raw) + 1):
+        got = cut_calls(fmt, raw[:n], "add")
+        assert got, raw[:n]
+        for whole, want in zip(got[:-1], calls):  # the calls already written are whole
+            assert (whole.name, json.loads(whole.arguments)) == (want.name, json.loads(want.arguments))
+        last = got[-1]
+        assert last.arguments in raw[:n] or any(_same_json(last.arguments, c.arguments) for c in calls), raw[:n]
+        assert not any(m in last.arguments for m in markers(fmt) + ["```"]), (raw[:n], last.arguments)
+        if last.arguments and len(got) <= len(calls):
+            written = json.loads(calls[len(got) - 1].arguments)
+            assert last.name in (calls[len(got) - 1].name, "add")
+            try:
+                assert json.loads(last.arguments) == written
+            except ValueError:  # cut inside: a prefix of what the model wrote
+                assert last.arguments.startswith("{")
+    assert [(c.name, c.arguments) for c in cut_calls(fmt, "", "add")] == [("add", "")]  # cut before its marker
+    assert cut_calls(fmt, "", None) == []  # tool_choice "required": no name to give
+
+
+@pytest.mark.parametrize("fmt", sorted(RECORDED))
+def test_a_forced_call_cut_at_every_token_reads_back_as_that_call(tmp_path, fmt):
+    """The grammar's own output, cut after each token: one call of the named function, whose
+    arguments only grow, and once whole fit its parameters."""
+    tok, grammars, vocab = _grammars(tmp_path, True)
+    gen = torch.Generator().manual_seed(1)
+    c = grammars.tool_constraint(fmt, FUNCTIONS[1:], False)
+    out = []
+    while not c.done and len(out) < 600:
+        t = sample_batch(torch.randn(1, vocab, generator=gen) * 2, [SamplingParams(temperature=1.0)],
+                         allowed=[c.allowed()])[0]
+        if t == grammars.eos:
+            break
+        c.advance(t)
+        out.append(t)
+    seen = ""
+    for k in range(len(out) + 1):
+        calls = cut_calls(fmt, tok.decode(out[:k], skip_special_tokens=False), "add")
+        assert len(calls) == 1 and calls[0].name == "add"
+        assert calls[0].arguments.startswith(seen) or _same_json(calls[0].arguments, seen), (seen, calls[0].arguments)
+        seen = calls[0].arguments
+    jsonschema.validate(json.loads(seen), SCHEMAS["add"])
+
+
+def _same_json(a: str, b: str) -> bool:
+    try:
+        return json.loads(a) == json.loads(b)
+    except ValueError:
+        return False

@@ -42,11 +42,12 @@ from moe_workers.serve.board import weights_digest
 from moe_workers.serve.chat import ChatTemplate
 from moe_workers.serve.http_gate import install, read_body
 from moe_workers.serve.openai_render import Renderer, finish_text, raise_failed, usage_object
-from moe_workers.serve.protocol import RequestError, check_context, decode_body, parse_chat, parse_completion
+from moe_workers.serve.protocol import (NamedToolChoice, RequestError, check_context, decode_body, parse_chat,
+                                        parse_completion)
 from moe_workers.serve.structured import Grammars
 from moe_workers.serve.reasoning import Splitter, reasoning_format, split
 from moe_workers.serve.textstream import ChoiceText
-from moe_workers.serve.tools import parse, start_marker, tool_format
+from moe_workers.serve.tools import cut_calls, parse, start_marker, tool_format
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.serve.node import ray_placement
@@ -418,7 +419,7 @@ class Ingress:
                 message = {"role": "assistant", "content": text}
                 if self._reports_reasoning(req, streams[i]):
                     message["reasoning_content"] = thinking
-                tool_calls = self._tool_calls(streams[i]) if calls else []
+                tool_calls = self._tool_calls(streams[i], req, finish) if calls else []
                 if tool_calls:
                     message.update(content=text or None, tool_calls=[c.openai() for c in tool_calls])
                     finish = "tool_calls" if finish == "stop" else finish
@@ -454,11 +455,18 @@ class Ingress:
         """The id of `text` if the vocabulary has it as one token (a tool-call marker), else None."""
         return self.tokenizer.token_to_id(text) if text and self.tokenizer is not None else None
 
-    def _tool_calls(self, stream: ChoiceText) -> list:
-        """The tool calls a choice made, read from its raw text (special tokens spelled out)."""
-        if not stream.calling and self.tool_format != "harmony":
+    def _tool_calls(self, stream: ChoiceText, req, finish: str | None) -> list:
+        """The tool calls a choice made, read from its raw text (special tokens spelled out). A
+        forced call that max_tokens cut (finish "length") is returned with the arguments written
+        so far, as vLLM returns it (`tools.cut_calls`)."""
+        cut = finish == "length" and req.forced_functions() is not None
+        if not stream.calling and self.tool_format != "harmony" and not cut:
             return []
-        return parse(self.tool_format, self.render.decode_raw(stream.tokens))[1]
+        raw = self.render.decode_raw(stream.tokens)
+        if cut:
+            named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+            return cut_calls(self.tool_format, raw, named)
+        return parse(self.tool_format, raw)[1]
 
     def _splitter(self, prompt: list[int], chat: bool) -> Splitter | None:
         """A chat choice's reasoning splitter, for a model whose vocabulary marks its thinking."""
@@ -529,7 +537,7 @@ class Ingress:
                 if tok is None:
                     open_choices -= 1  # (a failed choice ends with finish_reason "error: ...")
                     end = "stop" if stream.stopped else finish_text(gen)
-                    tool_calls = self._tool_calls(stream) if calls else []
+                    tool_calls = self._tool_calls(stream, req, end) if calls else []
                     if tool_calls:  # the calls whole, in one chunk, then the finish
                         yield event(i, stream.finish(), [], None, tool_calls=tool_calls)
                         yield event(i, "", [], "tool_calls" if end == "stop" else end)

@@ -93,6 +93,67 @@ def parse(fmt: str, raw: str) -> tuple[str | None, list[ToolCall]]:
     return (before if before.strip() else None), calls
 
 
+_CUT_OBJECT = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)(?P<closed>")?'
+                         r'(?:\s*,\s*"arguments"\s*:\s*(?P<args>.*))?', re.S)
+
+
+def cut_calls(fmt: str, raw: str, name: str | None = None) -> list[ToolCall]:
+    """The calls of a completion that max_tokens cut while a forced call was being written (the
+    grammar held it to the convention): the whole calls, then the one it was writing with its
+    arguments as generated so far ("" if they had not begun: not JSON, as vLLM returns them).
+    `name`: the function tool_choice names; None (tool_choice "required"): read from the text,
+    and a call cut before its name is whole is dropped."""
+    whole: list[ToolCall] = []
+    tail: str | None = None  # the text of the call being written
+    if fmt in ("hermes", "deepseek", "harmony"):
+        opener = {"hermes": "<tool_call>", "deepseek": DS["call_begin"], "harmony": "<|channel|>"}[fmt]
+        closer = {"hermes": "</tool_call>", "deepseek": DS["call_end"], "harmony": "<|call|>"}[fmt]
+        end = raw.rfind(closer)
+        whole = parse(fmt, raw[:end + len(closer)])[1] if end >= 0 else []
+        at = raw.rfind(opener)
+        tail = raw[at + len(opener):] if at > end else None
+    elif fmt == "mistral":
+        at = raw.find(START["mistral"])
+        rest = raw[at + len(START["mistral"]):].lstrip().removeprefix("[") if at >= 0 else ""
+        decoder = json.JSONDecoder()
+        while at >= 0:
+            rest = rest.lstrip().removeprefix(",")
+            try:
+                item, used = decoder.raw_decode(rest.lstrip())
+            except ValueError:
+                tail = rest
+                break
+            rest = rest.lstrip()[used:]
+            if not rest.strip() or rest.lstrip().startswith("]"):
+                at = -1  # the list ends here, or the next item has not begun
+            if isinstance(item, dict) and isinstance(item.get("name"), str):
+                whole.append(ToolCall(item["name"], _arguments(item.get("arguments", {}))))
+    if tail is None or not tail.strip():
+        return whole or ([ToolCall(name, "")] if name else [])  # cut before the call's first marker was whole
+    called, arguments = None, ""
+    if fmt in ("hermes", "mistral"):
+        m = _CUT_OBJECT.match(tail)
+        if m and m.group("closed"):
+            called, arguments = m.group("name"), m.group("args") or ""
+    elif fmt == "deepseek":
+        m = re.match(r"\s*function\s*" + re.escape(DS["sep"]) + r"\s*([^\n]+?)\s*\n(.*)$", tail, re.S)
+        if m:
+            fence, _, body = m.group(2).partition("\n")  # ```json, then the arguments
+            called, arguments = m.group(1), body if fence.startswith("```") else ""
+    else:  # harmony: commentary to=functions.NAME <|constrain|>json<|message|>{...
+        m = _RECIPIENT.search(tail)
+        if m and (m.end() < len(tail) and not tail[m.end()].isalnum() and tail[m.end()] not in "_.-"):
+            called = m.group(1)
+            arguments = tail.split("<|message|>", 1)[1] if "<|message|>" in tail else ""
+    if called is None and name is None:
+        return whole
+    try:  # arguments already whole: without the end of the call's markers that may follow them
+        arguments = arguments[:json.JSONDecoder().raw_decode(arguments)[1]]
+    except ValueError:
+        pass
+    return whole + [ToolCall(name or called, arguments.rstrip())]
+
+
 def _load(text: str):
     try:
         return json.loads(text)
