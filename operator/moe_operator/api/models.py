@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from .types import DNS_SUBDOMAIN_PATTERN, SHA256_PATTERN, Bytes, ExpertIdStr, Quantity
@@ -113,8 +113,6 @@ class ModelSource(ApiModel):
 
 RAY_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 RAY_LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
-RayNodeLabels = dict[str, Annotated[str, Field(pattern=RAY_LABEL_VALUE, max_length=63,
-                                                description="The label's value (empty, or up to 63 letters, digits, '-', '_', '.').")]]
 
 
 def check_label_keys(labels: dict[str, str]) -> dict[str, str]:
@@ -123,6 +121,13 @@ def check_label_keys(labels: dict[str, str]) -> dict[str, str]:
         raise ValueError(f"{bad[0]!r} is not a Ray node label key (an optional DNS prefix and '/', then up to "
                          "63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit)")
     return labels
+
+
+# the keys are checked by the type, wherever it is used (the schema's pattern covers the values only)
+RayNodeLabels = Annotated[dict[str, Annotated[str, Field(
+    pattern=RAY_LABEL_VALUE, max_length=63,
+    description="The label's value (empty, or up to 63 letters, digits, '-', '_', '.').")]],
+    AfterValidator(check_label_keys)]
 
 
 class SecretKeyRef(ApiModel):
@@ -145,11 +150,6 @@ class KubeRayWorkerGroup(ApiModel):
     cpu: Quantity | None = Field(default=None, description="CPU request and limit of each Pod (default: kubeRay.workerCpu).")
     memory: Bytes | None = Field(default=None, description="Memory of each Pod (default: kubeRay.workerMemory).")
     gpus: int | None = Field(default=None, ge=0, le=16, description="nvidia.com/gpu per Pod (default: kubeRay.workerGpus).")
-
-    @field_validator("labels")
-    @classmethod
-    def _keys(cls, labels: dict[str, str]) -> dict[str, str]:
-        return check_label_keys(labels)
 
 
 class KubeRayCluster(ApiModel):
@@ -393,11 +393,6 @@ class IngressSpec(ApiModel):
         "digests, applied in place (no restart). Needs the chart's readTokenSecrets.",
     )
 
-    @field_validator("ray_node_labels")
-    @classmethod
-    def _label_keys(cls, labels: dict[str, str]) -> dict[str, str]:
-        return check_label_keys(labels)
-
 
 # ---------------------------------------------------------------------------------------------
 # spec.experts
@@ -493,11 +488,6 @@ class GroupNodes(ApiModel):
         min_length=1, description="Ray node labels (`ray start --labels k=v`; KubeRay: the worker group's "
         "rayStartParams labels) these groups' replicas must run on; each label must match.")
 
-    @field_validator("ray_node_labels")
-    @classmethod
-    def _keys(cls, labels: dict[str, str]) -> dict[str, str]:
-        return check_label_keys(labels)
-
 
 class ExpertsSpec(ApiModel):
     """The ExpertShard deployments: how experts are split, replicated and stored. A group pinned
@@ -551,11 +541,6 @@ class ExpertsSpec(ApiModel):
         "entry per expert.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["expert"]},
     )
-
-    @field_validator("ray_node_labels")
-    @classmethod
-    def _label_keys(cls, labels: dict[str, str]) -> dict[str, str]:
-        return check_label_keys(labels)
 
     @field_validator("group_nodes")
     @classmethod
