@@ -138,9 +138,10 @@ class ColdIO:
                 return views, buf, None  # written by the CPU: ready now
             if form == COMPUTE and self.store.forms.quantized and self._holds(header, STORED):
                 with self.store.cv:
-                    staging, _ = self.store.staging.take()
+                    staging, staging_after = self.store.staging.take()
                 ready = None
                 try:
+                    self.store.ops.host_wait(staging_after)  # the last decode out of it
                     stored = self._read_layout(f.fileno(), path, header_len, header, STORED, staging)
                     views, buf, ready = self.store.fill(tier, stored)
                 finally:

@@ -34,7 +34,9 @@ class Entry:
     prefetched: bool = False  # promoted by a hint and not yet used
     last_used: float = field(default_factory=time.monotonic)
     removed: bool = False  # no longer hosted; its memory goes back at its last unpin / the end of its move
-    ready: object = None  # device event: the copy into `slot` is complete (None: nothing pending)
+    # device event: the copy into `slot` is complete (None: nothing pending); on a slot that was a
+    # hot expert's kept copy, the decode that read it. A slot goes back to its pool after it.
+    ready: object = None
     read_done: object = None  # device event: the last batch that read `slot` is complete
     # a quantized model's expert promoted from warm to hot keeps its stored form in its warm slot
     # (counted in warm): evicted from hot it is warm again at once, with no read from disk

@@ -12,10 +12,11 @@ class SlotPool:
     at its budgets: freshly allocated and freed 100 MB tensors fragment the host heap (and each
     thread's malloc arena) until RSS is several times the weights it holds.
 
-    A slot is given back with the event of the last device work that reads it (a batch, or a copy
-    out of it); whoever takes it next orders its copy after that event (`take()` returns it), so a
-    recycled slot is never overwritten under a kernel still reading it. A dropped slot whose
-    reader has not finished is kept until it has (its memory is still in use)."""
+    A slot is given back with the events of the last device work on it (a batch or a copy out of
+    it that reads it, the copy into it that may still write it); whoever takes it next orders its
+    copy after them (`take()` returns them; a host write waits for them first), so a recycled slot
+    is never overwritten under a kernel or copy still using it. A dropped slot whose device work
+    has not finished is kept until it has (its memory is still in use)."""
 
     def __init__(self, slot_bytes: int, ops: DeviceOps, host: bool, capacity: int | None):
         self.slot_bytes, self.ops, self.host = slot_bytes, ops, host

@@ -236,10 +236,10 @@ class TieredExpertStore:
             raise ValueError(f"the {tier} tier holds experts in their stored form; got parts {', '.join(sorted(src))}")
         with self.cv:
             buf, slot_after = self.pools[tier].take()
+        ready = None
         try:
             views = self._layout(buf, tier)
             waits = [*slot_after, after]
-            ready = None
             if decoding:  # the stored form decoded into the compute slot, where the device is
                 ready = self.ops.decode(views, src, self.model.quant, after=waits)
             for name, dst in views.items() if not decoding else ():
@@ -249,8 +249,8 @@ class TieredExpertStore:
                 ready = self.ops.copy(dst, s, after=waits)
                 waits = []  # one stream: later copies are ordered after the first
         except BaseException:
-            with self.cv:
-                self.pools[tier].give(buf, slot_after)
+            with self.cv:  # (after the parts already enqueued)
+                self.pools[tier].give(buf, [*slot_after, ready])
             raise
         return views, buf, ready
 
@@ -270,10 +270,11 @@ class TieredExpertStore:
         self.pools[dst].trim()
 
     def free_slot(self, e: Entry, after=None) -> None:
-        """Give e's slot back to the pool of its tier (lock held), once its last batch and `after`
-        (a copy out of it) are done on the device."""
+        """Give e's slot back to the pool of its tier (lock held), once the device is done with
+        it: its last batch, `after` (a copy out of it) and `e.ready` (the copy into it: an expert
+        demoted hot -> warm may leave warm before its device -> host copy has run)."""
         if e.slot is not None and e.tier in (HOT, WARM):
-            self.pools[e.tier].give(e.slot, [e.read_done, after])
+            self.pools[e.tier].give(e.slot, [e.read_done, after, e.ready])
         e.slot, e.tensors, e.read_done = None, None, None
 
     def drop_kept(self, e: Entry) -> None:
@@ -501,20 +502,21 @@ class TieredExpertStore:
         if not isinstance(move, _Move):
             return move
         t0 = time.perf_counter()
+        kept_ready = None
         try:
             if move.warm_copy is not None and self._same_memory():
                 tensors, slot, ready = move.warm_copy, move.e.slot, move.warm_ready  # the slot changes tier
             elif move.warm_copy is not None:
                 tensors, slot, ready = self.fill(target, move.warm_copy, after=move.warm_ready)
             elif move.kept_hold is not None:  # from disk into a warm slot it keeps, decoded from there
-                move.kept, move.kept_slot, _ = self.disk.read(key, move.version, WARM)
-                tensors, slot, ready = self.fill(target, move.kept)
+                move.kept, move.kept_slot, kept_ready = self.disk.read(key, move.version, WARM)
+                tensors, slot, ready = self.fill(target, move.kept, after=kept_ready)
             else:
                 tensors, slot, ready = self.disk.read(key, move.version, target)
         except BaseException:
             with self.cv:
                 if move.kept_slot is not None:
-                    self.pools[WARM].give(move.kept_slot)
+                    self.pools[WARM].give(move.kept_slot, [kept_ready])
                 self._abandon(move)
             raise
         with self.cv:
@@ -693,7 +695,8 @@ class TieredExpertStore:
         if src == HOT and e.kept is not None:  # its stored copy is warm already: no copy, no disk
             self.ledger.remove(HOT, self.forms.nbytes(HOT))
             self.free_slot(e)
-            e.tensors, e.slot, e.ready, e.kept, e.kept_slot = e.kept, e.kept_slot, None, None, None
+            # e.ready stays: the decode that wrote the hot slot read this one
+            e.tensors, e.slot, e.kept, e.kept_slot = e.kept, e.kept_slot, None, None
             e.tier = dst = WARM
         elif to_warm and self.make_room(WARM, self.forms.nbytes(WARM), exclude={e.key}, wait=False):
             if self._same_memory():

@@ -56,12 +56,12 @@ class HotSwap:
                 while e.pins or e.busy:  # the batch boundary
                     if not self.store.cv.wait(max(0.0, deadline - time.monotonic())):
                         e.swap_pending = False
-                        self._unstage(hold, slot)
+                        self._unstage(hold, slot, staged_ready)
                         raise SwapError(f"expert {key[0]}.{key[1]} stayed in use for {self.store.wait_timeout_s:.0f} s; "
                                         "swap not committed")
                 if e.removed:  # configure() dropped the expert while the swap waited for its batches
                     e.swap_pending = False
-                    self._unstage(hold, slot)
+                    self._unstage(hold, slot, staged_ready)
                     raise SwapError(f"expert {key[0]}.{key[1]} was removed from this replica; swap not committed")
                 if e.tier in (HOT, WARM):
                     self.store.ledger.remove(e.tier, self.store.forms.nbytes(e.tier))
@@ -79,10 +79,11 @@ class HotSwap:
                              daemon=True).start()
             return version
 
-    def _unstage(self, hold, slot) -> None:
-        """A staged version that will not commit gives its room and slot back (lock held)."""
+    def _unstage(self, hold, slot, ready=None) -> None:
+        """A staged version that will not commit gives its room and slot back (lock held), the
+        slot once `ready` (the copy into it) is done."""
         if slot is not None:
-            self.store.pools[hold.tier].give(slot)
+            self.store.pools[hold.tier].give(slot, [ready])
         hold.abandon()
         self.store.cv.notify_all()
 
