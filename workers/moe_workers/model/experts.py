@@ -4,20 +4,48 @@ from __future__ import annotations
 
 import torch
 
-from . import native, routes
+from . import grouped, native, routes
 from .checkpoint import Checkpoint
 from .layers import combine, expert_forward, group_by_expert
 
 
+# rows (token x slot pairs) from which the CPU takes grouped GEMM over the per-expert loop:
+# bench/grouped.py measured it slower than the loop at every size on the CPU
+GROUPED_CPU_ROWS = None
+
+
 class LocalExperts:
-    """All (or some) routed experts of a checkpoint in this process, in compute layout."""
+    """All (or some) routed experts of a checkpoint in this process, in compute layout.
+
+    With every expert of a layer here, the layer's experts are one (E, ...) tensor per part
+    (`grouped.stack`; each expert's weights are views of it): on a GPU a layer runs as grouped
+    GEMM with its routing on the device (`grouped.moe`, no host read); on the CPU a decode step's
+    rows go through the C kernels and larger steps through `compute_rows`."""
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, experts: list[tuple[int, int]] | None = None,
                  device: torch.device | str = "cpu"):
         cfg = self.cfg = ckpt.config
+        self.device = torch.device(device)
         ids = experts if experts is not None else [(l, e) for l in cfg.sparse_layers for e in range(cfg.num_experts)]
-        self.weights = {eid: {k: t.contiguous().to(device) for k, t in ckpt.expert(*eid, dtype=dtype).items()}
-                        for eid in ids}
+        self.weights: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.stacked: dict[int, dict[str, torch.Tensor]] = {}
+        for layer in dict.fromkeys(l for l, _ in ids):
+            mine = [e for l, e in ids if l == layer]
+            loaded = [{k: t.contiguous() for k, t in ckpt.expert(layer, e, dtype=dtype).items()} for e in mine]
+            if mine == list(range(cfg.num_experts)):
+                self.stacked[layer] = {k: t.to(self.device) for k, t in grouped.stack(loaded).items()}
+                loaded = [{k: t[e] for k, t in self.stacked[layer].items()} for e in mine]
+            else:
+                loaded = [{k: t.to(self.device) for k, t in w.items()} for w in loaded]
+            self.weights.update({(layer, e): w for e, w in zip(mine, loaded)})
+
+    def grouped(self, layer: int, x: torch.Tensor, indices: torch.Tensor) -> bool:
+        """Whether this layer's step runs as grouped GEMM (see the class)."""
+        if layer not in self.stacked or not grouped.applies(self.device, x.dtype):
+            return False
+        if self.device.type != "cpu":
+            return True
+        return GROUPED_CPU_ROWS is not None and indices.numel() >= GROUPED_CPU_ROWS
 
     def forward(self, layer: int, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """{expert: its tokens' hidden states} -> {expert: its outputs}, through `compute_rows`."""
@@ -27,6 +55,8 @@ class LocalExperts:
         return dict(zip(experts, out.split(counts)))
 
     def moe(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.grouped(layer, x, indices):
+            return grouped.moe(self.cfg, x, indices, weights, self.stacked[layer])
         if indices.numel() <= routes.SMALL:  # decode: the routing in Python ints
             r = routes.route(indices)
             experts = list(r.by_expert)

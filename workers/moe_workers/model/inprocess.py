@@ -10,15 +10,16 @@ from .checkpoint import Checkpoint
 from .dense import Chunk, DenseModel, StepBatch
 from .experts import LocalExperts
 from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_groups
-from .sampling import sample
+from .sampling import SamplingParams, sample_batch
 
 
 class InProcessModel:
     def __init__(self, path: str | Path, dtype: str | torch.dtype | None = None, max_len: int | None = None,
                  max_sequences: int = 8, family: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", attention: str | None = None):
         """`device`: where every weight, the KV cache and the compute live (the GPU kit runs the
-        model on CUDA; the served app puts the dense part and each shard's hot tier there)."""
+        model on CUDA; the served app puts the dense part and each shard's hot tier there).
+        `attention`: how decode reads the KV cache (`PagedKVCache`; default: the device's)."""
         self.ckpt = Checkpoint(path, family)
         self.cfg = self.ckpt.config.with_dtype(dtype)
         self.device = torch.device(device)
@@ -27,7 +28,8 @@ class InProcessModel:
         self.max_len = max_len or self.cfg.max_position_embeddings
         # room for max_sequences sequences of max_len tokens (no prefix sharing here)
         blocks = max_sequences * len(kv_groups(self.cfg)) * -(-self.max_len // block_size)
-        self.cache = PagedKVCache(self.cfg, blocks + 1, block_size, self.cfg.dtype, self.device, prefix_caching=False)
+        self.cache = PagedKVCache(self.cfg, blocks + 1, block_size, self.cfg.dtype, self.device, prefix_caching=False,
+                                  attention=attention)
 
     @torch.inference_mode()
     def step(self, chunks: list[Chunk], all_rows: bool = False) -> torch.Tensor:
@@ -56,6 +58,7 @@ class InProcessModel:
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = False) -> list[list[int]]:
         """Completions for several prompts decoded together (one step per token, all sequences)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        params = SamplingParams(temperature=temperature, top_p=top_p)
         seqs = [self.cache.allocate() for _ in prompts]
         try:
             outputs: list[list[int]] = [[] for _ in prompts]
@@ -63,9 +66,11 @@ class InProcessModel:
             active = list(range(len(prompts)))
             while active and max_tokens > 0:
                 logits = self.step([chunks[i] for i in active])
+                # the step's rows in one call: one read of the device a step, not one a row (a
+                # seeded generator draws the rows in order, as it did row by row)
+                toks = sample_batch(logits, [params] * len(active), [gen] * len(active))
                 still = []
-                for row, i in enumerate(active):
-                    tok = sample(logits[row], temperature, top_p, gen)
+                for i, tok in zip(active, toks):
                     outputs[i].append(tok)
                     c = chunks[i]
                     chunks[i] = Chunk(c.slot, c.start + len(c.tokens), [tok])

@@ -78,7 +78,7 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
     if len(work) < rows:  # plain greedy rows: the argmax as it is
         chosen = torch.argmax(logits, dim=-1)
     else:
-        chosen = torch.empty(rows, dtype=torch.long)
+        chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
     # rows go through in groups whose float64 copy fits a core's cache: [rows, vocab] passes over
     # more than that ran slower together than row by row (bench/sampling.py)
     group = max(1, GROUP_BYTES // (8 * logits.shape[1]))
@@ -97,7 +97,7 @@ def _sample_rows(logits, ps, generators, histories, barred, allowed) -> torch.Te
     _bias(x, ps)
     _penalize(x, ps, histories)
     _bar(x, barred)
-    picks = torch.full((len(ps),), -1, dtype=torch.long)
+    picks = torch.full((len(ps),), -1, dtype=torch.long, device=x.device)
     hot = [j for j, p in enumerate(ps) if p.temperature > 0]
     if hot:
         picks[hot] = _sample_hot(_rows(x, hot), [ps[j] for j in hot], [generators[j] for j in hot])
@@ -142,7 +142,7 @@ def _penalize(x: torch.Tensor, params: list[SamplingParams], histories: list[His
             v = row[ids]
             row[ids] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and len(out_ids):
-            row[out_ids] -= counts * p.frequency_penalty + p.presence_penalty
+            row[out_ids] -= counts.to(row.device) * p.frequency_penalty + p.presence_penalty
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -153,7 +153,7 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def _mask(x: torch.Tensor, allowed: list[torch.Tensor | None]) -> None:
     rows = [j for j, m in enumerate(allowed) if m is not None]
     if rows:
-        x[rows] = x[rows].masked_fill(~torch.stack([allowed[j] for j in rows]), float("-inf"))
+        x[rows] = x[rows].masked_fill(~torch.stack([allowed[j] for j in rows]).to(x.device), float("-inf"))
 
 
 def _bias(x: torch.Tensor, params: list[SamplingParams]) -> None:
@@ -162,7 +162,8 @@ def _bias(x: torch.Tensor, params: list[SamplingParams]) -> None:
         for tok, bias in p.logit_bias:
             r.append(j), c.append(tok), v.append(bias)
     if r:
-        x.index_put_((torch.as_tensor(r), torch.as_tensor(c)), torch.tensor(v, dtype=torch.float64), accumulate=True)
+        x.index_put_((torch.as_tensor(r), torch.as_tensor(c)), torch.tensor(v, dtype=torch.float64, device=x.device),
+                    accumulate=True)
 
 
 def _bar(x: torch.Tensor, barred: list[Sequence[int]]) -> None:
@@ -181,17 +182,18 @@ def _outside_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def _warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top_k, top_p over what top_k kept, then min_p (rows that sample)."""
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float64)[:, None]
+    dev = x.device
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev)[:, None]
     y = x / temp
     ks = [p.top_k for p in params]
     if any(k > 0 for k in ks):
         vocab = y.shape[1]
-        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in ks])
+        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in ks], device=dev)
         kth = torch.topk(y, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
         kth[k == vocab] = float("-inf")  # the rows without top_k keep everything
         y = y.masked_fill(y < kth, float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)[:, None]
-    if bool((top_p < 1.0).any()):
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)[:, None]
+    if any(p.top_p < 1.0 for p in params):
         probs = torch.softmax(y, dim=-1)
         # the most likely TOP_P_CANDIDATES tokens, sorted, hold top_p of the mass in every row of a
         # language model's distribution: every token past them is dropped anyway; else sort all
@@ -200,8 +202,8 @@ def _warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
             head, order = torch.sort(probs, dim=-1, descending=True)
         keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, ~_outside_nucleus(head, top_p))
         y = y.masked_fill(~keep, float("-inf"))
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)[:, None]
-    if bool((min_p > 0).any()):
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64, device=dev)[:, None]
+    if any(p.min_p > 0 for p in params):
         probs = torch.softmax(y, dim=-1)
         y = y.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return y
@@ -211,7 +213,7 @@ def _sample_hot(x: torch.Tensor, params: list[SamplingParams], generators: list[
     """A token for each row that samples (-1: no distribution). A row with top_k or top_p draws
     among its most likely tokens only (`_candidates`); the others, and any whose candidates do not
     settle it, through the whole vocabulary (`_warp`)."""
-    picked = torch.full((len(params),), -1, dtype=torch.long)
+    picked = torch.full((len(params),), -1, dtype=torch.long, device=x.device)
     narrow = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
     wide = [j for j, p in enumerate(params) if not (p.top_k > 0 or p.top_p < 1.0)]
     if narrow:
@@ -220,8 +222,9 @@ def _sample_hot(x: torch.Tensor, params: list[SamplingParams], generators: list[
         keep = settled.nonzero().flatten()
         if len(keep):
             drawn = _draw(probs[keep], [generators[narrow[r]] for r in keep.tolist()])
-            ok = drawn >= 0
-            picked[torch.as_tensor(narrow)[keep[ok]]] = ids[keep[ok]].gather(1, drawn[ok][:, None]).flatten()
+            token = ids[keep].gather(1, drawn.clamp(min=0)[:, None]).flatten()
+            # -1 where the row was no distribution (no boolean indexing: it would read the device)
+            picked[torch.as_tensor(narrow, device=x.device)[keep]] = torch.where(drawn >= 0, token, -1)
     if wide:
         y = _warp(_rows(x, wide), [params[j] for j in wide])
         probs = torch.exp(y - y.amax(dim=-1, keepdim=True))  # unnormalised: _draw needs no more
@@ -240,28 +243,29 @@ def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Te
     vocab = x.shape[1]
     ks = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
     width = min(vocab, max((k + 1) if k else TOP_P_CANDIDATES for k in ks))
+    dev = x.device
     vals, ids = torch.topk(x, width, dim=-1)  # sorted; dividing by a temperature keeps the order
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float64)[:, None]
-    has_k = torch.tensor([k > 0 for k in ks])
-    k = torch.tensor([k if k else min(TOP_P_CANDIDATES, vocab) for k in ks])
-    settled = torch.ones(len(params), dtype=torch.bool)
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev)[:, None]
+    has_k = torch.tensor([k > 0 for k in ks], device=dev)
+    k = torch.tensor([k if k else min(TOP_P_CANDIDATES, vocab) for k in ks], device=dev)
+    settled = torch.ones(len(params), dtype=torch.bool, device=dev)
     inner = has_k & (k < width)
-    if bool(inner.any()):
+    if any(0 < k_ < width for k_ in ks):
         at = k[:, None].clamp(max=width - 1)
         settled &= ~(inner & (vals.gather(1, at - 1) == vals.gather(1, at)).flatten())
-    y = (vals / temp).masked_fill(torch.arange(width)[None, :] >= k[:, None], float("-inf"))
+    y = (vals / temp).masked_fill(torch.arange(width, device=dev)[None, :] >= k[:, None], float("-inf"))
     # probabilities within the top_k set (what top_p sees after top_k), else within the vocabulary
     lse = torch.logsumexp(y, dim=-1)
-    if not bool(has_k.all()):
-        free = (~has_k).nonzero().flatten().tolist()
+    if not all(ks):
+        free = [j for j, k_ in enumerate(ks) if not k_]
         lse[free] = torch.logsumexp(_rows(x, free) / _rows(temp, free), dim=-1)
     probs = torch.exp(y - lse[:, None])
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)[:, None]
-    if bool((top_p < 1.0).any()):
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)[:, None]
+    if any(p.top_p < 1.0 for p in params):
         settled &= (probs.sum(dim=-1, keepdim=True) >= top_p).flatten() | has_k
         probs = probs.masked_fill(_outside_nucleus(probs, top_p), 0.0)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)[:, None]
-    if bool((min_p > 0).any()):
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64, device=dev)[:, None]
+    if any(p.min_p > 0 for p in params):
         probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)  # column 0 is the most likely
     return probs, ids, settled
 
@@ -274,6 +278,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     cdf = torch.cumsum(probs, dim=-1)
     total = cdf[:, -1:]
     bad = ~(torch.isfinite(total) & (total > 0)).flatten()
+    # drawn on the host (a seeded row's generator is a CPU one), one small copy to the device
     u = torch.empty(len(generators), 1, dtype=torch.float64)
     shared = [j for j, g in enumerate(generators) if g is None]
     if shared:
@@ -281,6 +286,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     for j, g in enumerate(generators):
         if g is not None:
             u[j] = torch.rand(1, generator=g, dtype=torch.float64)
+    u = u.to(probs.device, non_blocking=True)
     # 1 - u is in (0, 1]: the first column whose cumulative sum reaches it has probability > 0
     picked = torch.searchsorted(cdf, (1.0 - u) * total).flatten().clamp_(max=probs.shape[1] - 1)
     return picked.masked_fill(bad, -1)
