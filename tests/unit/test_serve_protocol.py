@@ -185,6 +185,22 @@ def test_schema_integers_at_the_64_bit_ends_and_wide_ones_elsewhere():
         assert err.message.startswith(f"response_format.json_schema.schema: {where}: "), err.message
 
 
+def test_a_multiple_of_that_would_compile_to_gigabytes_is_refused():
+    """multipleOf 5,000,011 took llguidance 86 s and 2.4 GB to compile (a DFA state per residue),
+    and each such grammar stayed in the cache: one request could hold the Ingress for minutes."""
+    for step in (10_007, 5_000_011, 0, -3, 1e300):
+        schema = {"type": "object", "properties": {"a": {"type": "number", "multipleOf": step}}}
+        err = _chat_error({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+        assert err.param == "response_format" and err.message.startswith(
+            f"response_format.json_schema.schema: properties.a.multipleOf: {step} is not within (0, 10000]"), err.message
+        err = _chat_error({"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]})
+        assert err.param == "tools" and "multipleOf" in err.message
+    for step in (9973, 0.001, 2.5):
+        schema = {"type": "number", "multipleOf": step}
+        parse_chat(decode_body(json.dumps({"messages": [{"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}).encode()))
+
+
 def test_a_tool_call_sent_back_and_a_forced_choice_read_as_the_client_means():
     req = parse_chat(decode_body(json.dumps({
         "messages": [{"role": "user", "content": "hi"},

@@ -4,10 +4,10 @@ What every request passes first (API key, body size) is `http_gate`; how answers
 (usage, logprobs, finish reasons) `openai_render`; the request schema `protocol`; the engine's
 scheduling and KV cache `engine` and `model.kv_cache`.
 
-Per layer the ingress groups the step's tokens by expert, picks a copy of each expert by the
-placement in its user_config (ExpertRouter) and exchanges the rows with every shard group at
-once on the expert channel (`moe_workers.transport`); membership of the channel comes from the
-StatusBoard, so Serve's replica changes reach it without a restart.
+Per layer the engine hands the step's routed rows to `dispatch.ExpertDispatcher`, which picks a
+copy of each expert by the placement in the user_config (ExpertRouter) and exchanges the rows
+with every shard group at once on the expert channel (`moe_workers.transport`); membership of
+the channel comes from the StatusBoard, so Serve's replica changes reach it without a restart.
 """
 
 
@@ -27,11 +27,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from moe_workers.device import replica_device
-from moe_workers.model import routes
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel
 from moe_workers.model.kv_cache import PagedKVCache
-from moe_workers.model.layers import combine, group_by_expert
+from moe_workers.serve.dispatch import ExpertDispatcher
 from moe_workers.serve.config import AUTO, AppArgs, admission_capacity, engine_queue_limit
 from moe_workers.serve.ingress_scaling import KV_METRIC
 from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest, Overloaded, ending_ids
@@ -51,7 +50,7 @@ from moe_workers.serve.tools import cut_calls, parse, start_marker, tool_format
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.serve.node import ray_placement
-from moe_workers.transport import ExpertChannel, Member, Part
+from moe_workers.transport import ExpertChannel, Member
 from moe_workers.transport.realtime import Realtime
 
 fastapi_app = FastAPI(title="moe-operator", docs_url=None, redoc_url=None)
@@ -90,12 +89,12 @@ class Ingress:
                                      spin_s=self.args.exchange_spin_us / 1e6,
                                      wake_latency_us=self.args.wake_latency_us())
         self._group_tokens_exported: dict[str, int] = {}
-        self.router: ExpertRouter | None = None  # set by reconfigure(), which Serve calls right after __init__
-        self.prefetch_lookahead = 0
+        # the expert exchange; its placement is set by reconfigure(), which Serve calls right after __init__
+        self.dispatcher = ExpertDispatcher(self.channel, self.dense.pick, cfg.sparse_layers, cfg.num_experts)
         self.routing_stats = RoutingStats(cfg.num_layers, cfg.num_experts, self.args.max_batch_size)
         self.routing_window: dict = {}
         self.metrics = IngressMetrics(ctx.replica_id.deployment_id.app_name, self.replica)
-        self.engine = Engine(self.dense, self.cache, self._dispatch, self.args.max_batch_size,
+        self.engine = Engine(self.dense, self.cache, self.dispatcher, self.args.max_batch_size,
                              engine_queue_limit(self.args), self.args.micro_batches,
                              self.args.micro_batch_min_tokens, routing_stats=self.routing_stats,
                              observer=self.metrics, realtime=Realtime(self.args.realtime_priority,
@@ -134,8 +133,7 @@ class Ingress:
         if missing:
             raise ValueError(f"placement hosts no copy of experts {', '.join(missing[:10])}"
                              + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
-        self.router = router
-        self.prefetch_lookahead = int(config.get("prefetch_lookahead", 0))
+        self.dispatcher.configure(router, int(config.get("prefetch_lookahead", 0)))
         count = config.get("ingress_replicas", self.args.ingress_replicas)
         self.ingress_replicas = AUTO if count == AUTO else int(count)
         self._size_admission()
@@ -207,73 +205,13 @@ class Ingress:
                 if any(t for t in window["tokens"]):
                     self.routing_window = window  # status shows the last window that saw traffic
                 self.metrics.export(window)
-                router = self.router
+                router = self.dispatcher.router
                 if router is not None:
                     for group, sent in list(router.sent.items()):
                         self.metrics.dispatched(group, sent - self._group_tokens_exported.get(group, 0))
                         self._group_tokens_exported[group] = sent
             except Exception:  # metrics never break serving; the next round retries
                 pass
-
-    def _dispatch(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """One layer's expert exchange (runs in the engine's step thread): rows grouped by
-        expert, one part per shard group, all groups at once. A decode step plans its routing in
-        Python ints (`routes`), a larger one with tensor ops (`group_by_expert`)."""
-        router = self.router
-        if router is None:
-            raise RuntimeError("no expert placement configured (user_config.placement)")
-        small = indices.numel() <= routes.SMALL
-        if small:
-            r = routes.route(indices)
-            counts = r.counts()
-            first = routes.first_choices(r, weights)
-        else:
-            groups = group_by_expert(indices)
-            counts = {e: int(rows.numel()) for e, (rows, _) in groups.items()}
-            first = routes.first_choice_counts(indices, weights)
-        assignment = router.assign(layer, counts)
-        hints = self._predict_next(layer, x) if self.prefetch_lookahead else {}
-        parts: dict[str, Part] = {}
-        for group, experts in assignment.items():
-            if small:
-                payload = routes.gather(x, r, experts)
-            else:
-                rows = [groups[e][0] for e in experts]
-                payload = x[torch.cat(rows)] if len(rows) > 1 else x[rows[0]]
-            if not payload.is_cpu:  # the socket carries host rows (a device link would not)
-                payload = payload.cpu()
-            part_counts = [counts[e] for e in experts]
-            parts[group] = Part(experts, part_counts, payload, hints.get(group, []), [first.get(e, 0) for e in experts])
-            router.begin(group, sum(part_counts))
-        try:
-            results = self.channel.exchange(layer, parts)
-        finally:
-            for group, part in parts.items():
-                router.end(group, sum(part.counts))
-        if small:
-            outputs = [results[group] for group in parts]
-            joined = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-            order = [pair for part in parts.values() for pair in r.order(part.experts)]
-            return routes.combine(r, order, joined if joined.device == x.device else joined.to(x.device), weights,
-                                  x.dtype)
-        by_expert: dict[int, torch.Tensor] = {}
-        for group, part in parts.items():
-            for e, out in zip(part.experts, torch.split(results[group].to(x.device), part.counts)):
-                by_expert[e] = out
-        return combine(x.shape[0], x.shape[1], x.dtype, groups, by_expert, weights)
-
-    def _predict_next(self, layer: int, x: torch.Tensor) -> dict[str, list[tuple[int, int]]]:
-        """Prefetch hints per group: the experts the next layers' routers would pick for this
-        layer's normed hidden states (cheap: one small matmul per layer ahead)."""
-        hints: dict[str, list[tuple[int, int]]] = {}
-        cfg = self.dense.cfg
-        ahead_layers = [a for a in cfg.sparse_layers if a > layer][:self.prefetch_lookahead]
-        for ahead in ahead_layers:
-            predicted, _ = self.dense.pick(ahead, x)
-            for e in torch.unique(predicted).tolist():
-                for group in self.router.hosts.get((ahead, e), []):
-                    hints.setdefault(group, []).append((ahead, e))
-        return hints
 
     # -- HTTP -----------------------------------------------------------------------------------
 
@@ -585,8 +523,9 @@ class Ingress:
         if self.board is not None:
             self._see_weights(weights_digest([r for r in replicas if r.get("endpoint")]))
         spares = await self.board.spares.remote() if self.board is not None else {}
-        return {"model": self.args.served_model_name, "placement": self.router.placement if self.router else {},
-                "prefetch_lookahead": self.prefetch_lookahead, "ingress": self.engine_stats(), "replicas": replicas,
+        router = self.dispatcher.router
+        return {"model": self.args.served_model_name, "placement": router.placement if router else {},
+                "prefetch_lookahead": self.dispatcher.prefetch_lookahead, "ingress": self.engine_stats(), "replicas": replicas,
                 "admission_capacity": fastapi_app.state.admission_capacity,
                 "ingress_replicas": {"configured": self.ingress_replicas, "live": self.live_ingress_replicas},
                 "spares": spares,
@@ -620,7 +559,7 @@ class Ingress:
                 "cpu_s": usage.ru_utime + usage.ru_stime,
                 "running": len(self.engine.running), "waiting": len(self.engine.waiting),
                 "pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes(), "dense_bytes": self.dense.nbytes(),
-                "kv": self.kv_stats()}
+                "kv": self.kv_stats(), "grammars": self.grammars.stats()}
 
     def kv_stats(self) -> dict:
         """The paged KV cache: blocks (used / total, bytes), prefix cache hits, preemptions,

@@ -26,6 +26,9 @@ MAX_INT_DIGITS = 20  # int64 / uint64 need 20 at most
 MIN_TEMPERATURE = 1e-5  # below this (and above 0) logits / temperature leave floating point
 INT64 = (-(2**63), 2**63 - 1)
 SCHEMA_INTS = (-(2**63), 2**64 - 1)  # what a JSON schema's numbers may be: int64 or uint64 (llguidance's serde_json)
+# the largest multipleOf: divisibility by a number prime to 10 compiles to a DFA of about that
+# many states (llguidance, measured: 9,973 6 MB / 0.03 s, 500,003 190 MB / 4 s, 5,000,011 2.4 GB / 86 s)
+MAX_MULTIPLE_OF = 10_000
 _STRUCTURE = re.compile(rb'\\.|["\[\]{}]', re.S)
 
 
@@ -52,6 +55,8 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 def schema_problem(schema, path: str = "") -> str | None:
     """What makes `schema` not a JSON schema, with where (a dotted path), or None. Only the
     structure is checked here; what a grammar cannot enforce is refused when it is compiled."""
+    if not path and (bad := _wide_integer(schema)) is not None:
+        return bad
     if isinstance(schema, bool):
         return None
     if not isinstance(schema, dict):
@@ -83,7 +88,11 @@ def schema_problem(schema, path: str = "") -> str | None:
         return f"{where}required: expected a list of property names"
     if "enum" in schema and not isinstance(schema["enum"], list):
         return f"{where}enum: expected a list"
-    return None if path else _wide_integer(schema)
+    step = schema.get("multipleOf")
+    if isinstance(step, (int, float)) and not isinstance(step, bool) and not 0 < step <= MAX_MULTIPLE_OF:
+        return f"{where}multipleOf: {step} is not within (0, {MAX_MULTIPLE_OF}] (a larger one compiles to a grammar " \
+               "of up to gigabytes)"
+    return None
 
 
 def _wide_integer(value, path: str = "") -> str | None:

@@ -74,6 +74,10 @@ class Grammars:
         self._lock = threading.Lock()
         self.compiled = 0  # grammars compiled since start (the rest came from the cache)
 
+    def stats(self) -> dict:
+        """Grammars compiled since start, and how many the cache holds now (at most CACHE_SIZE)."""
+        return {"compiled": self.compiled, "cached": len(self._cache), "cache_size": CACHE_SIZE}
+
     def constraint(self, fmt: ResponseFormat | None) -> Constraint | None:
         """A fresh matcher for one sequence (None for plain text); a RequestError if the format
         cannot be served. Compiling can take milliseconds: call it off the event loop."""
