@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-_READS = (aten._local_scalar_dense.default, aten.nonzero.default, aten._unique2.default,
+_READS = (aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default, aten._unique2.default,
           aten.unique_consecutive.default, aten.unique_dim.default)
 
 
@@ -80,7 +80,7 @@ class HostReads(TorchDispatchMode):
 
 
 def _zeros_answer(func, t: torch.Tensor):
-    if func is aten._local_scalar_dense.default:
+    if func in (aten._local_scalar_dense.default, aten.item.default):
         return False if t.dtype == torch.bool else (0.0 if t.dtype.is_floating_point else 0)
     if func is aten.nonzero.default:  # every element true
         idx = torch.arange(t.numel(), device=t.device)

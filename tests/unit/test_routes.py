@@ -73,18 +73,3 @@ def test_combine_refuses_an_order_that_misses_a_pair():
     except KeyError:
         return
     raise AssertionError("a missing (token, slot) output must not be combined as if it were there")
-
-
-@pytest.mark.parametrize("n,k,e", [(1, 2, 8), (4, 2, 8), (16, 8, 64), (40, 4, 32)])
-def test_first_choices_count_each_tokens_largest_weight_in_both_forms(n, k, e):
-    """The router's ranking the shards' policy is told: per expert, the tokens whose largest weight
-    is its (DeepSeek's routers return their k unsorted, so slot 0 is not always the first)."""
-    g = torch.Generator().manual_seed(n * k)
-    indices = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-    weights = torch.rand(n, k, generator=g)
-    want: dict[int, int] = {}
-    for t in range(n):
-        best = max(range(k), key=lambda s: weights[t, s].item())
-        want[indices[t, best].item()] = want.get(indices[t, best].item(), 0) + 1
-    assert routes.first_choices(routes.route(indices), weights) == want
-    assert routes.first_choice_counts(indices, weights) == want

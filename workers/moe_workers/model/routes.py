@@ -33,6 +33,15 @@ class Route:
     picks: list[list[int]]  # token -> its experts, by slot
     by_expert: dict[int, list[tuple[int, int]]]  # expert -> its (token, slot) pairs, tokens ascending
 
+    @classmethod
+    def of(cls, picks: list[list[int]]) -> "Route":
+        """The plan for each token's k experts, by slot (Python ints)."""
+        buckets: dict[int, list[tuple[int, int]]] = {}
+        for t, row in enumerate(picks):
+            for s, e in enumerate(row):
+                buckets.setdefault(e, []).append((t, s))
+        return cls(len(picks), len(picks[0]) if picks else 0, picks, {e: buckets[e] for e in sorted(buckets)})
+
     def counts(self) -> dict[int, int]:
         return {e: len(pairs) for e, pairs in self.by_expert.items()}
 
@@ -44,28 +53,8 @@ class Route:
 def route(indices: torch.Tensor) -> Route:
     """The plan for (n, k) router indices, experts ascending."""
     n, k = indices.shape
-    picks = indices.tolist()
-    buckets: dict[int, list[tuple[int, int]]] = {}
-    for t, row in enumerate(picks):
-        for s, e in enumerate(row):
-            buckets.setdefault(e, []).append((t, s))
-    return Route(n, k, picks, {e: buckets[e] for e in sorted(buckets)})
-
-
-def first_choices(r: Route, weights: torch.Tensor) -> dict[int, int]:
-    """Per expert, how many tokens chose it first (the largest of their k weights): the router's
-    ranking, which the shards' tier policy keeps experts by. One small op and Python ints."""
-    counts: dict[int, int] = {}
-    for picks, slot in zip(r.picks, weights.argmax(1).tolist()):
-        counts[picks[slot]] = counts.get(picks[slot], 0) + 1
-    return counts
-
-
-def first_choice_counts(indices: torch.Tensor, weights: torch.Tensor) -> dict[int, int]:
-    """`first_choices` for a large step, in tensor ops."""
-    first = indices.gather(1, weights.argmax(1, keepdim=True)).view(-1)
-    experts, n = torch.unique(first, return_counts=True)
-    return dict(zip(experts.tolist(), n.tolist()))
+    r = Route.of(indices.tolist())
+    return r if n else Route(0, k, [], {})
 
 
 def _index(positions: tuple[int, ...], device: str) -> torch.Tensor:

@@ -525,7 +525,8 @@ class Ingress:
         spares = await self.board.spares.remote() if self.board is not None else {}
         router = self.dispatcher.router
         return {"model": self.args.served_model_name, "placement": router.placement if router else {},
-                "prefetch_lookahead": self.dispatcher.prefetch_lookahead, "ingress": self.engine_stats(), "replicas": replicas,
+                "prefetch_lookahead": self.dispatcher.prefetch_lookahead, "ingress": self.engine_stats(),
+                "replicas": replicas,
                 "admission_capacity": fastapi_app.state.admission_capacity,
                 "ingress_replicas": {"configured": self.ingress_replicas, "live": self.live_ingress_replicas},
                 "spares": spares,
