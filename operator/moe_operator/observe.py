@@ -109,8 +109,17 @@ def kv_summary(engine: dict) -> dict | None:
     return KVCacheStatus(block_size=kv["block_size"], blocks_total=kv["blocks_total"], blocks_used=kv["blocks_used"],
                          max_sequence_tokens=kv["max_sequence_tokens"],
                          prefix_hit_rate=round(kv["prefix_hit_tokens"] / queried, 4) if queried else None,
-                         preemptions=kv.get("preemptions", 0), chunked_prefills=kv.get("chunked_prefills", 0)
-                         ).model_dump(by_alias=True, exclude_none=True)
+                         preemptions=kv.get("preemptions", 0), chunked_prefills=kv.get("chunked_prefills", 0),
+                         attention=attention_path(kv.get("attention"))).model_dump(by_alias=True, exclude_none=True)
+
+
+def attention_path(path: dict | None) -> str | None:
+    """'flex', 'gather', or 'gather (flex failed: why)' from an Ingress' kv.attention."""
+    if not isinstance(path, dict) or "running" not in path:
+        return None
+    if path.get("running") != path.get("configured") and path.get("error"):
+        return f"{path['running']} ({path['configured']} failed: {str(path['error'])[:200]})"
+    return str(path["running"])
 
 
 def summarise(spec: MoEDeploymentSpec, report: dict, previous_status: dict) -> dict:

@@ -97,6 +97,17 @@ def test_the_ingress_kv_cache_is_summarised_into_status_and_moectl_get():
     assert "kvCache" not in summarise(spec(), {"replicas": []}, {}) and kv_columns(None) == ["", "", ""]
 
 
+def test_status_says_which_attention_path_decode_runs_and_why_it_left_flex():
+    kv = {"block_size": 16, "blocks_total": 100, "blocks_used": 25, "max_sequence_tokens": 1600,
+          "prefix_queried_tokens": 0, "prefix_hit_tokens": 0}
+    flex = {"configured": "flex", "running": "flex", "fallbacks": 0, "error": ""}
+    ran = summarise(spec(), {"replicas": [], "ingress": {"kv": {**kv, "attention": flex}}}, {})
+    assert ran["kvCache"]["attention"] == "flex"
+    failed = {"configured": "flex", "running": "gather", "fallbacks": 1, "error": "InductorError: no kernel"}
+    fell = summarise(spec(), {"replicas": [], "ingress": {"kv": {**kv, "attention": failed}}}, {})
+    assert fell["kvCache"]["attention"] == "gather (flex failed: InductorError: no kernel)"
+
+
 def test_tiers_carry_one_experts_bytes_in_each_tiers_form():
     """A quantized app's warm and cold tiers hold the stored form: status says its bytes and the
     ratio to the compute dtype, as the replicas report them."""

@@ -28,6 +28,19 @@ from collections.abc import Sequence
 import torch
 
 
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor (a step's indices, masks) on `device` without the host waiting for the
+    device: onto a GPU from pinned memory (torch's caching host allocator) by an asynchronous copy
+    ordered on the current stream (a copy from pageable memory waits for the kernels before it);
+    on the CPU, itself."""
+    device = torch.device(device)
+    if device.type == "cpu" or t.device == device:
+        return t
+    if torch.cuda.is_available():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def assigned_device(gpu_ids: Sequence, cuda_available: bool) -> torch.device:
     """The device of a replica Ray gave `gpu_ids` (empty: it asked for none)."""
     if gpu_ids and cuda_available:

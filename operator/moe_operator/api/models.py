@@ -791,6 +791,9 @@ class KVCacheStatus(ApiModel):
                                           "cache over prompt tokens looked up, since the replica started.")
     preemptions: int = Field(default=0, description="Sequences preempted for blocks (recomputed later), since start.")
     chunked_prefills: int = Field(default=0, description="Prompts prefilled over more than one step, since start.")
+    attention: str | None = Field(default=None, description="How decode reads the cache on that replica: flex "
+                                  "(FlexAttention over the blocks, the GPU's path) or gather (copies, the CPU's); "
+                                  "flex that failed reads 'gather (flex failed: why)'.")
 
 
 class ApiKeysStatus(ApiModel):

@@ -14,10 +14,13 @@ blocks as one padded (B, blocks) table.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
 import torch
+
+from moe_workers.device import host_to_device
 
 from .config import CheckpointError, MoEConfig
 from .kv_blocks import (DEFAULT_BLOCK_SIZE, NULL_BLOCK, KVCacheManager, KVGroup, NoFreeBlocks, block_bytes,
@@ -42,7 +45,8 @@ class GroupPlan:
     prefill: list[tuple[torch.Tensor, torch.Tensor]]  # per prefill chunk (batch.prefill order): (1, n) blocks, (m, L) mask
     decode_blocks: torch.Tensor | None = None  # (B, n) the decode chunks' blocks, NULL_BLOCK-padded
     decode_mask: torch.Tensor | None = None  # (B, 1, 1, L): which of those positions each decode token reads
-    decode_tables: list[list[int]] | None = None  # the decode chunks' whole block tables (the flex path's input)
+    decode_rows: list[list[int]] | None = None  # the blocks each decode token reads (the flex path's input)
+    decode_bases: list[int] | None = None  # the position each one's first block starts at
     decode_qpos: list[int] | None = None  # each decode token's position
     flex_mask: object = None  # the flex path's BlockMask over the pool, made at its first layer
 
@@ -67,13 +71,17 @@ class PagedKVCache:
                  prefix_caching: bool = True, attention: str | None = None):
         """`attention`: how decode reads the blocks: "gather" (copy each sequence's blocks, then
         SDPA: the faster on CPU, bench/engine.py --only attention) or "flex" (FlexAttention over
-        the pool with a block mask, no copy: the CUDA path, not yet run on a GPU; it falls back to
-        gather if it fails). Default: flex on CUDA, gather elsewhere."""
+        the pool with a block mask made from the block tables, no copy: the CUDA path, not yet run
+        on a GPU). Default: flex on CUDA, gather elsewhere. Should flex fail (an unsupported build
+        or device), decode gathers from then on: logged once, counted (`attention_fallbacks`) and
+        shown by `attention_path()`, which the Ingress' status reports."""
         dtype = dtype or cfg.dtype
         self.attention = attention or ("flex" if torch.device(device).type == "cuda" else "gather")
         if self.attention not in ("gather", "flex"):
             raise ValueError(f"attention {self.attention!r}: expected gather or flex")
+        self.configured_attention = self.attention
         self.flex_error = ""  # why the flex path fell back to gather
+        self.attention_fallbacks = 0
         self.cfg = cfg
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -88,6 +96,11 @@ class PagedKVCache:
         self.k = [torch.zeros((kh, num_blocks, block_size, kd), dtype=dtype, device=device) for _ in range(per_group)]
         self.v = [torch.zeros((vh, num_blocks, block_size, vd), dtype=dtype, device=device) for _ in range(per_group)]
         self.manager = KVCacheManager(num_blocks, block_size, [g.window for g in self.groups], prefix_caching)
+        # the flex path's map of pool block -> its logical index in the tables that hold it (one
+        # index whatever sequence holds it: a shared prefix block sits at the same position in
+        # each), per group; written for the step's blocks only
+        self._logical = ([torch.full((num_blocks,), -1, dtype=torch.int32, device=device) for _ in self.groups]
+                         if self.attention == "flex" else [])
         self._next_seq = 0
         self._local = threading.local()  # gather buffers, one pair per thread (micro-batches run in threads)
 
@@ -139,8 +152,8 @@ class PagedKVCache:
                 blocks = torch.tensor([tables[i][first:end]], dtype=torch.long)
                 qpos = torch.arange(c.start, c.start + len(c.tokens))
                 mask = _mask(qpos, torch.arange(first * bs, end * bs), grp.window)
-                prefill.append((blocks.to(device), mask.to(device)))
-            plan = GroupPlan(torch.tensor(slots, dtype=torch.long, device=device), prefill)
+                prefill.append((host_to_device(blocks, device), host_to_device(mask, device)))
+            plan = GroupPlan(host_to_device(torch.tensor(slots, dtype=torch.long), device), prefill)
             if batch.decode:
                 rows, bases, qpos = [], [], []
                 for i in batch.decode:
@@ -152,11 +165,10 @@ class PagedKVCache:
                 width = max(len(r) for r in rows)
                 kpos = torch.tensor(bases)[:, None] + torch.arange(width * bs)[None, :]
                 mask = _mask(torch.tensor(qpos)[:, None], kpos, grp.window)  # (B, 1, L)
-                plan.decode_blocks = torch.tensor([r + [NULL_BLOCK] * (width - len(r)) for r in rows],
-                                                  dtype=torch.long, device=device)
-                plan.decode_mask = mask[:, None].to(device)
-                plan.decode_tables = [tables[i] for i in batch.decode]
-                plan.decode_qpos = qpos
+                plan.decode_blocks = host_to_device(torch.tensor([r + [NULL_BLOCK] * (width - len(r)) for r in rows],
+                                                                 dtype=torch.long), device)
+                plan.decode_mask = host_to_device(mask[:, None], device)
+                plan.decode_rows, plan.decode_bases, plan.decode_qpos = rows, bases, qpos
             plans.append(plan)
         return plans
 
@@ -202,6 +214,11 @@ class PagedKVCache:
     def group_of(self, layer: int) -> int:
         return self.layer_slot[layer][0]
 
+    def attention_path(self) -> dict:
+        """Which way decode reads the cache now, and why it changed if it did (the status')."""
+        return {"configured": self.configured_attention, "running": self.attention,
+                "fallbacks": self.attention_fallbacks, "error": self.flex_error}
+
     def flex_decode(self, layer: int, q: torch.Tensor, plan: list[GroupPlan], scale: float) -> torch.Tensor | None:
         """Decode attention of (B, H, d) queries straight over the pool (FlexAttention: a block
         mask keeps each query to its own blocks, shared prefix blocks included, within its
@@ -213,20 +230,40 @@ class PagedKVCache:
         gp = plan[g]
         try:
             if gp.flex_mask is None:
-                gp.flex_mask = _flex_block_mask(gp.decode_tables, gp.decode_qpos, self.groups[g].window,
-                                                self.num_blocks, self.block_size, q.device)
+                gp.flex_mask = flex_block_mask(gp.decode_rows, gp.decode_bases, gp.decode_qpos, self.groups[g].window,
+                                               self.block_size, self._logical[g])
             k, v = self.k[i], self.v[i]
             kf = k.view(1, k.shape[0], -1, k.shape[3])  # (1, KVH, blocks * bs, d): the pool as one sequence
             vf = v.view(1, v.shape[0], -1, v.shape[3])
-            out = _flex(q.device.type == "cuda")(q.transpose(0, 1).unsqueeze(0), kf, vf, block_mask=gp.flex_mask, scale=scale,
-                          enable_gqa=True)
-            return out[0].transpose(0, 1)
+            b = q.shape[0]
+            qf = q.transpose(0, 1).unsqueeze(0)  # (1, H, B, d): the step's queries as one sequence
+            rows = gp.flex_mask.seq_lengths[0]
+            if rows > b:  # padded to whole query blocks; the padding reads nothing
+                qf = torch.nn.functional.pad(qf, (0, 0, 0, rows - b))
+            cuda = q.device.type == "cuda"
+            out = _flex(cuda)(qf, kf, vf, block_mask=gp.flex_mask, scale=scale, enable_gqa=True,
+                              kernel_options=flex_kernel_options(self.block_size) if cuda else None)
+            return out[0, :, :b].transpose(0, 1)
         except Exception as err:  # noqa: BLE001 - an unsupported build or device: gather from now on
             self.attention, self.flex_error = "gather", f"{type(err).__name__}: {err}"
+            self.attention_fallbacks += 1
+            log.warning("flex attention failed, decode gathers the KV blocks from now on: %s", self.flex_error[:500])
             return None
 
 
+log = logging.getLogger(__name__)
+
+FLEX_Q_BLOCK = 16  # queries a block of the mask (and the kernel's BLOCK_M): the smallest tile flex takes
+
 _FLEX: dict[bool, object] = {}
+
+
+def flex_kernel_options(block_size: int) -> dict:
+    """What the CUDA kernel is told (vLLM's flex backend does the same): the main flex kernel,
+    never the flex-decoding one (whose BLOCK_M, max(next_pow2(B x G), 16), must divide the mask's
+    16 and stops compiling past a few sequences, then raises from B >= 128), with tiles equal to
+    the mask's blocks: 16 queries by one KV block."""
+    return {"BACKEND": "TRITON", "BLOCK_M": FLEX_Q_BLOCK, "BLOCK_N": block_size}
 
 
 def _flex(dynamic: bool = False):
@@ -239,30 +276,63 @@ def _flex(dynamic: bool = False):
     return _FLEX[dynamic]
 
 
-def _flex_block_mask(tables: list[list[int]], qpos: list[int], window: int | None, num_blocks: int,
-                     block_size: int, device):
-    """A BlockMask over (B queries) x (the whole pool): query b reads pool block p where p is its
-    table's logical block j, at positions j * block_size + offset <= its own (and within the window)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def flex_block_mask(rows: list[list[int]], bases: list[int], qpos: list[int], window: int | None, block_size: int,
+                    logical: torch.Tensor):
+    """A BlockMask for B decode queries over the pool, made from the blocks each reads (`rows`,
+    the first one starting at position `bases[b]`): each block of 16 queries lists the union of
+    its queries' blocks (BlockMask.from_kv_blocks), so the kernel visits only blocks in use and
+    building it costs their number, not the pool's. Within a listed block, the mask keeps query
+    b to its own blocks (the block's logical index in b's table holds that very block), at
+    positions up to its own and within the window. `logical` (pool-sized, on the device) is
+    written for the step's blocks."""
+    from torch.nn.attention.flex_attention import BlockMask
 
-    b = len(tables)
-    logical = torch.full((b, num_blocks), -1, dtype=torch.long)
-    for row, table in enumerate(tables):
-        for j, blk in enumerate(table):
+    b = len(rows)
+    qblocks = -(-b // FLEX_Q_BLOCK)
+    padded = qblocks * FLEX_Q_BLOCK
+    lists = [list(dict.fromkeys(blk for r in rows[s:s + FLEX_Q_BLOCK] for blk in r if blk != NULL_BLOCK))
+             for s in range(0, b, FLEX_Q_BLOCK)]
+    # the CPU's kernel wants a column per pool block (its check: KV length <= columns x BLOCK_N);
+    # CUDA's reads kv_num's first entries only
+    width = logical.shape[0] if logical.device.type == "cpu" else max(1, max(len(x) for x in lists))
+    kv_indices = torch.zeros(1, 1, qblocks, width, dtype=torch.int32)
+    for qb, x in enumerate(lists):
+        kv_indices[0, 0, qb, :len(x)] = torch.tensor(x, dtype=torch.int32)
+    kv_num = torch.tensor([len(x) for x in lists], dtype=torch.int32).view(1, 1, qblocks)
+    # each query's table (its blocks by logical index, -1 elsewhere), padded to whole query blocks
+    span = max(len(r) + base // block_size for r, base in zip(rows, bases))
+    table = torch.full((padded, max(span, 1)), -1, dtype=torch.int32)
+    pos = torch.full((padded,), -1, dtype=torch.int64)
+    blocks, where = [], []
+    for q, (r, base) in enumerate(zip(rows, bases)):
+        first = base // block_size
+        if r:
+            table[q, first:first + len(r)] = torch.tensor(r, dtype=torch.int32)
+        pos[q] = qpos[q]
+        for j, blk in enumerate(r):
             if blk != NULL_BLOCK:
-                logical[row, blk] = j
-    logical, pos = logical.to(device), torch.tensor(qpos, dtype=torch.long, device=device)
+                blocks.append(blk)
+                where.append(first + j)
+    device = logical.device
+    if blocks:
+        logical.index_copy_(0, host_to_device(torch.tensor(blocks), device),
+                            host_to_device(torch.tensor(where, dtype=torch.int32), device))
+    table, pos = host_to_device(table, device), host_to_device(pos, device)
+    width_t = table.shape[1]
 
     def mask_mod(_b, _h, q_idx, kv_idx):
-        j = logical[q_idx, kv_idx // block_size]
+        blk = kv_idx // block_size
+        j = logical[blk]
+        own = (j >= 0) & (table[q_idx, j.clamp(0, width_t - 1)] == blk)
         at = j * block_size + kv_idx % block_size
-        ok = (j >= 0) & (at <= pos[q_idx])
+        ok = own & (at <= pos[q_idx])
         if window:
             ok = ok & (at > pos[q_idx] - window)
         return ok
 
-    return create_block_mask(mask_mod, 1, None, b, num_blocks * block_size, device=device,
-                             BLOCK_SIZE=(16, block_size))
+    return BlockMask.from_kv_blocks(host_to_device(kv_num, device), host_to_device(kv_indices, device),
+                                    BLOCK_SIZE=(FLEX_Q_BLOCK, block_size), mask_mod=mask_mod,
+                                    seq_lengths=(padded, logical.shape[0] * block_size), compute_q_blocks=False)
 
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "GroupPlan", "KVGroup", "NoFreeBlocks", "PagedKVCache", "bytes_per_block",

@@ -564,7 +564,7 @@ class Ingress:
 
     def kv_stats(self) -> dict:
         """The paged KV cache: blocks (used / total, bytes), prefix cache hits, preemptions,
-        chunked prefills (counts since start)."""
+        chunked prefills (counts since start), and the path decode attention runs (flex or gather)."""
         m, kv = self.engine.manager, self.engine.kv
         return {"block_size": m.block_size, "blocks_total": m.pool.usable, "blocks_used": m.num_used,
                 "bytes": self.cache.nbytes, "block_bytes": self.cache.nbytes // max(self.cache.num_blocks, 1),
@@ -573,6 +573,7 @@ class Ingress:
                 "prefix_hit_tokens": kv.prefix_hit_tokens, "prefix_cached_blocks": len(m.pool.cached),
                 "preemptions": kv.preemptions, "chunked_prefills": kv.chunked_prefills,
                 "max_num_batched_tokens": self.engine.max_num_batched_tokens,
+                "attention": self.cache.attention_path(), "attention_fallbacks": self.cache.attention_fallbacks,
                 "weights": self._weights}
 
 

@@ -140,6 +140,9 @@ class IngressMetrics:
                                    "prefix cache (not computed again).", tag_keys=tags)
         self.preemptions = Counter("moe_preemptions", description="Sequences preempted for KV cache blocks (their "
                                    "tokens computed again later).", tag_keys=tags)
+        self.attention_fallbacks = Counter("moe_attention_fallbacks", description="Times decode attention left "
+                                           "its configured path (flex) for the gather; status says why.",
+                                           tag_keys=tags)
         self.chunked_prefills = Counter("moe_chunked_prefills", description="Prompts prefilled over more than one "
                                         "step (spec.ingress.maxNumBatchedTokens).", tag_keys=tags)
         self._last: dict[str, int] = {}
@@ -214,7 +217,8 @@ class IngressMetrics:
         self.kv_blocks_used.set(kv["blocks_used"], tags=base)
         self.kv_blocks.set(kv["blocks_total"], tags=base)
         for counter, name in ((self.prefix_queried, "prefix_queried_tokens"), (self.prefix_hits, "prefix_hit_tokens"),
-                              (self.preemptions, "preemptions"), (self.chunked_prefills, "chunked_prefills")):
+                              (self.preemptions, "preemptions"), (self.chunked_prefills, "chunked_prefills"),
+                              (self.attention_fallbacks, "attention_fallbacks")):
             delta = kv[name] - self._last.get(name, 0)
             if delta > 0:
                 counter.inc(delta, tags=base)
