@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from moe_workers.device import host_to_device
+
 from .checkpoint import Checkpoint
 from .config import CheckpointError, MoEConfig
 from .kv_cache import GroupPlan, PagedKVCache
@@ -65,7 +67,8 @@ class StepBatch:
     def to(self, device: torch.device) -> None:
         """The index tensors onto the dense part's device (once, at embedding)."""
         if self.ids.device != device:
-            self.ids, self.positions, self.last_rows = (t.to(device) for t in (self.ids, self.positions, self.last_rows))
+            self.ids, self.positions, self.last_rows = (host_to_device(t, device)
+                                                        for t in (self.ids, self.positions, self.last_rows))
 
 
 def _fuse(w: dict) -> None:
@@ -245,8 +248,8 @@ class DenseModel:
         attention's; `decode` (latent attention), if given, attends the decode rows itself."""
         if batch.kv is None:  # once a step: every layer of a group reads the same blocks
             batch.kv = cache.plan(batch)
-            batch.decode_rows = torch.tensor([batch.offsets[i] for i in batch.decode], dtype=torch.long,
-                                             device=q.device)
+            batch.decode_rows = host_to_device(torch.tensor([batch.offsets[i] for i in batch.decode], dtype=torch.long),
+                                               q.device)
         plan = batch.kv[cache.group_of(layer)]
         cache.write(layer, batch.kv, k, v)  # first: a token attends to itself
         n, heads = q.shape[0], q.shape[1]
