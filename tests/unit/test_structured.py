@@ -18,6 +18,7 @@ from moe_workers.model.sampling import SamplingParams, sample_batch
 from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
 from moe_workers.serve.engine import FinishReason, GenerationRequest
 from moe_workers.serve.protocol import JsonSchema, RequestError, ResponseFormat
+from moe_workers.serve import structured
 from moe_workers.serve.structured import Grammars, unpack_bits
 
 EOS = 2
@@ -97,6 +98,24 @@ def test_a_schema_value_the_compiler_cannot_read_is_a_400_not_a_crash(grammars):
         grammars.constraint(fmt)
     assert info.value.status == 400 and info.value.param == "response_format"
     assert info.value.message.startswith("response_format.json_schema.schema: unsupported")
+
+
+def test_the_grammar_cache_keeps_the_most_recently_used_and_no_more(grammars, monkeypatch):
+    """Every new schema a client sends is a compiled grammar (megabytes for some): the cache holds
+    CACHE_SIZE of them whatever the traffic, the least recently used going first."""
+    monkeypatch.setattr(structured, "CACHE_SIZE", 4)
+    fmts = [_fmt({"type": "string", "maxLength": n}) for n in range(1, 11)]
+    for fmt in fmts[:4]:
+        grammars.constraint(fmt)
+    grammars.constraint(fmts[0])  # used again: now the most recent
+    for fmt in fmts[4:]:
+        grammars.constraint(fmt)
+        assert grammars.stats()["cached"] <= 4
+    assert grammars.stats() == {"compiled": 10, "cached": 4, "cache_size": 4}
+    grammars.constraint(fmts[9])  # still cached
+    assert grammars.compiled == 10
+    grammars.constraint(fmts[0])  # went when six newer ones came
+    assert grammars.compiled == 11
 
 
 def test_a_checkpoint_without_tokenizer_json_says_so(tmp_path):
