@@ -6,6 +6,7 @@ their sequences, and hypothesis-generated bodies never get a 5xx or a hang."""
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
 import json
 import socket
 import time
@@ -80,7 +81,18 @@ BAD = [
     (b'{"prompt":"hi","stream":"yes"}', "stream: Input should be a valid boolean (got a string)"),
     (b'"just a string"', "request body must be a JSON object"),
     (b"\xff\xfe{}", "not valid JSON"),
-] + [(b'{"prompt":"hi","%s":true}' % f.encode(), f"{f}: ") for f in ("max_tokens", "temperature", "top_p", "seed", "n")]
+] + [(b'{"prompt":"hi","%s":true}' % f.encode(), f"{f}: ") for f in ("max_tokens", "temperature", "top_p", "seed", "n")] + [
+    # integers past 64 bits in any numeric keyword of a schema (a 500 from the grammar compiler before)
+    (b'{"prompt":"hi","max_tokens":3,"response_format":{"type":"json_schema","json_schema":{"name":"a","schema":'
+     b'{"type":"%s","%s":%d}}}}' % (kind.encode(), keyword.encode(), value),
+     f"response_format.json_schema.schema: {keyword}: {value} is outside the integers a schema can hold")
+    for kind, keywords in (("number", ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")),
+                           ("string", ("minLength", "maxLength")), ("array", ("minItems", "maxItems")),
+                           ("object", ("minProperties", "maxProperties")))
+    for keyword in keywords for value in (-(2**63) - 1, 2**64)] + [
+    # a divisor whose grammar takes gigabytes and minutes to compile
+    (b'{"prompt":"hi","max_tokens":3,"response_format":{"type":"json_schema","json_schema":{"name":"a","schema":'
+     b'{"type":"number","multipleOf":5000011}}}}', "response_format.json_schema.schema: multipleOf: 5000011 is not")]
 
 
 @pytest.mark.parametrize("raw,needle", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
@@ -90,9 +102,51 @@ def test_bad_bodies_get_400_naming_what_is_wrong(app, raw, needle):
     assert resp.status_code == 400, resp.text[:300]
     err = resp.json()["error"]
     assert needle in err["message"], err
-    field = needle.split(":")[0]
-    if field in ("temperature", "seed", "prompt", "user", "stream", "max_tokens", "top_p", "n"):
+    field = needle.split(":")[0].split(".")[0]
+    if field in ("temperature", "seed", "prompt", "user", "stream", "max_tokens", "top_p", "n", "response_format"):
         assert err["param"] == field
+
+
+def _openai_error(resp: requests.Response, status: int) -> dict:
+    assert resp.status_code == status, (resp.status_code, resp.text[:300])
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    return err
+
+
+def test_unknown_routes_and_methods_get_openai_errors(app):
+    """404 and 405 were FastAPI's {"detail": ...}; HEAD got an empty 405 on every route."""
+    url, _ = app
+    assert "no such route" in _openai_error(requests.post(url + "/v1/nope", json={}, timeout=30), 404)["message"]
+    assert "no such route" in _openai_error(requests.get(url + "/v2/models", timeout=30), 404)["message"]
+    resp = requests.get(url + "/v1/completions", timeout=30)
+    assert "method not allowed (allowed: POST)" in _openai_error(resp, 405)["message"]
+    assert resp.headers["allow"] == "POST"
+    assert _openai_error(requests.put(url + "/v1/chat/completions", json={}, timeout=30), 405)
+    head = requests.head(url + "/v1/models", timeout=30)
+    assert head.status_code == 200 and head.content == b""
+    head = requests.head(url + "/v1/completions", timeout=30)
+    assert head.status_code == 405 and head.headers["allow"] == "POST"
+
+
+def test_bodies_that_are_not_json_are_415_and_gzip_is_decoded_within_the_limit(app):
+    url, _ = app
+    body = json.dumps({"prompt": [5, 9, 11], "max_tokens": 4, "temperature": 0}).encode()
+    for headers in ({}, {"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}):
+        err = _openai_error(requests.post(url + "/v1/completions", data=body, headers=headers, timeout=30), 415)
+        assert err["param"] == "content-type"
+    json_gzip = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    resp = requests.post(url + "/v1/completions", data=gzip.compress(body), headers=json_gzip, timeout=60)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["token_ids"] == _good(url), resp.text[:300]
+    bomb = gzip.compress(b'{"prompt": "' + b" " * (LIMIT * 4) + b'"}')  # 1 KB on the wire, 256 KB decoded
+    assert len(bomb) < LIMIT
+    err = _openai_error(requests.post(url + "/v1/completions", data=bomb, headers=json_gzip, timeout=30), 413)
+    assert "once decoded from gzip" in err["message"]
+    resp = requests.post(url + "/v1/completions", data=body, headers={**json_gzip, "Content-Encoding": "br"}, timeout=30)
+    assert _openai_error(resp, 415)["param"] == "content-encoding"
+    resp = _post(url, b'{"prompt":"hi","max_tokens":2,"stream_options":{"include_usage":true}}')
+    assert _openai_error(resp, 400)["param"] == "stream_options"
+    assert _good(url)
 
 
 def test_a_tiny_top_p_is_served_and_does_not_break_the_batch(app):
@@ -122,7 +176,7 @@ def test_bodies_over_the_limit_get_413_before_being_read(app):
         for _ in range(LIMIT // 1024 + 4):
             yield b" " * 1024
 
-    resp = requests.post(url + "/v1/completions", data=chunks(), timeout=60)
+    resp = requests.post(url + "/v1/completions", data=chunks(), timeout=60, headers={"Content-Type": "application/json"})
     assert resp.status_code == 413, resp.text[:300]
     assert _good(url)
 
@@ -137,7 +191,16 @@ def test_a_text_too_long_for_the_context_is_refused_untokenized(app):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text[:300]
     assert "characters are more than the context" in resp.json()["error"]["message"]
     tokens = requests.post(url + "/v1/completions", json={"prompt": "w5 " * 3000, "max_tokens": 1}, timeout=60)
-    assert tokens.status_code == 400 and "exceeds the context of 2048 tokens" in tokens.json()["error"]["message"]
+    assert tokens.status_code == 400 and tokens.json()["error"]["param"] == "prompt", tokens.text[:300]
+    assert "the prompt is" in tokens.json()["error"]["message"]
+    # a prompt that alone leaves no room for a token names the prompt, not max_tokens
+    for ids in ([5] * 5000, [5] * MAX_LEN):
+        resp = requests.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 1}, timeout=60)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text[:300]
+        assert f"the prompt is {len(ids)} tokens" in resp.json()["error"]["message"]
+    resp = requests.post(url + "/v1/completions", json={"prompt": [5] * (MAX_LEN - 1), "max_tokens": 2}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", resp.text[:300]
+    assert "exceeds the context of 2048 tokens" in resp.json()["error"]["message"]
 
 
 def test_a_body_sent_a_byte_at_a_time_gets_408(app):
@@ -202,11 +265,19 @@ _json = st.recursive(
     | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12)
+SCHEMA_NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
+                          "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_schema = st.fixed_dictionaries(
+    {"type": st.sampled_from(["number", "integer", "string", "array", "object"])},
+    optional={k: st.integers(-(2**70), 2**70) | st.sampled_from([-(2**63) - 1, -(2**63), 2**64 - 1, 2**64])
+              for k in SCHEMA_NUMBER_KEYWORDS})
+_response_format = st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+    {"name": st.just("a"), "schema": _schema | _json})}) | _json
 _fields = st.fixed_dictionaries({}, optional={
     "prompt": _json | st.lists(st.integers(-5, 200), max_size=8) | st.text(max_size=30),
     "max_tokens": _json | st.integers(-3, 5), "temperature": _json | st.floats(-1, 3), "top_p": _json | st.floats(-1, 2),
     "seed": _json | st.integers(-(2**65), 2**65), "stream": _json, "n": _json, "model": _json, "user": _json,
-    "logprobs": _json})
+    "logprobs": _json, "response_format": _response_format})
 
 
 @settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

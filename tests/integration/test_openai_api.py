@@ -262,6 +262,29 @@ def test_tool_calls_round_trip_through_the_template(app, client):
     assert err.value.body["param"] == "tool_choice"
 
 
+def test_a_forced_call_cut_by_max_tokens_comes_back_with_its_arguments_so_far(app, client):
+    """tool_choice naming a function, max_completion_tokens ending inside the arguments: the call
+    with what was generated of them (not JSON yet) and finish_reason length, as vLLM answers; it
+    came back as content "" and no tool_calls. Greedy, so the cut tokens are the whole call's first."""
+    _, path, _ = app
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Add."}], tools=[WEATHER, ADD], temperature=0,
+                  parallel_tool_calls=False, tool_choice={"type": "function", "function": {"name": "add"}})
+    whole = client.chat.completions.create(**kwargs, max_completion_tokens=400).choices[0]
+    ids = whole.model_extra["token_ids"]
+    text = tok.decode(ids, skip_special_tokens=False)
+    k = len(tok.encode(text[:text.index("{", text.index('"arguments"')) + 3], add_special_tokens=False).ids)
+    cut = client.chat.completions.create(**kwargs, max_completion_tokens=k).choices[0]
+    assert cut.finish_reason == "length" and cut.model_extra["token_ids"] == ids[:k]
+    [call] = cut.message.tool_calls
+    assert call.function.name == "add" and call.function.arguments.startswith("{")
+    assert call.function.arguments in text and json.loads(whole.message.tool_calls[0].function.arguments)
+    chunks = list(client.chat.completions.create(**kwargs, max_completion_tokens=k, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [("add", call.function.arguments)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
 def test_a_thinking_model_answers_with_reasoning_content(app, client):
     """The vocabulary marks thinking (<think>, </think> single tokens): what comes before </think>
     is message.reasoning_content, the rest content, the same streamed; include_reasoning false

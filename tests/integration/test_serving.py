@@ -121,7 +121,8 @@ def test_bad_requests_get_json_4xx(served, body, status, needle):
 
 def test_invalid_json_body(served):
     url = served[0]
-    resp = requests.post(url + "/v1/completions", data=b"{not json", timeout=30)
+    resp = requests.post(url + "/v1/completions", data=b"{not json", timeout=30,
+                         headers={"Content-Type": "application/json"})
     assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
 
 
