@@ -58,7 +58,7 @@ def checkpoint(root: Path) -> Path:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
-    from moe_workers.serve.chat import write_tokenizer_config
+    from moe_workers.serve.openai.chat import write_tokenizer_config
 
     path = root / "ckpt"
     cfg = MixtralConfig(vocab_size=BYTE_VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=1024, num_hidden_layers=LAYERS,

@@ -1,5 +1,5 @@
 """Structured output's grammar engines side by side: llguidance (what the Ingress uses,
-serve/structured.py) and xgrammar (vLLM's default), on the same schemas and the same
+serve/openai/structured.py) and xgrammar (vLLM's default), on the same schemas and the same
 vocabulary, against the sampling step they sit in.
 
     python bench/structured.py                     # vocabulary 151,936 (Qwen3's size), 3 schemas
@@ -48,8 +48,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workers"))
 
 from moe_workers.model.sampling import SamplingParams, sample_batch  # noqa: E402
-from moe_workers.serve.protocol import ResponseFormat  # noqa: E402
-from moe_workers.serve.structured import WHITESPACE, Grammars  # noqa: E402
+from moe_workers.serve.openai.protocol import ResponseFormat  # noqa: E402
+from moe_workers.serve.openai.structured import WHITESPACE, Grammars  # noqa: E402
 
 SCHEMAS = {
     "person": ({"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
@@ -148,7 +148,7 @@ def run_xgrammar(vocab_strings: list[str], schema: dict, tokens: list[int], comp
         import xgrammar as xgr
     except ImportError:
         return None
-    from moe_workers.serve.structured import unpack_bits
+    from moe_workers.serve.openai.structured import unpack_bits
 
     info = xgr.TokenizerInfo(vocab_strings, xgr.VocabType.BYTE_LEVEL, vocab_size=len(vocab_strings),
                              stop_token_ids=[EOS])

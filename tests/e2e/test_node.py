@@ -29,7 +29,7 @@ from node_cluster import as_yaml, helm_install_args, moedeployment, ray_cluster
 from moe_workers.model.inprocess import InProcessModel
 from moe_workers.model.random_init import write_random_mixtral
 from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
-from moe_workers.serve.chat import write_tokenizer_config
+from moe_workers.serve.openai.chat import write_tokenizer_config
 from moe_workers.store.versions import file_sha256
 from waiting import wait_for
 

@@ -27,10 +27,10 @@ from moe_operator.planner.initial import initial_placement
 from moe_workers.model.family import SUPPORTED
 from moe_workers.model.inprocess import InProcessModel
 from moe_workers.model.tokenizer import write_byte_tokenizer
-from moe_workers.serve.chat import ChatTemplate, write_tokenizer_config
-from moe_workers.serve.protocol import ChatMessage
-from moe_workers.serve.reasoning import HARMONY, reasoning_format, split
-from moe_workers.serve.tools import markers, tool_format
+from moe_workers.serve.openai.chat import ChatTemplate, write_tokenizer_config
+from moe_workers.serve.openai.protocol import ChatMessage
+from moe_workers.serve.openai.reasoning import HARMONY, reasoning_format, split
+from moe_workers.serve.openai.tools import markers, tool_format
 from moe_workers.serve.config import AppArgs, serve_application
 from serve_rest import delete_all, deploy
 from waiting import wait_for

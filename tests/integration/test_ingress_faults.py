@@ -25,9 +25,9 @@ from tokenizers import Tokenizer
 
 from moe_workers.model.inprocess import InProcessModel
 from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
-from moe_workers.serve.chat import ChatTemplate, write_tokenizer_config
+from moe_workers.serve.openai.chat import ChatTemplate, write_tokenizer_config
 from moe_workers.serve.config import serve_application
-from moe_workers.serve.protocol import ChatMessage
+from moe_workers.serve.openai.protocol import ChatMessage
 from serve_rest import delete_all, deploy, two_group_app
 from waiting import wait_for
 

@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
-from moe_workers.serve.chat import write_tokenizer_config
+from moe_workers.serve.openai.chat import write_tokenizer_config
 from moe_workers.serve.config import AUTO, IngressScaling, serve_application
 from serve_rest import delete_all, deploy, two_group_app
 from waiting import wait_for

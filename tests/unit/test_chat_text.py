@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_workers.serve.chat import ChatTemplate, TemplateError, write_tokenizer_config
-from moe_workers.serve.protocol import ChatMessage, RequestError
-from moe_workers.serve.textstream import TextStream
+from moe_workers.serve.openai.chat import ChatTemplate, TemplateError, write_tokenizer_config
+from moe_workers.serve.openai.protocol import ChatMessage, RequestError
+from moe_workers.serve.openai.text import TextStream
 
 
 def _msgs(*pairs):

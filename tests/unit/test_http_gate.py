@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from starlette.datastructures import Headers
 
 from moe_workers.serve.http_gate import body_encoding, gunzip, install, read_body
-from moe_workers.serve.protocol import RequestError
+from moe_workers.serve.openai.protocol import RequestError
 
 LIMIT = 1024
 

@@ -11,7 +11,7 @@ import pytest
 
 from moe_workers.serve.migration import (MAX_MIGRATIONS, RESUME_HEADER, Resume, StreamLog, parse_resume,
                                          resumable)
-from moe_workers.serve.protocol import RequestError
+from moe_workers.serve.openai.protocol import RequestError
 from moe_workers.serve.proxy_gate import AdmissionGate, admission_header
 
 BODY = json.dumps({"prompt": [5, 6, 7], "max_tokens": 8, "stream": True}).encode()

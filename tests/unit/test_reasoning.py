@@ -1,4 +1,4 @@
-"""Reasoning apart from the answer (serve/reasoning.py, textstream.ChoiceText), on recorded
+"""Reasoning apart from the answer (serve/openai/reasoning.py, openai/text.py's ChoiceText), on recorded
 completions of each convention, tokenized by a tokenizer whose markers are single tokens as in
 the published vocabularies (Qwen3 / DeepSeek-R1 think tags, gpt-oss harmony)."""
 
@@ -8,8 +8,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 
 from moe_workers.model.tokenizer import write_byte_tokenizer
-from moe_workers.serve.reasoning import HARMONY, THINK_CLOSE, THINK_OPEN, Splitter, reasoning_format, split
-from moe_workers.serve.textstream import ChoiceText
+from moe_workers.serve.openai.reasoning import HARMONY, THINK_CLOSE, THINK_OPEN, Splitter, reasoning_format, split
+from moe_workers.serve.openai.text import ChoiceText
 
 
 def _tokenizer(tmp_path, markers):
@@ -59,7 +59,7 @@ def test_harmony_channels_split_analysis_from_final(tmp_path):
                   "<|message|>2 + 2 = 4.<|return|>")
     assert _stream(tok, fmt, prompt, completion) == ("Simple sum: 4.", "2 + 2 = 4.", "Simple sum: 4.", "2 + 2 = 4.")
     # a preamble on commentary is answer; a message to a function (in the channel or the role
-    # header) is a tool call, neither side (serve/tools.py reads it); headers never show
+    # header) is a tool call, neither side (serve/openai/tools.py reads it); headers never show
     tool = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary"
             "<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
             "<|constrain|>json<|message|>{\"city\":\"Paris\"}<|call|>")

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_workers.model.sampling import SamplingParams, sample
-from moe_workers.serve.protocol import (MAX_JSON_DEPTH, MIN_TEMPERATURE, CompletionRequest, RequestError, check_context,
-                                        decode_body, parse_chat, parse_completion)
+from moe_workers.serve.openai.protocol import (MAX_JSON_DEPTH, MIN_TEMPERATURE, CompletionRequest, RequestError,
+                                               check_context, decode_body, parse_chat, parse_completion)
 
 
 def _error(raw: bytes) -> RequestError:

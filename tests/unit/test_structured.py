@@ -1,4 +1,4 @@
-"""Structured output (serve/structured.py): response formats compiled to grammars with llguidance,
+"""Structured output (serve/openai/structured.py): response formats compiled to grammars with llguidance,
 the mask applied in the batched sampling step, and what the engine produces on a random-weight
 model: every sampled completion parses and validates against its schema (jsonschema)."""
 
@@ -17,9 +17,9 @@ from checkpoints import make_family
 from moe_workers.model.sampling import SamplingParams, sample_batch
 from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
 from moe_workers.serve.engine import FinishReason, GenerationRequest
-from moe_workers.serve.protocol import JsonSchema, RequestError, ResponseFormat
-from moe_workers.serve import structured
-from moe_workers.serve.structured import Grammars, unpack_bits
+from moe_workers.serve.openai.protocol import JsonSchema, RequestError, ResponseFormat
+from moe_workers.serve.openai import structured
+from moe_workers.serve.openai.structured import Grammars, unpack_bits
 
 EOS = 2
 SCHEMA = {"type": "object",

@@ -20,12 +20,12 @@ from tokenizers import AddedToken, Tokenizer
 from checkpoints import make_family, reference_greedy
 from moe_workers.model.sampling import SamplingParams
 from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
-from moe_workers.serve.chat import ChatTemplate, write_tokenizer_config
+from moe_workers.serve.openai.chat import ChatTemplate, write_tokenizer_config
 from moe_workers.serve.engine import GenerationRequest
-from moe_workers.serve.protocol import ChatMessage
-from moe_workers.serve.reasoning import HARMONY, reasoning_format, split
-from moe_workers.serve.structured import Grammars
-from moe_workers.serve.tools import markers, parse, tool_format
+from moe_workers.serve.openai.protocol import ChatMessage
+from moe_workers.serve.openai.reasoning import HARMONY, reasoning_format, split
+from moe_workers.serve.openai.structured import Grammars
+from moe_workers.serve.openai.tools import markers, parse, tool_format
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 TOOLS = [{"type": "function", "function": {

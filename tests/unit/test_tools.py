@@ -1,4 +1,4 @@
-"""Tool calls (serve/tools.py): each family's convention read back from recorded completions, and
+"""Tool calls (serve/openai/tools.py): each family's convention read back from recorded completions, and
 the grammar that forces a call, sampled over random logits under its mask for every convention
 (markers as single special tokens, as in the published vocabularies, as added tokens that are not
 special, as Qwen's <tool_call> is, and spelled out in text)."""
@@ -14,9 +14,9 @@ from tokenizers import AddedToken, Tokenizer
 
 from moe_workers.model.sampling import SamplingParams, sample_batch
 from moe_workers.model.tokenizer import write_byte_tokenizer
-from moe_workers.serve.structured import Grammars
-from moe_workers.serve.textstream import ChoiceText
-from moe_workers.serve.tools import DS, cut_calls, markers, parse, start_marker, tool_format
+from moe_workers.serve.openai.structured import Grammars
+from moe_workers.serve.openai.text import ChoiceText
+from moe_workers.serve.openai.tools import DS, cut_calls, markers, parse, start_marker, tool_format
 
 FUNCTIONS = [
     {"name": "get_weather", "parameters": {"type": "object", "properties": {

@@ -46,7 +46,7 @@ def init_model(
     from moe_workers.model.quantization import FP8, MXFP4, MXFP4_GROUP
     from moe_workers.model.random_init import write_random_checkpoint
     from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
-    from moe_workers.serve.chat import write_tokenizer_config
+    from moe_workers.serve.openai.chat import write_tokenizer_config
 
     dtypes = {name: getattr(torch, name) for name in COMPUTE}
     if dtype not in dtypes:

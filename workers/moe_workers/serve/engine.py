@@ -40,7 +40,7 @@ from moe_workers.model.sampling import GREEDY, History, SamplingParams, sample_b
 from moe_workers.transport.realtime import Realtime
 
 if TYPE_CHECKING:
-    from moe_workers.serve.structured import Constraint
+    from moe_workers.serve.openai.structured import Constraint
 
 Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # runs in a step thread
 

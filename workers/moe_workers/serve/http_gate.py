@@ -20,7 +20,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from moe_workers.serve.auth import authorized
-from moe_workers.serve.protocol import RequestError
+from moe_workers.serve.openai.protocol import RequestError
 from moe_workers.serve.proxy_gate import RETRY_AFTER_S, admission_header
 
 JSON_MEDIA_TYPE = "application/json"

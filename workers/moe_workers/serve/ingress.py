@@ -1,8 +1,8 @@
 """Ingress: the HTTP API, continuous batching and the dense part of the model.
 
 What every request passes first (API key, body size) is `http_gate`; how answers are spelt
-(usage, logprobs, finish reasons) `openai_render`; the request schema `protocol`; the engine's
-scheduling and KV cache `engine` and `model.kv_cache`.
+(usage, logprobs, finish reasons) `openai.render`; the request schema `openai.protocol`; the
+engine's scheduling and KV cache `engine` and `model.kv_cache`.
 
 Per layer the engine hands the step's routed rows to `dispatch.ExpertDispatcher`, which picks a
 copy of each expert by the placement in the user_config (ExpertRouter) and exchanges the rows
@@ -38,15 +38,15 @@ from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
 from moe_workers.serve.migration import RESUME_HEADER, Resume, parse_resume
 from moe_workers.serve.board import weights_digest
-from moe_workers.serve.chat import ChatTemplate
+from moe_workers.serve.openai.chat import ChatTemplate
 from moe_workers.serve.http_gate import install, read_body
-from moe_workers.serve.openai_render import Renderer, finish_text, raise_failed, usage_object
-from moe_workers.serve.protocol import (NamedToolChoice, RequestError, check_context, decode_body, parse_chat,
-                                        parse_completion)
-from moe_workers.serve.structured import Grammars
-from moe_workers.serve.reasoning import Splitter, reasoning_format, split
-from moe_workers.serve.textstream import ChoiceText
-from moe_workers.serve.tools import cut_calls, parse, start_marker, tool_format
+from moe_workers.serve.openai.render import Renderer, finish_text, raise_failed, usage_object
+from moe_workers.serve.openai.protocol import (NamedToolChoice, RequestError, check_context, decode_body,
+                                               parse_chat, parse_completion)
+from moe_workers.serve.openai.structured import Grammars
+from moe_workers.serve.openai.reasoning import Splitter, reasoning_format, split
+from moe_workers.serve.openai.text import ChoiceText
+from moe_workers.serve.openai.tools import cut_calls, parse, start_marker, tool_format
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.serve.node import ray_placement

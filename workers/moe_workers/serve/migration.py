@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from moe_workers.serve.protocol import RequestError
+from moe_workers.serve.openai.protocol import RequestError
 
 RESUME_HEADER = b"x-moe-resume"
 MAX_MIGRATIONS = 2  # sends after the first one, per request

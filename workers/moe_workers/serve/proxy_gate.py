@@ -40,7 +40,7 @@ from collections import deque
 
 from moe_workers.serve.prefix import PREFIX_HEADER, prefix_header
 from moe_workers.serve.migration import MAX_MIGRATIONS, MAX_REPLAY_BYTES, RESUME_HEADER, StreamLog, resumable
-from moe_workers.serve.protocol import RequestError
+from moe_workers.serve.openai.protocol import RequestError
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "moe_workers.serve.proxy_gate:middlewares"

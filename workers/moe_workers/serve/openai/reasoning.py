@@ -8,7 +8,7 @@ ids as they come (a stream needs no look-ahead, and text that merely looks like 
 - harmony (gpt-oss): messages `<|start|>{header}<|channel|>{channel}<|message|>{body}<|end|>`,
   ended by `<|return|>` or `<|call|>`; the `analysis` channel is reasoning, `final` the answer,
   `commentary` (a preamble) the answer too; a message addressed to a function (`to=functions.f`)
-  is a tool call, which serve/tools.py reads: neither side. Headers and channel names are neither.
+  is a tool call, which serve/openai/tools.py reads: neither side. Headers and channel names are neither.
 
 The markers themselves are dropped; everything else goes to exactly one side.
 """
@@ -77,7 +77,7 @@ class Splitter:
         elif marker == "<|message|>":
             channel = self.decode(self.channel).split()  # e.g. "commentary to=functions.f json"
             addressed = "to=" in self.decode(self.header) or any(w.startswith("to=") for w in channel)
-            # a message to a function is a tool call (serve/tools.py reads it), neither side
+            # a message to a function is a tool call (serve/openai/tools.py reads it), neither side
             self.side = None if addressed else REASONING if channel[:1] == ["analysis"] else CONTENT
             self.state = "body"
         elif marker == "<|start|>":

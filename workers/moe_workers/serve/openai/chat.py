@@ -14,7 +14,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from moe_workers.serve.protocol import ChatMessage, RequestError
+from moe_workers.serve.openai.protocol import ChatMessage, RequestError
 
 MAX_RENDERED_CHARS = 4 * 1024 * 1024  # a template that loops cannot grow the prompt without bound
 
@@ -124,7 +124,7 @@ def _raise(message: str):
 
 # The template `moectl init-model` writes (tokenizer_config.json), so the quickstart can chat and
 # call tools: tools, calls and results as Mistral's published templates write them (the
-# convention serve/tools.py reads for the mixtral family), spelled out in text.
+# convention serve/openai/tools.py reads for the mixtral family), spelled out in text.
 SIMPLE_TEMPLATE = (
     "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]\n{% endif %}"
     "{% for m in messages %}"

@@ -4,7 +4,7 @@ finish reasons, logprobs objects, token texts; and which engine failures become 
 from __future__ import annotations
 
 from moe_workers.serve.engine import FinishReason, GenerationRequest
-from moe_workers.serve.protocol import RequestError
+from moe_workers.serve.openai.protocol import RequestError
 from moe_workers.transport import ExpertsUnavailable
 
 

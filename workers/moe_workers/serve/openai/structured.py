@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from moe_workers.serve.protocol import RequestError, ResponseFormat
+from moe_workers.serve.openai.protocol import RequestError, ResponseFormat
 
 WHITESPACE = r"(\n[ \t]{0,32}|[ ]?)"
 CACHE_SIZE = 256  # compiled grammars kept (least recently used goes)
@@ -95,8 +95,8 @@ class Grammars:
 
     def tool_constraint(self, fmt: str, functions: list[dict], parallel: bool) -> Constraint:
         """A matcher that holds the completion to tool calls of `functions` in the family's
-        convention `fmt` (serve/tools.py), their arguments to each one's parameters."""
-        from moe_workers.serve.tools import call_grammar, markers
+        convention `fmt` (serve/openai/tools.py), their arguments to each one's parameters."""
+        from moe_workers.serve.openai.tools import call_grammar, markers
 
         key = "tools:" + json.dumps([fmt, functions, parallel], sort_keys=True, separators=(",", ":"))
 

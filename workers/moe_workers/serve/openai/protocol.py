@@ -132,7 +132,7 @@ class JsonSchema(BaseModel):
 
 class ResponseFormat(BaseModel):
     """`{"type": "text"}`, `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
-    "json_schema": {...}}` (serve/structured.py enforces it token by token)."""
+    "json_schema": {...}}` (serve/openai/structured.py enforces it token by token)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 

@@ -69,11 +69,11 @@ class TextStream:
 
 
 class ChoiceText:
-    """One chat choice's text as it comes: a reasoning model's thinking (serve/reasoning.py's
+    """One chat choice's text as it comes: a reasoning model's thinking (serve/openai/reasoning.py's
     Splitter decides, token by token) in one stream, the answer, where stop sequences apply, in
     another; without a splitter, everything is the answer. With tools, the answer's text stops
     where a tool call begins (`tool_marker`, as text or as its single token id): the tokens after
-    it are kept for serve/tools.py to read at the end, and generation goes on."""
+    it are kept for serve/openai/tools.py to read at the end, and generation goes on."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str], splitter=None,
                  tool_marker: str | None = None, tool_marker_id: int | None = None):
