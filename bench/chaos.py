@@ -38,7 +38,7 @@ process title Ray gives an actor (`ray::ServeReplica:<ns>.<app>:Ingress` idle,
 
 The app is the quickstart's (examples/standalone/quickstart.yaml: a random tiny Mixtral, 2 shard
 groups, maxBatchSize 32, maxQueuedRequests 64), so past batch + queue the admission gate in the
-Serve proxy (moe_workers/serve/proxy_gate.py) refuses with 503 before a replica sees the request.
+Serve proxy (moe_workers/serve/proxy/gate.py) refuses with 503 before a replica sees the request.
 """
 
 from __future__ import annotations

@@ -23,5 +23,5 @@ RUN pip install --no-cache-dir --no-deps . && rm -rf /src
 WORKDIR /
 ENV HOME=/tmp PYTHONUNBUFFERED=1
 # Serve's HTTP proxy admits generation requests through the project's gate before its router
-# (moe_workers/serve/proxy_gate.py): a full app is refused at once instead of queued in the proxy
-ENV RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=moe_workers.serve.proxy_gate:middlewares
+# (moe_workers/serve/proxy/gate.py): a full app is refused at once instead of queued in the proxy
+ENV RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=moe_workers.serve.proxy.gate:middlewares

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import requests
 
-from moe_workers.serve.proxy_gate import ADMISSION_WAIT_S
+from moe_workers.serve.proxy.gate import ADMISSION_WAIT_S
 from waiting import wait_for
 
 # Shards stay stopped for at most this long: under the ingress' exchange timeout (30 s) and

@@ -3,7 +3,7 @@
 The app has two Ingress replicas. Clients stream greedy completions, and one Ingress replica that
 has requests running is SIGKILLed; then, once Serve has replaced it, the same with chat
 completions (with usage). Serve's proxy ends those
-streams where they were; the admission gate in the proxy (moe_workers.serve.migration) sends each
+streams where they were; the admission gate in the proxy (moe_workers.serve.proxy.migration) sends each
 again to the other replica with what its client already has, and the client sees one whole
 stream: one id, every token once, the reference's tokens, `[DONE]`; a chat stream's role once,
 its text the tokens' text, its usage counting every token. No request fails.

@@ -147,7 +147,7 @@ def test_overload_gets_503_with_retry_after_and_others_succeed(served):
     Retry-After once none freed for ADMISSION_WAIT_S, before Serve's router or a replica sees them; resumed,
     every admitted request gets the reference's tokens."""
     from moe_workers.serve.config import admission_capacity
-    from moe_workers.serve.proxy_gate import ADMISSION_WAIT_S
+    from moe_workers.serve.proxy.gate import ADMISSION_WAIT_S
 
     url, reference, (args, _) = served[0], served[1], served[2]
     prompt = [7, 8, 9]

@@ -1,4 +1,4 @@
-"""Request migration (moe_workers.serve.migration) and the proxy gate's part in it: a stream whose
+"""Request migration (moe_workers.serve.proxy.migration) and the proxy gate's part in it: a stream whose
 Ingress replica dies goes on on another replica. No Ray: ASGI apps driven directly on one loop,
 standing for Serve's proxy in front of two replicas, the first of which dies mid-stream."""
 
@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from moe_workers.serve.migration import (MAX_MIGRATIONS, RESUME_HEADER, Resume, StreamLog, parse_resume,
-                                         resumable)
+from moe_workers.serve.proxy.migration import (MAX_MIGRATIONS, RESUME_HEADER, Resume, StreamLog, parse_resume,
+                                               resumable)
 from moe_workers.serve.openai.protocol import RequestError
-from moe_workers.serve.proxy_gate import AdmissionGate, admission_header
+from moe_workers.serve.proxy.gate import AdmissionGate, admission_header
 
 BODY = json.dumps({"prompt": [5, 6, 7], "max_tokens": 8, "stream": True}).encode()
 

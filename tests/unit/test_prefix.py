@@ -6,8 +6,8 @@ import json
 
 from hypothesis import given, strategies as st
 
-from moe_workers.serve.prefix import (PREFIX_BLOCK_BYTES, PREFIX_HEADER, PREFIX_MAX_BLOCKS, PrefixAffinity,
-                                      parse_chain, prefix_chain, prefix_header, prompt_text)
+from moe_workers.serve.proxy.prefix import (PREFIX_BLOCK_BYTES, PREFIX_HEADER, PREFIX_MAX_BLOCKS, PrefixAffinity,
+                                            parse_chain, prefix_chain, prefix_header, prompt_text)
 
 SYSTEM = "You are the support assistant of a hardware shop. " * 12  # ~600 characters
 

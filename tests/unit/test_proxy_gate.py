@@ -6,8 +6,8 @@ import asyncio
 import json
 
 from moe_workers.serve.config import AppArgs, admission_capacity
-from moe_workers.serve.prefix import PREFIX_HEADER, prefix_header
-from moe_workers.serve.proxy_gate import (ADMISSION_WAIT_S, PREREAD_S, AdmissionGate, admission_header, middlewares,
+from moe_workers.serve.proxy.prefix import PREFIX_HEADER, prefix_header
+from moe_workers.serve.proxy.gate import (ADMISSION_WAIT_S, PREREAD_S, AdmissionGate, admission_header, middlewares,
                                           parse_admission, under)
 
 

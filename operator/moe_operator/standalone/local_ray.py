@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_workers.serve.proxy_gate import CALLBACK, CALLBACK_ENV
+from moe_workers.serve.proxy.gate import CALLBACK, CALLBACK_ENV
 
 # Ray reserves 10002-19999 for workers by default; our servers stay outside that range and the
 # workers get a narrowed range of their own.
@@ -148,7 +148,7 @@ class LocalRayHead:
             cmd = [sys.executable, "-m", "moe_operator.standalone.watchdog", str(parent_pid), "--", *cmd]
         # Serve names a replica it cannot place after RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s by
         # default); on a one-node local head nothing will come to place it later, so say it sooner.
-        # Serve's proxy admits requests through moe_workers.serve.proxy_gate (a user's value wins).
+        # Serve's proxy admits requests through moe_workers.serve.proxy.gate (a user's value wins).
         env = {"RAY_SERVE_SLOW_STARTUP_WARNING_S": "5", CALLBACK_ENV: CALLBACK, **os.environ, **self.client_env(),
                "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS")

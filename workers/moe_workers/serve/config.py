@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from moe_workers.serve.proxy_gate import RETRY_AFTER_S
+from moe_workers.serve.proxy.gate import RETRY_AFTER_S
 
 IMPORT_PATH = "moe_workers.serve.app:build_app"
 INGRESS = "Ingress"
-PREFIX_ROUTER = "moe_workers.serve.prefix_router:PrefixAffinityRouter"
+PREFIX_ROUTER = "moe_workers.serve.proxy.router:PrefixAffinityRouter"
 SERVE_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 KV_POLICY = "moe_workers.serve.ingress_scaling:KvAwarePolicy"
 # AppArgs fields that are deployment options in a Serve config (applied in place, or restarting only
@@ -94,7 +94,8 @@ class AppArgs(BaseModel):
     group_node_labels: dict[str, dict[str, str]] = Field(default_factory=dict, description="Shard group -> the Ray "
                                                          "node labels its replicas must run on.")
     prefix_routing: bool = Field(default=True, description="Serve's router in the proxy sends a request to the "
-                                 "Ingress replica that took its prompt's prefix before (moe_workers.serve.prefix_router).")
+                                 "Ingress replica that took its prompt's prefix before "
+                                 "(moe_workers.serve.proxy.router).")
     ingress_num_cpus: float = Field(default=0.5, gt=0)
     ingress_num_gpus: float = Field(default=0.0, ge=0, description="GPUs per ingress replica: with one, the dense "
                                     "part (embeddings, attention, routers, lm_head) and the KV cache run on it.")
@@ -183,7 +184,7 @@ def admission(args: AppArgs) -> dict:
 
 def admission_capacity(args: AppArgs, replicas: int | None = None) -> int:
     """Generation requests the app's Ingress replicas hold together (batch + wait queue each): the
-    proxy's admission gate (moe_workers.serve.proxy_gate) refuses past it, so Serve's router never
+    proxy's admission gate (moe_workers.serve.proxy.gate) refuses past it, so Serve's router never
     queues requests for full replicas; the headroom stays free for health and status calls.
     `replicas`: how many run (default: the fixed count, or an autoscaled Ingress' most)."""
     if replicas is None:
@@ -236,7 +237,7 @@ def ingress_count(args: AppArgs) -> int | str:
 
 def ingress_router_config(prefix_routing: bool) -> dict:
     """The Ingress deployment's `request_router_config`: the prefix-affinity router
-    (moe_workers.serve.prefix_router), which falls back to Serve's power of two choices, or that
+    (moe_workers.serve.proxy.router), which falls back to Serve's power of two choices, or that
     one alone. Always said: a deployment option the config leaves out is build_app's."""
     return {"request_router_class": PREFIX_ROUTER if prefix_routing else SERVE_DEFAULT_ROUTER}
 

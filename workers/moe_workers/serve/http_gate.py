@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from moe_workers.serve.auth import authorized
 from moe_workers.serve.openai.protocol import RequestError
-from moe_workers.serve.proxy_gate import RETRY_AFTER_S, admission_header
+from moe_workers.serve.proxy.gate import RETRY_AFTER_S, admission_header
 
 JSON_MEDIA_TYPE = "application/json"
 GZIP = ("gzip", "x-gzip")
@@ -44,7 +44,7 @@ class Gate:
                 return
             capacity = getattr(scope["app"].state, "admission_capacity", None)
             if capacity:
-                # tell the proxy's admission gate (moe_workers.serve.proxy_gate) what this app holds
+                # tell the proxy's admission gate (moe_workers.serve.proxy.gate) what this app holds
                 header = admission_header(capacity, scope.get("root_path", ""))
 
                 async def send_admission(message):

@@ -36,7 +36,7 @@ from moe_workers.serve.ingress_scaling import KV_METRIC
 from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest, Overloaded, ending_ids
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
-from moe_workers.serve.migration import RESUME_HEADER, Resume, parse_resume
+from moe_workers.serve.proxy.migration import RESUME_HEADER, Resume, parse_resume
 from moe_workers.serve.board import weights_digest
 from moe_workers.serve.openai.chat import ChatTemplate
 from moe_workers.serve.http_gate import install, read_body
@@ -250,7 +250,7 @@ class Ingress:
         return await read_body(request, self.args.max_request_bytes, self.args.request_body_timeout_s)
 
     def _resume(self, request: Request, req, new_tokens: int) -> Resume | None:
-        """Where a stream migrated from a failed replica goes on (moe_workers.serve.migration)."""
+        """Where a stream migrated from a failed replica goes on (moe_workers.serve.proxy.migration)."""
         value = request.headers.get(RESUME_HEADER.decode())
         if value is None:
             return None

@@ -5,7 +5,7 @@ prompt starts the same way). Serve's default router picks the less loaded of two
 so the requests of one chat (or one tenant's system prompt) spread over all replicas and each
 replica computes the same prefix again. Here:
 
-- The admission gate in Serve's proxy (moe_workers.serve.proxy_gate) reads a generation request's
+- The admission gate in Serve's proxy (moe_workers.serve.proxy.gate) reads a generation request's
   body before Serve routes it, and adds `x-moe-prefix`: the chain of hashes of its prompt in
   PREFIX_BLOCK_BYTES blocks (each hash covers every block before it, as the KV cache's block
   hashes do), from the request's tools and messages (chat) or prompt (completions), at most
@@ -20,7 +20,7 @@ replica computes the same prefix again. Here:
 What each router learnt is its own (one per proxy): with a proxy on each of several nodes, each
 learns where it sent a prefix, and a prefix sent through two proxies may be cached twice.
 This module is the pure part (no Ray: the operator imports the gate's module);
-moe_workers.serve.prefix_router is the Serve router around it.
+moe_workers.serve.proxy.router is the Serve router around it.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ own traffic: with a proxy per node the replicas may still be offered more, and S
 refuses that as before.
 
 Serve installs it in a proxy process started with
-`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=moe_workers.serve.proxy_gate:middlewares` (`moectl up`
+`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=moe_workers.serve.proxy.gate:middlewares` (`moectl up`
 sets it on its Ray head; the project's Ray image sets it for KubeRay clusters).
 """
 
@@ -38,12 +38,12 @@ import asyncio
 import json
 from collections import deque
 
-from moe_workers.serve.prefix import PREFIX_HEADER, prefix_header
-from moe_workers.serve.migration import MAX_MIGRATIONS, MAX_REPLAY_BYTES, RESUME_HEADER, StreamLog, resumable
+from moe_workers.serve.proxy.prefix import PREFIX_HEADER, prefix_header
+from moe_workers.serve.proxy.migration import MAX_MIGRATIONS, MAX_REPLAY_BYTES, RESUME_HEADER, StreamLog, resumable
 from moe_workers.serve.openai.protocol import RequestError
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-CALLBACK = "moe_workers.serve.proxy_gate:middlewares"
+CALLBACK = "moe_workers.serve.proxy.gate:middlewares"
 ADMISSION_HEADER = b"x-moe-admission"
 RETRY_AFTER_S = 1
 ADMISSION_WAIT_S = 4.0  # how long a request past capacity waits in the gate for a place (then 503)
@@ -223,7 +223,7 @@ class _Request:
 
     async def preread(self, receive, wait_s: float):
         """Read the body before Serve routes the request (its prompt says which replica holds its
-        prefix: moe_workers.serve.prefix_router), for up to `wait_s`; the receive that gives the
+        prefix: moe_workers.serve.proxy.router), for up to `wait_s`; the receive that gives the
         app what was read and then the rest. A body still arriving after `wait_s`, or larger than
         what the gate keeps, goes on as it comes (routed by load): the Ingress' own body timeout
         and size limit still judge it."""

@@ -3,7 +3,7 @@
 
 When an Ingress replica dies (SIGKILL, OOM, its node gone), Serve's proxy ends each of its
 streams where it was: the client gets a truncated response. The proxy's admission gate
-(`proxy_gate`) keeps, for each streamed completion, what the client has been sent (a `StreamLog`
+(`gate`) keeps, for each streamed completion, what the client has been sent (a `StreamLog`
 of the server-sent events it let through) and, if the stream breaks, sends the same request
 again with an `x-moe-resume` header: the response's id and creation time and the token ids the
 client already has. The Ingress that takes it prefills the prompt and those tokens and goes on

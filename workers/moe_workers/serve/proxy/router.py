@@ -1,5 +1,5 @@
-"""The Ingress' request router in Serve's proxy: prefix affinity (moe_workers.serve.prefix, whose
-module doc says how), through Ray Serve's request-router extension point."""
+"""The Ingress' request router in Serve's proxy: prefix affinity (moe_workers.serve.proxy.prefix,
+whose module doc says how), through Ray Serve's request-router extension point."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from moe_workers.serve.prefix import (IMBALANCE_THRESHOLD, MAX_PENDING, MAX_PREFIXES, PREFIX_HEADER, PrefixAffinity,
-                                      parse_chain)
+from moe_workers.serve.proxy.prefix import (IMBALANCE_THRESHOLD, MAX_PENDING, MAX_PREFIXES, PREFIX_HEADER,
+                                            PrefixAffinity, parse_chain)
 
 
 def request_chain(pending: PendingRequest) -> list[str]:
