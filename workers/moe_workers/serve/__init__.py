@@ -1,0 +1,16 @@
+"""The Ray Serve app (`app.build_app`: one Ingress, an ExpertShard deployment per shard group, the
+StatusBoard). A request's path, in the order to read it:
+
+1. Serve's HTTP proxy runs `proxy/`: `gate` (admission; `migration`: a broken stream sent again)
+   and `router` (to the Ingress replica that took the prompt's prefix before).
+2. `http_gate`: the API key, the body's size, the body read as JSON.
+3. `ingress.Ingress`: the wiring (`__init__`), `reconfigure` (placement, API keys), the routes.
+4. `openai/`: the body parsed (`protocol`, `chat`), tokens to text (`text`, `reasoning`, `tools`),
+   grammars (`structured`), the answer spelt (`render`).
+5. `engine.Engine`: its thread's `step` schedules, runs the layers (6, and 7 for the experts), samples.
+6. `moe_workers.model.dense`: embedding, attention, router, logits of a step.
+7. `dispatch.ExpertDispatcher`: a MoE layer's rows to the shard groups that host their experts.
+8. `moe_workers.transport`: the expert channel (`channel` at the Ingress, `server` at a shard).
+9. `shard.ExpertShard` -> `expert_call.compute_call`: the experts' rows computed.
+10. `moe_workers.store`: the tiered store holding those experts (hot, warm, cold).
+"""
