@@ -9,9 +9,12 @@ from .checkpoint import Checkpoint
 from .layers import combine, expert_forward, group_by_expert
 
 
-# rows (token x slot pairs) from which the CPU takes grouped GEMM over the per-expert loop:
-# bench/grouped.py measured it slower than the loop at every size on the CPU
-GROUPED_CPU_ROWS = None
+# rows an expert (on average over the layer's experts) for which the CPU takes grouped GEMM over
+# the per-expert loop: past the C kernels' few rows and below where one GEMM an expert runs well.
+# bench/grouped.py (2-core EPYC, bf16): Qwen3-30B-A3B prefill 512 (32 rows an expert) grouped 1.69x
+# the loop; batch 16 / 64 (1 / 4 rows, C kernels) 0.57 / 0.67; DeepSeek-V3 shape, 32 experts,
+# batch 64 (16 rows) 0.86, prefill 512 (128 rows) 0.81
+GROUPED_CPU_ROWS = (native.ROWS_MAX, 64)
 
 
 class LocalExperts:
@@ -45,7 +48,9 @@ class LocalExperts:
             return False
         if self.device.type != "cpu":
             return True
-        return GROUPED_CPU_ROWS is not None and indices.numel() >= GROUPED_CPU_ROWS
+        rows = indices.numel()
+        low, high = GROUPED_CPU_ROWS
+        return low < rows / min(self.cfg.num_experts, rows) <= high
 
     def forward(self, layer: int, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """{expert: its tokens' hidden states} -> {expert: its outputs}, through `compute_rows`."""
