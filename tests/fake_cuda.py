@@ -18,6 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
+_VIEWS = (aten.unbind.int, aten.select.int, aten.alias.default, aten.view.default, aten.detach.default,
+          torch.ops.prim.device.default)
 _READS = (aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default, aten._unique2.default,
           aten.unique_consecutive.default, aten.unique_dim.default)
 
@@ -50,17 +52,15 @@ def fake_cuda():
 
 
 class HostReads(TorchDispatchMode):
-    """Counts the host's reads of device data, by the storage read (a `.tolist()` of one tensor
-    is one read, whatever its size), and blocking copies of device data to the host."""
+    """Counts the host's reads of device data (a `.tolist()` of one tensor is one read, whatever
+    its size: the reads of its elements follow each other with only views between them), and
+    blocking copies of device data to the host."""
 
     def __init__(self):
         super().__init__()
-        self.storages: list[int] = []  # one entry per distinct device storage read, in order
+        self.reads = 0
         self.copies = 0  # blocking device -> host copies (t.cpu(), t.to("cpu"))
-
-    @property
-    def reads(self) -> int:
-        return len(self.storages)
+        self._last: int | None = None  # the storage the current run of element reads reads
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -69,9 +69,12 @@ class HostReads(TorchDispatchMode):
             if isinstance(t, FakeTensor) and t.constant is None:
                 if t.device.type != "cpu":
                     key = t.untyped_storage()._cdata
-                    if key not in self.storages:
-                        self.storages.append(key)
+                    if key != self._last:
+                        self.reads += 1
+                    self._last = key
                 return _zeros_answer(func, t)
+        if func not in _VIEWS:
+            self._last = None
         if func is aten._to_copy.default and kwargs.get("device") is not None:
             src, dst = args[0].device, torch.device(kwargs["device"])
             if src.type != "cpu" and dst.type == "cpu" and not kwargs.get("non_blocking"):

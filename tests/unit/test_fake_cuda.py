@@ -12,10 +12,15 @@ import torch
 
 from checkpoints import make_family
 from fake_cuda import HostReads, fake_cuda
-from moe_workers.model.dense import Chunk
+from moe_workers.model.checkpoint import Checkpoint
+from moe_workers.model.dense import Chunk, DenseModel, StepBatch
 from moe_workers.model.family import SUPPORTED
 from moe_workers.model.inprocess import InProcessModel
+from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.sampling import History, SamplingParams, sample_batch
+from moe_workers.serve.dispatch import ExpertDispatcher
+from moe_workers.serve.engine import Engine
+from moe_workers.serve.routing import ExpertRouter
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +48,38 @@ def test_the_in_process_step_never_waits_for_the_device(checkpoints, family):
         assert first.device.type == mixed.device.type == "cuda"
         assert tuple(mixed.shape) == (3, model.cfg.vocab_size)
         assert (reads.reads, reads.copies) == (0, 0), f"{family}: the step read the device {reads.reads} times"
+
+
+class ShapesChannel:
+    """The expert channel's answer in shape only (fake tensors carry no values)."""
+
+    def exchange(self, layer, parts):
+        return {group: torch.zeros_like(part.x) for group, part in parts.items()}
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+@pytest.mark.parametrize("lengths", [(1, 1), (1, 1, 20)], ids=["decode", "decode+prefill"])
+def test_the_served_step_reads_the_device_once_a_moe_layer(checkpoints, family, lengths):
+    """The Ingress' step (the engine's, with the expert exchange): the routing read once a MoE
+    layer, what the exchange needs to address the groups; the prefetch hints ride in that read."""
+    with fake_cuda():
+        ckpt = Checkpoint(checkpoints[family])
+        cfg = ckpt.config.with_dtype("bfloat16")
+        dense = DenseModel(cfg, ckpt.dense_state(), "cuda")
+        cache = PagedKVCache(cfg, 64, 16, cfg.dtype, "cuda", attention="gather")
+        dispatcher = ExpertDispatcher(ShapesChannel(), dense.pick, cfg.sparse_layers, cfg.num_experts)
+        placement = {"g0": [f"{l}.{e}" for l in cfg.sparse_layers for e in range(cfg.num_experts)]}
+        dispatcher.configure(ExpertRouter(placement), prefetch_lookahead=1)
+        engine = Engine(dense, cache, dispatcher, max_batch_size=4, max_queued=4)
+        chunks = []
+        for slot, n in enumerate(lengths):  # decode rows (routing planned in Python ints), or beside a prompt
+            assert cache.allocate() == slot
+            cache.reserve(slot, 8 + n, 8)
+            chunks.append(Chunk(slot, 8, list(range(1, n + 1))))
+        with HostReads() as reads, torch.inference_mode():
+            logits = engine._forward_steps(StepBatch(chunks))
+        assert tuple(logits.shape) == (len(lengths), cfg.vocab_size)
+        assert reads.reads == len(cfg.sparse_layers), f"{family}: {reads.reads} reads, {len(cfg.sparse_layers)} MoE layers"
 
 
 def test_the_experts_of_a_cuda_model_run_as_grouped_gemm(checkpoints):
