@@ -243,3 +243,25 @@ async def _collect(req):
     while await req.out.get() is not None:
         pass
     return req.produced
+
+
+def test_the_engine_reports_its_queue_and_cache_in_stats(tmp_path):
+    """What the Ingress' status and metrics read: the engine's own figures, not its internals."""
+    make_family(tmp_path, "mixtral")
+    prompt = _prompt(30, 5)
+
+    async def main():
+        engine = _engine(tmp_path)
+        before = engine.stats()
+        await _run(engine, [prompt], 4)
+        await _run(engine, [prompt], 4)  # the second finds 28 of its tokens cached
+        return engine, before, engine.stats()
+
+    engine, before, after = asyncio.run(main())
+    assert (before["steps"], before["kv"]["prefix_queried_tokens"]) == (0, 0)
+    kv = after["kv"]
+    assert after["running"] == after["waiting"] == 0 and after["steps"] >= 8
+    assert (kv["prefix_queried_tokens"], kv["prefix_hit_tokens"]) == (60, 28)
+    assert kv["blocks_used"] == 0 and kv["blocks_total"] == engine.manager.pool.usable
+    assert kv["attention"] == {"configured": "gather", "running": "gather", "fallbacks": 0, "error": ""}
+    assert engine.kv_usage() == 0.0

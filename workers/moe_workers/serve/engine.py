@@ -213,6 +213,27 @@ class Engine:
         held = self.manager.max_tokens()
         return self.max_len if held is None else min(self.max_len, held)
 
+    def stats(self) -> dict:
+        """What the engine reports (the Ingress' status and metrics read it, nothing inside):
+        step timings, the queue, and its paged KV cache: blocks (used / total, bytes), prefix cache
+        hits, preemptions, chunked prefills (counts since start) and the path decode attention runs."""
+        t, m, kv, cache = self.timings, self.manager, self.kv, self.cache
+        return {"steps": t.steps, "tokens": t.tokens, "dense_s": t.dense, "dense_cpu_s": t.dense_cpu,
+                "experts_s": t.experts, "forward_s": t.forward, "step_s": t.step,
+                "running": len(self.running), "waiting": len(self.waiting),
+                "kv": {"block_size": m.block_size, "blocks_total": m.pool.usable, "blocks_used": m.num_used,
+                       "bytes": cache.nbytes, "block_bytes": cache.nbytes // max(cache.num_blocks, 1),
+                       "max_sequence_tokens": self.max_sequence_tokens(),
+                       "prefix_caching": m.prefix_caching, "prefix_queried_tokens": kv.prefix_queried_tokens,
+                       "prefix_hit_tokens": kv.prefix_hit_tokens, "prefix_cached_blocks": len(m.pool.cached),
+                       "preemptions": kv.preemptions, "chunked_prefills": kv.chunked_prefills,
+                       "max_num_batched_tokens": self.max_num_batched_tokens,
+                       "attention": cache.attention_path(), "attention_fallbacks": cache.attention_fallbacks}}
+
+    def kv_usage(self) -> float:
+        """The share of the KV cache's blocks sequences hold now (the Ingress' autoscaling metric)."""
+        return self.manager.num_used / max(self.manager.pool.usable, 1)
+
     def submit(self, req: GenerationRequest) -> GenerationRequest:
         # requests that can start at the next step do not count against the wait queue
         can_start = max(0, self.max_batch_size - len(self.running))

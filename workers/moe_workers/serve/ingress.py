@@ -160,8 +160,7 @@ class Ingress:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metric: the share of this replica's KV cache blocks in use
         (moe_workers.serve.ingress_scaling)."""
-        m = self.engine.manager
-        return {KV_METRIC: m.num_used / max(m.pool.usable, 1)}
+        return {KV_METRIC: self.engine.kv_usage()}
 
     def __del__(self):
         """Serve is stopping this replica (scale-down, redeploy): it stops counting at once."""
@@ -553,27 +552,12 @@ class Ingress:
             self.engine.realtime.set_priority(realtime_priority)
 
     def engine_stats(self) -> dict:
-        t = self.engine.timings
+        """The engine's figures (`Engine.stats()`) and this replica's process: CPU time, peak RSS,
+        the dense part's bytes, the grammar cache, and the expert versions the prefix cache holds."""
+        stats = self.engine.stats()
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        return {"steps": t.steps, "tokens": t.tokens, "dense_s": t.dense, "dense_cpu_s": t.dense_cpu,
-                "experts_s": t.experts, "forward_s": t.forward, "step_s": t.step,
-                "cpu_s": usage.ru_utime + usage.ru_stime,
-                "running": len(self.engine.running), "waiting": len(self.engine.waiting),
-                "pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes(), "dense_bytes": self.dense.nbytes(),
-                "kv": self.kv_stats(), "grammars": self.grammars.stats()}
-
-    def kv_stats(self) -> dict:
-        """The paged KV cache: blocks (used / total, bytes), prefix cache hits, preemptions,
-        chunked prefills (counts since start), and the path decode attention runs (flex or gather)."""
-        m, kv = self.engine.manager, self.engine.kv
-        return {"block_size": m.block_size, "blocks_total": m.pool.usable, "blocks_used": m.num_used,
-                "bytes": self.cache.nbytes, "block_bytes": self.cache.nbytes // max(self.cache.num_blocks, 1),
-                "max_sequence_tokens": self.engine.max_sequence_tokens(),
-                "prefix_caching": m.prefix_caching, "prefix_queried_tokens": kv.prefix_queried_tokens,
-                "prefix_hit_tokens": kv.prefix_hit_tokens, "prefix_cached_blocks": len(m.pool.cached),
-                "preemptions": kv.preemptions, "chunked_prefills": kv.chunked_prefills,
-                "max_num_batched_tokens": self.engine.max_num_batched_tokens,
-                "attention": self.cache.attention_path(), "attention_fallbacks": self.cache.attention_fallbacks,
-                "weights": self._weights}
+        stats["kv"]["weights"] = self._weights
+        return {**stats, "cpu_s": usage.ru_utime + usage.ru_stime, "pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes(),
+                "dense_bytes": self.dense.nbytes(), "grammars": self.grammars.stats()}
 
 
