@@ -1,7 +1,7 @@
 """The Ingress' expert exchange (moe_workers.serve.dispatch) without Ray: its channel here computes
 each group's experts in process (the shards' own `compute_rows`), so what the dispatcher plans,
-sends and combines is checked against the in-process model's layer, value for value; then the
-served step (the Engine's) on a fake CUDA device, counting its reads of the device."""
+sends and combines is checked against the in-process model's layer, value for value. (Its reads
+of the device: the served step on a fake CUDA device, tests/unit/test_fake_cuda.py.)"""
 
 from __future__ import annotations
 
@@ -9,27 +9,22 @@ import pytest
 import torch
 
 from checkpoints import make_family
-from fake_cuda import HostReads, fake_cuda
 from moe_workers.model import routes
 from moe_workers.model.checkpoint import Checkpoint
-from moe_workers.model.dense import Chunk, DenseModel, StepBatch
+from moe_workers.model.dense import DenseModel
 from moe_workers.model.experts import LocalExperts
-from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.serve.dispatch import ExpertDispatcher
-from moe_workers.serve.engine import Engine
 from moe_workers.serve.routing import ExpertRouter
 
 
 class ComputingChannel:
     """An expert channel whose groups are in this process: each part computed by `experts`."""
 
-    def __init__(self, experts: LocalExperts | None):
+    def __init__(self, experts: LocalExperts):
         self.experts, self.parts = experts, []
 
     def exchange(self, layer, parts):
         self.parts.append((layer, parts))
-        if self.experts is None:  # fake tensors: shapes only
-            return {g: torch.zeros_like(p.x) for g, p in parts.items()}
         out = {}
         for group, part in parts.items():
             rows = torch.empty_like(part.x)
@@ -105,24 +100,3 @@ def test_the_plan_counts_each_tokens_largest_weight_as_its_first_choice(n, k, e)
     plan = ExpertDispatcher(None, None, [0], e).plan(0, torch.zeros(n, 4), indices, weights)
     assert plan.first == want
     assert plan.counts == {x: int((indices == x).sum()) for x in range(e) if (indices == x).any()}
-
-
-@pytest.mark.parametrize("chunks", [[(0, 1), (1, 1), (2, 1)], [(0, 30), (1, 1)]], ids=["decode", "prefill"])
-def test_the_served_step_reads_the_device_once_a_moe_layer(qwen, chunks):
-    with fake_cuda():
-        ckpt = Checkpoint(qwen)
-        cfg = ckpt.config.with_dtype("bfloat16")
-        dense = DenseModel(cfg, ckpt.dense_state(), "cuda")
-        cache = PagedKVCache(cfg, 64, 16, cfg.dtype, "cuda", attention="gather")
-        d = ExpertDispatcher(ComputingChannel(None), dense.pick, cfg.sparse_layers, cfg.num_experts)
-        d.configure(ExpertRouter(_placement(cfg)), prefetch_lookahead=1)
-        engine = Engine(dense, cache, d, max_batch_size=4, max_queued=4)
-        step = []
-        for slot, n in chunks:
-            assert cache.allocate() == slot
-            cache.reserve(slot, 8 + n, 8)
-            step.append(Chunk(slot, 8, list(range(1, n + 1))))
-        with HostReads() as reads, torch.inference_mode():
-            logits = engine._forward_steps(StepBatch(step))
-        assert tuple(logits.shape) == (len(chunks), cfg.vocab_size)
-        assert reads.reads == len(cfg.sparse_layers), f"{reads.reads} reads for {len(cfg.sparse_layers)} MoE layers"
