@@ -9,8 +9,9 @@
   Mixtral-8x7B expert would hold 512 MiB) and keeps freed blocks: the budgets count real memory.
 - Ordering: copies run on a copy stream of the store's own, so prefetch overlaps compute; each
   copy records an event; the compute stream waits for an expert's event before using it (a wait
-  on the device, never the host); a slot freed after a batch read it, or after a copy read it, is
-  only written again once the copy stream has waited for that reader's event. Nothing here blocks
+  on the device, never the host); a slot goes back to its pool with the events of the last work
+  that read or wrote it (a batch, a copy out of it, the copy or decode into it), and is written
+  again, or freed, only once those have completed. Nothing here blocks
   the host, so the store's lock never covers a device synchronisation.
 
 A quantized expert (fp8 blocks, mxfp4) travels to the hot tier in its stored form and is decoded
