@@ -214,11 +214,9 @@ def test_a_failed_allocation_leaves_the_pool_count_right():
     assert pool.allocated == 1 and buf.numel() == 1 << 10 and after == []
 
 
-def test_a_swap_of_an_expert_removed_meanwhile_is_refused_and_frees_its_stage(model_dir, tmp_path):
-    n = make_store(model_dir).expert_bytes
-    s = make_store(model_dir, tmp_path, hot_budget=3 * n, warm_budget=n)
-    k = (0, 0)
-    s.configure([k, (0, 1)])
+def _swap_removed_under_a_batch(s, model_dir, k, keep) -> list:
+    """A swap of k waits for a batch that holds k; once its copy is staged, k leaves the replica
+    (configure(keep)); then the batch ends. Returns the swap's errors."""
     ref = Checkpoint(model_dir).expert(*k)
     gate, errors = Gate(), []
 
@@ -240,10 +238,19 @@ def test_a_swap_of_an_expert_removed_meanwhile_is_refused_and_frees_its_stage(mo
     deadline = time.monotonic() + BOUND_S
     while not s.ledger.staged[HOT] + s.ledger.staged[WARM] and time.monotonic() < deadline:
         time.sleep(0.01)
-    s.configure([(0, 1)])  # k removed while the swap waits for the batch
+    s.configure(keep)  # k removed while the swap waits for the batch
     gate.release.set()
     tb.join(BOUND_S)
     ts.join(BOUND_S)
+    return errors
+
+
+def test_a_swap_of_an_expert_removed_meanwhile_is_refused_and_frees_its_stage(model_dir, tmp_path):
+    n = make_store(model_dir).expert_bytes
+    s = make_store(model_dir, tmp_path, hot_budget=3 * n, warm_budget=n)
+    k = (0, 0)
+    s.configure([k, (0, 1)])
+    errors = _swap_removed_under_a_batch(s, model_dir, k, [(0, 1)])
     assert errors and "removed" in str(errors[0])
     assert s.ledger.staged == {HOT: 0, WARM: 0} and s.ledger.reserved == {HOT: 0, WARM: 0}
     accounting_holds(s)
@@ -820,31 +827,7 @@ def test_a_refused_swap_gives_its_stage_back_after_the_copy_into_it(model_dir, t
     k, other = (0, 0), (0, 1)
     s.configure([k, other])
     ops.finish()
-    ref = Checkpoint(model_dir).expert(*k)
-    gate, errors = Gate(), []
-
-    def batch():
-        with s.use([k]):
-            gate.wait_here()
-
-    def swap():
-        try:
-            s.swap(k, lambda: {w: t * 2 for w, t in ref.items()}, "test")
-        except SwapError as err:
-            errors.append(err)
-
-    tb = threading.Thread(target=batch)
-    tb.start()
-    assert gate.entered.wait(BOUND_S)
-    ts = threading.Thread(target=swap)
-    ts.start()
-    deadline = time.monotonic() + BOUND_S
-    while not s.ledger.staged[HOT] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    s.configure([other])  # k leaves while the swap waits for the batch
-    gate.release.set()
-    tb.join(BOUND_S)
-    ts.join(BOUND_S)
+    errors = _swap_removed_under_a_batch(s, model_dir, k, [other])
     assert errors and "removed" in str(errors[0]) and ops.pending  # the staged copy has not run
     s.configure([other], TierConfig(hot_budget=n, warm_budget=n, cold_dir=str(tmp_path / "cold"), pinned=False))
     assert not ops.races, ops.races
