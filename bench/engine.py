@@ -52,7 +52,7 @@ from moe_workers.model.experts import LocalExperts  # noqa: E402
 from moe_workers.model.kv_blocks import budget_blocks, sequence_blocks, token_numel  # noqa: E402
 from moe_workers.model.kv_cache import PagedKVCache  # noqa: E402
 from moe_workers.model.random_init import random_config, write_random_checkpoint  # noqa: E402
-from moe_workers.serve.engine import Engine, GenerationRequest  # noqa: E402
+from moe_workers.engine import Engine, GenerationRequest  # noqa: E402
 
 # the published configs whose KV budgets are tabled (moe_workers.model.published has their fields)
 PUBLISHED = {"Mixtral-8x7B": "mixtral-8x7b", "Qwen3-30B-A3B": "qwen3-30b-a3b", "DeepSeek-V3": "deepseek-v3",

@@ -544,7 +544,7 @@ def check_served(ctx) -> dict:
     from moe_workers.model.inprocess import InProcessModel
     from moe_workers.model.kv_cache import PagedKVCache
     from moe_workers.serve.dispatch import ExpertDispatcher
-    from moe_workers.serve.engine import Engine
+    from moe_workers.engine import Engine
     from moe_workers.serve.routing import ExpertRouter
     from moe_workers.transport import ExpertChannel, Member
 

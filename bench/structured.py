@@ -198,7 +198,7 @@ def engine_figures(tmp: Path, rounds: int) -> tuple[dict, dict]:
     from moe_workers.model import published
     from moe_workers.model.random_init import write_random_checkpoint
     from moe_workers.model.sampling import SamplingParams
-    from moe_workers.serve.engine import GenerationRequest
+    from moe_workers.engine import GenerationRequest
 
     vocab = published.VOCAB_SIZES["qwen3-30b-a3b"]
     model = tmp / "qwen3"

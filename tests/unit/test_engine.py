@@ -14,7 +14,7 @@ from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.experts import LocalExperts
 from moe_workers.model.inprocess import InProcessModel
 from moe_workers.model.sampling import SamplingParams
-from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest, Overloaded
+from moe_workers.engine import Engine, FinishReason, GenerationRequest, Overloaded
 from moe_workers.serve.routing import ExpertRouter
 
 
@@ -140,7 +140,7 @@ def test_router_shares_copies_within_each_layer():
 
 def test_split_chunks_balances_tokens_and_keeps_order():
     from moe_workers.model.dense import Chunk
-    from moe_workers.serve.engine import split_chunks
+    from moe_workers.engine import split_chunks
 
     chunks = [Chunk(i, 0, [1] * n) for i, n in enumerate([1, 1, 1, 1, 100, 1, 1, 1])]
     parts = split_chunks(chunks, 2)
@@ -206,7 +206,7 @@ def test_compute_rows_writes_each_experts_rows_in_place(tmp_path):
 def test_observer_sees_each_sequences_latencies_and_logprobs_are_the_models(tmp_path):
     """First token once, inter-token for the rest, finished once with the reason; a stop ends a
     sequence with that reason; logprobs are the log-softmax of the model's logits."""
-    from moe_workers.serve.engine import Observer
+    from moe_workers.engine import Observer
 
     make_mixtral(tmp_path, num_local_experts=4, num_hidden_layers=2)
     reference = InProcessModel(tmp_path)

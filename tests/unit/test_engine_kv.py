@@ -17,7 +17,7 @@ from moe_workers.model.family import SUPPORTED
 from moe_workers.model.kv_blocks import sequence_blocks
 from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.sampling import SamplingParams
-from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest
+from moe_workers.engine import Engine, FinishReason, GenerationRequest
 
 
 def _engine(path, blocks=None, block_size=4, max_batch=8, budget=512, prefix_caching=True, prefill_only_factor=1):

@@ -19,7 +19,7 @@ from moe_workers.model.inprocess import InProcessModel
 from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.sampling import History, SamplingParams, sample_batch
 from moe_workers.serve.dispatch import ExpertDispatcher
-from moe_workers.serve.engine import Engine
+from moe_workers.engine import Engine
 from moe_workers.serve.routing import ExpertRouter
 
 

@@ -20,7 +20,7 @@ from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel
 from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.experts import LocalExperts
-from moe_workers.serve.engine import Engine, GenerationRequest
+from moe_workers.engine import Engine, GenerationRequest
 from moe_workers.transport import ExchangeServer, ExpertChannel, Member, Part
 from moe_workers.transport.realtime import Realtime, policy_of
 from sched_class import in_thread as _in_thread, rr_allowed

@@ -16,7 +16,7 @@ from tokenizers import pre_tokenizers
 from checkpoints import make_family
 from moe_workers.model.sampling import SamplingParams, sample_batch
 from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
-from moe_workers.serve.engine import FinishReason, GenerationRequest
+from moe_workers.engine import FinishReason, GenerationRequest
 from moe_workers.serve.openai.protocol import JsonSchema, RequestError, ResponseFormat
 from moe_workers.serve.openai import structured
 from moe_workers.serve.openai.structured import Grammars, unpack_bits

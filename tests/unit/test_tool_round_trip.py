@@ -21,7 +21,7 @@ from checkpoints import make_family, reference_greedy
 from moe_workers.model.sampling import SamplingParams
 from moe_workers.model.tokenizer import BYTE_VOCAB_SIZE, write_byte_tokenizer
 from moe_workers.serve.openai.chat import ChatTemplate, write_tokenizer_config
-from moe_workers.serve.engine import GenerationRequest
+from moe_workers.engine import GenerationRequest
 from moe_workers.serve.openai.protocol import ChatMessage
 from moe_workers.serve.openai.reasoning import HARMONY, reasoning_format, split
 from moe_workers.serve.openai.structured import Grammars

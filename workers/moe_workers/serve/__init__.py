@@ -7,7 +7,8 @@ StatusBoard). A request's path, in the order to read it:
 3. `ingress.Ingress`: the wiring (`__init__`), `reconfigure` (placement, API keys), the routes.
 4. `openai/`: the body parsed (`protocol`, `chat`), tokens to text (`text`, `reasoning`, `tools`),
    grammars (`structured`), the answer spelt (`render`).
-5. `engine.Engine`: its thread's `step` schedules, runs the layers (6, and 7 for the experts), samples.
+5. `moe_workers.engine` (no Ray in it): `scheduler` plans a step, `runner` runs the layers (6, and 7
+   for the experts) and samples, `scheduler.update` turns the tokens into outputs.
 6. `moe_workers.model.dense`: embedding, attention, router, logits of a step.
 7. `dispatch.ExpertDispatcher`: a MoE layer's rows to the shard groups that host their experts.
 8. `moe_workers.transport`: the expert channel (`channel` at the Ingress, `server` at a shard).

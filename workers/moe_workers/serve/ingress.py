@@ -33,7 +33,7 @@ from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.serve.dispatch import ExpertDispatcher
 from moe_workers.serve.config import AUTO, AppArgs, admission_capacity, engine_queue_limit
 from moe_workers.serve.ingress_scaling import KV_METRIC
-from moe_workers.serve.engine import Engine, FinishReason, GenerationRequest, Overloaded, ending_ids
+from moe_workers.engine import Engine, FinishReason, GenerationRequest, Overloaded, ending_ids
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
 from moe_workers.serve.proxy.migration import RESUME_HEADER, Resume, parse_resume

@@ -3,7 +3,7 @@ finish reasons, logprobs objects, token texts; and which engine failures become 
 
 from __future__ import annotations
 
-from moe_workers.serve.engine import FinishReason, GenerationRequest
+from moe_workers.engine import FinishReason, GenerationRequest
 from moe_workers.serve.openai.protocol import RequestError
 from moe_workers.transport import ExpertsUnavailable
 
