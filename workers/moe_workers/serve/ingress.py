@@ -30,7 +30,7 @@ from moe_workers.device import replica_device
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel
 from moe_workers.model.kv_cache import PagedKVCache
-from moe_workers.serve.dispatch import ExpertDispatcher
+from moe_workers.serve.dispatch import BoardMembership, ExpertDispatcher
 from moe_workers.serve.config import AUTO, AppArgs, admission_capacity, engine_queue_limit
 from moe_workers.serve.ingress_scaling import KV_METRIC
 from moe_workers.engine import Engine
@@ -44,7 +44,7 @@ from moe_workers.serve.openai.structured import Grammars
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
 from moe_workers.serve.node import ray_placement
-from moe_workers.transport import ExpertChannel, Member
+from moe_workers.transport import ExpertChannel
 from moe_workers.transport.realtime import Realtime
 
 fastapi_app = FastAPI(title="moe-operator", docs_url=None, redoc_url=None)
@@ -76,9 +76,9 @@ class Ingress:
         self.ingress_replicas: int | str = self.args.ingress_replicas
         self.live_ingress_replicas = 1
         self._weights: str | None = None  # the experts' versions the prefix cache was computed with
-        self.channel = ExpertChannel(self._members if board is not None else None,
-                                     timeout_s=self.args.exchange_timeout_s,
-                                     on_refused=self._forget if board is not None else None,
+        membership = BoardMembership(board, self.replica, self._on_poll) if board is not None else None
+        self.channel = ExpertChannel(membership, timeout_s=self.args.exchange_timeout_s,
+                                     on_refused=membership.forget if membership is not None else None,
                                      node=ray_placement()[0] or "", local_sockets=self.args.local_channel,
                                      spin_s=self.args.exchange_spin_us / 1e6,
                                      wake_latency_us=self.args.wake_latency_us())
@@ -136,16 +136,13 @@ class Ingress:
         replicas = self.live_ingress_replicas if self.ingress_replicas == AUTO else self.ingress_replicas
         fastapi_app.state.admission_capacity = admission_capacity(self.args, replicas)
 
-    def _members(self) -> tuple[list[Member], str]:
-        """The channel's membership, from the StatusBoard (called by the channel's poller thread,
-        every second); the poll counts this replica among the Ingress replicas live."""
-        got = self.board.members.remote(ingress=self.replica).result(timeout_s=10)
-        self._see_weights(got.get("weights"))
-        live = max(1, int(got.get("ingress_replicas") or 1))
-        if live != self.live_ingress_replicas:
-            self.live_ingress_replicas = live
+    def _on_poll(self, weights: str | None, live_ingress_replicas: int) -> None:
+        """What the channel's membership poll brought besides the members (`BoardMembership`):
+        the expert versions served now, and the Ingress replicas live (the admission gate's size)."""
+        self._see_weights(weights)
+        if live_ingress_replicas != self.live_ingress_replicas:
+            self.live_ingress_replicas = live_ingress_replicas
             self._size_admission()
-        return [Member.from_report(m) for m in got["members"]], got["token"]
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metric: the share of this replica's KV cache blocks in use
@@ -170,11 +167,6 @@ class Ingress:
         if self._weights is not None and engine is not None:
             engine.reset_prefix_cache()
         self._weights = digest
-
-    def _forget(self, member: Member) -> None:
-        """A shard replica whose channel port refused us is dead: off the board now (the
-        channel's membership thread calls this)."""
-        self.board.forget.remote(member.replica, member.endpoint).result(timeout_s=10)
 
     def _export_metrics(self, every_s: float = 5.0, latencies_every_s: float = 1.0) -> None:
         """The engine's queued latencies every second; load and routing figures every `every_s`."""
