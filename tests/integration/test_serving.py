@@ -199,6 +199,39 @@ def test_reconfigure_changes_expert_set_without_restart(served, ray_head):
     assert got == reference.generate([prompt], max_tokens=6)[0][: len(got)]
 
 
+def test_a_quarantine_applies_in_place_and_the_served_tokens_follow_it(served, ray_head, tmp_path):
+    """spec.routing.quarantine as the operator renders it (the Ingress' user_config): the Ingress
+    process stays, its routers leave the experts out (the tokens are the reference's with the same
+    quarantine, and differ from the unquarantined ones), the status says so; lifted, the tokens are
+    the checkpoint's again."""
+    url, reference = served[0], served[1]
+    args, placement = served[2]
+    status = lambda: requests.get(url + "/moe/v1/status", timeout=30).json()  # noqa: E731
+    pid = status()["ingress"]["pid"]
+    prompt = [21, 22, 23, 24, 25]
+    plain = reference.generate([prompt], max_tokens=8)[0]
+    # two experts of every layer out (a quarter of each: the default share allows it)
+    quarantine = sorted({f"{layer}.{e}" for layer in range(NUM_LAYERS) for e in (1, 3)})
+    reference.dense.quarantine(quarantine)
+    try:
+        contained = reference.generate([prompt], max_tokens=8)[0]
+    finally:
+        reference.dense.quarantine([])
+    assert contained != plain  # the quarantine changes this prompt's tokens (else the test could not tell)
+
+    def served_tokens():
+        r = _complete(url, prompt=prompt, max_tokens=8, temperature=0)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    deploy(ray_head, [serve_application("moe", "/", args, placement, quarantine=quarantine)])
+    wait_for(lambda: status()["routing"]["quarantined"] == quarantine, timeout_s=60)
+    assert served_tokens() == contained and status()["ingress"]["pid"] == pid
+    deploy(ray_head, [serve_application("moe", "/", args, placement)])
+    wait_for(lambda: status()["routing"]["quarantined"] == [], timeout_s=60)
+    assert served_tokens() == plain and status()["ingress"]["pid"] == pid
+
+
 @pytest.fixture(scope="module")
 def served_with_tokenizer(served, ray_head, tmp_path_factory):
     """A second application on the same Ray cluster, with tokenizer.json, under its own prefix."""
