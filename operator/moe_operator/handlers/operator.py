@@ -22,9 +22,10 @@ import kopf
 
 from moe_operator.api import models
 from moe_operator.backends.kuberay import KubeRayClient, KubeRayError
+from moe_operator.backends.kuberay_backend import KubeRayBackend
 from moe_operator.backends.ray_rest import RayClients, RayServeError
 from moe_operator.backends.render_only import RenderOnlyClient
-from moe_operator.backends.serve_backend import ServeBackend
+from moe_operator.backends.serve_backend import Backend, BackendError, ServeBackend
 from moe_operator.metrics import RECONCILES, RECONCILE_SECONDS, APPLIED_GENERATION, start_metrics_server
 from moe_operator.api import conditions as cond
 from moe_operator.api.validation import SpecError, parse_spec
@@ -33,7 +34,7 @@ from moe_operator.merge_patch import merge_patch
 from moe_operator.settings import RENDER_ONLY, Settings, SettingsError
 from moe_operator.reconcile import (
     ObjectRef, deployed_placement, keys_fingerprint, never_deployed, observe_live, placement_from_rayservice,
-    reconcile, reconcile_kuberay, remove_application, unconfigured)
+    rest_backend, run_pass, unconfigured)
 from moe_operator.names import FINALIZER, REBALANCE_ANNOTATION, app_name
 from moe_workers.serve.auth import digests
 
@@ -183,16 +184,26 @@ def _served_client(spec: dict, namespace: str, status: dict, memo: kopf.Memo) ->
     return memo.ray_clients.get(address, _token(spec, namespace, memo))
 
 
+def _backend(spec: dict, namespace: str, memo: kopf.Memo, status: dict | None = None) -> Backend:
+    """The backend this object's pass runs over: its RayService (ray.mode KubeRay), else its Ray
+    cluster's Serve REST API with the API keys in force. `status`: for a deletion, the cluster the
+    application was deployed to (a KubeRay object's RayService), whatever the spec names now."""
+    served = status or {}
+    if served.get("rayService") or (_kuberay_mode(spec) and not served.get("rayAddress")):
+        return KubeRayBackend(memo.kube.kuberay)
+    if status is not None:
+        return rest_backend(_served_client(spec, namespace, served, memo), memo.settings)
+    return rest_backend(_client(spec, namespace, memo), memo.settings,
+                        api_key_digests=_api_key_digests(spec, namespace, memo.kube))
+
+
 def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict, memo: kopf.Memo):
-    settings: Settings = memo.settings
     obj = ObjectRef(namespace, name, meta.get("generation", 0), meta.get("uid", ""))
     try:
-        if _kuberay_mode(spec_dict):
-            return reconcile_kuberay(obj, spec_dict, status, memo.kube.kuberay, settings)
-        client, keys = _client(spec_dict, namespace, memo), _api_key_digests(spec_dict, namespace, memo.kube)
+        backend = _backend(spec_dict, namespace, memo)
     except Unconfigured as err:
         return unconfigured(status, obj.generation, err.reason, str(err), err.retry_s)
-    return reconcile(obj, spec_dict, status, client, settings, api_key_digests=keys)
+    return run_pass(obj, spec_dict, status, backend, memo.settings)
 
 
 @kopf.on.resume(*RESOURCE)
@@ -220,28 +231,16 @@ def _kuberay_mode(spec: dict) -> bool:
 @kopf.on.delete(*RESOURCE)
 def delete_handler(name: str, namespace: str, spec, meta, status, logger, memo: kopf.Memo, **_: Any) -> None:
     memo.autoscaler.forget(f"{namespace}/{name}")
-    settings: Settings = memo.settings
-    spec_dict = dict(spec)
     if never_deployed(dict(status or {})):
         logger.info("nothing was deployed for %s/%s (never Ready); nothing to remove from Ray", namespace, name)
         return
-    served = dict(status or {})
-    if served.get("rayService") or (_kuberay_mode(spec_dict) and not served.get("rayAddress")):
-        # the owner reference lets the garbage collector do this too; deleting it here means the
-        # finalizer is only released once the RayService (and with it the app) is gone
-        try:
-            removed = memo.kube.kuberay.delete_owned(namespace, name, meta["uid"])
-        except KubeRayError as err:
-            raise kopf.TemporaryError(str(err), delay=10)
-        logger.info("deleted RayService %s/%s" if removed else "no RayService %s/%s of ours to delete", namespace, name)
-        return
     try:
-        removed = remove_application(_served_client(spec_dict, namespace, served, memo), app_name(namespace, name),
-                                     settings.serve_http_port, host=settings.serve_http_host)
-    except (RayServeError, OSError) as err:  # keep the finalizer until Ray confirms the app is gone
-        raise kopf.TemporaryError(f"removing {app_name(namespace, name)}: {err}", delay=10)
-    logger.info("removed Serve application %s" if removed else "Serve application %s was already gone",
-                app_name(namespace, name))
+        backend = _backend(dict(spec), namespace, memo, dict(status or {}))
+        removed = backend.delete(ObjectRef(namespace, name, meta.get("generation", 0), meta["uid"]))
+    except (BackendError, Unconfigured) as err:  # keep the finalizer until the app is confirmed gone
+        raise kopf.TemporaryError(str(err), delay=10)
+    what = f"RayService {namespace}/{name}" if backend.mode == "KubeRay" else f"Serve application {app_name(namespace, name)}"
+    logger.info("removed %s" if removed else "no %s of ours to remove", what)
 
 
 def orphaned_generation(meta: dict, spec: dict, now: float | None = None) -> bool:
