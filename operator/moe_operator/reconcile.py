@@ -20,7 +20,7 @@ from moe_operator.backends.kuberay_backend import (  # noqa: F401 (re-exported)
     UNRENDERABLE, KubeRayBackend, app_from_rayservice, placement_from_rayservice)
 from moe_operator.backends.rest_backend import (  # noqa: F401 (re-exported)
     RestBackend, apply_application, http_options, keys_fingerprint, moved, observed_groups, remove_application,
-    same_config, start_retry_s)
+    request_removal, same_config, start_retry_s)
 from moe_operator.backends.serve_backend import (  # noqa: F401 (re-exported)
     Backend, BackendError, ObjectRef, ServeBackend, ingress_placement, shard_experts)
 from moe_operator.observe import fetch_app_status, summarise, swap_transitions
@@ -80,7 +80,7 @@ def record_step(status: dict, step: transition.Step, ingress_before: dict | None
         auto["switchedAt"] = cond.now_rfc3339()
     if step.done:
         if auto.get("target") is not None:
-            events.append(("Normal", "Rebalanced", f"new placement serving; {step.message}; imbalance before "
+            events.append((cond.NORMAL, cond.REBALANCED, f"new placement serving; {step.message}; imbalance before "
                            f"{auto.get('imbalanceBefore') or 0:.2f}, expected after {auto.get('imbalanceAfter') or 0:.2f}"))
         auto.pop("target", None)
         auto.pop("switchedAt", None)
@@ -107,22 +107,36 @@ class _Outcome:
     def set(self, type_: str, ok: bool, reason: str, message: str) -> None:
         self.status["conditions"] = cond.set_condition(self.conditions, type_, ok, reason, message, self.generation)
 
-    def __call__(self, ok: bool, reason: str, message: str, event_type: str = "Normal", retry: float | None = None,
-                 placement=None) -> Result:
+    def __call__(self, ok: bool, reason: str, message: str, event_type: str = cond.NORMAL, retry: float | None = None,
+                 placement=None, progress: tuple[str, str] | None = None, rolling_out: bool = False) -> Result:
+        """The Result with Ready set; Progressing True with `progress` (reason, message) when given,
+        else False. Each condition is set once a pass (its lastTransitionTime moves only on a flip).
+        status.observedGeneration says the generation whose outcome status reports: it stays as it
+        was while Ray is still rolling the generation out (`rolling_out`), so a reader that waits for
+        it (`moectl hot-swap --wait`) never reads the previous generation's swap records as this one's."""
         g = self.generation
         self.set(cond.READY, ok, reason, message)
-        self.set(cond.PROGRESSING, False, reason if not ok else cond.RECONCILED,
-                 message if not ok else f"generation {g} applied")
-        self.status["observedGeneration"] = g
+        if progress is not None:
+            self.set(cond.PROGRESSING, True, *progress)
+        else:
+            self.set(cond.PROGRESSING, False, reason if not ok else cond.RECONCILED,
+                     message if not ok else f"generation {g} applied")
+        if not rolling_out:
+            self.status["observedGeneration"] = g
         return Result(checked(self.status), (event_type, reason, message), retry, ok, placement or {})
 
-    def serving(self, message: str, step: transition.Step, events: list[tuple[str, str, str]]) -> Result:
-        """Ready (Serving), and Progressing (Rebalancing) while the placement step is not done,
-        retried when the step says."""
-        res = self(True, cond.SERVING, message, placement=step.ingress)
+    def serving(self, message: str, step: transition.Step, events: list[tuple[str, str, str]],
+                rollout: tuple[str, str, float] | None = None) -> Result:
+        """Ready (Serving), and Progressing while the placement step is not done (Rebalancing,
+        retried when the step says) or while the backend rolls a change out (`rollout`: reason,
+        message, retry)."""
+        progress, retry = None, None
         if not step.done:
-            self.set(cond.PROGRESSING, True, cond.REBALANCING, f"{step.phase}: {step.message}")
-            res.retry_after_s = step.retry_after_s
+            progress, retry = (cond.REBALANCING, f"{step.phase}: {step.message}"), step.retry_after_s
+        if rollout is not None:
+            progress, retry = rollout[:2], min(retry or rollout[2], rollout[2])
+        res = self(True, cond.SERVING, message, placement=step.ingress, progress=progress, retry=retry,
+                   rolling_out=rollout is not None)
         res.events = events
         return res
 
@@ -133,17 +147,29 @@ def _validated(raw_spec, spec, allowed_roots, result: _Outcome):
         try:
             spec = parse_spec(raw_spec)
         except SpecError as err:
-            return None, None, result(False, cond.INVALID_SPEC, str(err), "Warning")
+            return None, None, result(False, cond.INVALID_SPEC, str(err), cond.WARNING)
     facts, problems, reason = validate_semantics(spec, allowed_roots)
     if problems:
-        return None, None, result(False, reason or cond.INVALID_SPEC, "; ".join(problems), "Warning")
+        return None, None, result(False, reason or cond.INVALID_SPEC, "; ".join(problems), cond.WARNING)
     return spec, facts, None
+
+
+def outcome_events(before: dict, res: Result) -> list[tuple[str, str, str]]:
+    """The Events a pass posts: its outcome (Ready's reason) when Ready's status or reason changed
+    or the pass is for a generation status had not observed (a new spec's outcome is always told;
+    a pass retried while Ray deploys, or a steady one, tells nothing new), then the hot-swap and
+    rebalance outcomes it saw."""
+    was = cond.get_condition((before or {}).get("conditions") or [], cond.READY) or {}
+    now = cond.get_condition(res.status.get("conditions") or [], cond.READY) or {}
+    told = ((was.get("status"), was.get("reason")) != (now.get("status"), now.get("reason"))
+            or (before or {}).get("observedGeneration") != res.status.get("observedGeneration"))
+    return ([res.event] if res.event and told else []) + res.events
 
 
 def unconfigured(status: dict, generation: int, reason: str, message: str, retry: float | None) -> Result:
     """The pass could not start: something it needs from outside the spec (a Secret, the Ray
     address) is missing or unreadable. Ready=False with the reason, a Warning Event."""
-    return _Outcome(status, generation)(False, reason, message, "Warning", retry=retry)
+    return _Outcome(status, generation)(False, reason, message, cond.WARNING, retry=retry)
 
 
 def never_deployed(status: dict | None) -> bool:
@@ -157,11 +183,11 @@ def never_deployed(status: dict | None) -> bool:
 
 
 def reconcile(obj: ObjectRef, raw_spec: dict | None, status: dict, client: ServeBackend, settings: Settings, *,
-              spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status, wait_s: float = 600.0,
+              spec: MoEDeploymentSpec | None = None, fetch=fetch_app_status,
               api_key_digests: list[str] | None = None) -> Result:
     """ray.mode Existing (and standalone): `run_pass` over a Ray cluster's Serve REST API.
-    `wait_s`: how long a written config may take to run; `api_key_digests`: the keys in force."""
-    return run_pass(obj, raw_spec, status, rest_backend(client, settings, wait_s=wait_s, api_key_digests=api_key_digests),
+    `api_key_digests`: the keys in force."""
+    return run_pass(obj, raw_spec, status, rest_backend(client, settings, api_key_digests=api_key_digests),
                     settings, spec=spec, fetch=fetch)
 
 
@@ -191,7 +217,7 @@ def run_pass(obj: ObjectRef, raw_spec: dict | None, status: dict, backend: Backe
         return failed
     refused = backend.refusal(status, obj)
     if refused:
-        return result(False, cond.INVALID_SPEC, refused, "Warning")
+        return result(False, cond.INVALID_SPEC, refused, cond.WARNING)
     app = app_name(obj.namespace, obj.name)
     base_url = backend.base_url(obj, spec)
     try:
@@ -203,25 +229,36 @@ def run_pass(obj: ObjectRef, raw_spec: dict | None, status: dict, backend: Backe
             ours = render_application(obj.namespace, obj.name, spec, step.ingress, allowed_roots,
                                       shard_experts=step.shards, api_key_digests=backend.api_key_digests)
         except UNRENDERABLE as err:
-            return result(False, cond.INVALID_SPEC, f"cannot plan or render this spec: {err}", "Warning")
+            return result(False, cond.INVALID_SPEC, f"cannot plan or render this spec: {err}", cond.WARNING)
         state = backend.apply(obj, spec, ours, result.conditions)
     except BackendError as err:
-        return result(False, err.reason, str(err), "Warning", retry=err.retry_s)
+        return result(False, err.reason, str(err), cond.WARNING, retry=err.retry_s)
     status["endpoint"] = base_url + "/v1"
     backend.record(status, obj)
     status["groups"] = backend.groups(state, app, step.shards, spec.experts.replicas_per_group, status.get("groups"))
     status["replicas"] = min((g["readyReplicas"] for g in status["groups"]), default=0)
     result.set(cond.DEGRADED, *backend.degraded(state, status["groups"]))
     if not state.ready:
-        res = result(False, state.reason, state.message, "Warning" if state.warning else "Normal",
-                     retry=state.retry_s, placement=step.ingress)
-        if state.progress:
-            result.set(cond.PROGRESSING, True, state.reason, state.progress)
-        return res
+        return result(False, state.reason, state.message, cond.WARNING if state.warning else cond.NORMAL,
+                      retry=state.retry_s, placement=step.ingress,
+                      progress=(state.reason, state.progress) if state.progress else None,
+                      rolling_out=state.reason == cond.DEPLOYING)
     events = record_step(status, step, ingress_now)
     live, swap_events = observe_live(spec, status, fetch)
     status.update(live)
-    return result.serving(backend.serving_message(status["endpoint"], obj), step, swap_events + events)
+    rollout = (state.reason, state.progress, state.retry_s) if state.progress else None  # serving while a change rolls out
+    return result.serving(backend.serving_message(status["endpoint"], obj), step, swap_events + events, rollout)
+
+
+def deploying(status: dict) -> bool:
+    """Whether Ray is still deploying what the last pass applied (pure): Ready=False, or
+    Progressing=True while the previous version serves, with reason Deploying. A runner that wants
+    an outcome runs the next pass after the pass' short retry."""
+    conditions = status.get("conditions") or []
+    ready = cond.get_condition(conditions, cond.READY) or {}
+    progressing = cond.get_condition(conditions, cond.PROGRESSING) or {}
+    return ((ready.get("status") == "False" and ready.get("reason") == cond.DEPLOYING)
+            or (progressing.get("status") == "True" and progressing.get("reason") == cond.DEPLOYING))
 
 
 def observe_live(spec: MoEDeploymentSpec, status: dict, fetch=fetch_app_status) -> tuple[dict, list[tuple[str, str, str]]]:

@@ -38,7 +38,7 @@ def test_a_field_an_older_version_wrote_is_dropped_not_refused(tmp_path):
     raw = small_deployment("m", str(model), groups=2, num_cpus=0.1, autoscaling={"mode": "Off"})["spec"]
     res = reconcile(ObjectRef("default", "m", 1), raw, {"retiredField": 1, "replicas": 0},
                     RenderOnlyClient(str(tmp_path / "ray")), Settings(allowed_roots=(str(tmp_path),)),
-                    fetch=lambda url: None, wait_s=5)
+                    fetch=lambda url: None)
     assert res.ready, res.event
     assert "retiredField" not in res.status and res.status["replicas"] == 1
 
@@ -62,7 +62,7 @@ def test_a_reconcile_pass_and_the_live_observer_write_only_what_the_crd_keeps(tm
                                  intermediate_size=64, vocab_size=128)
     raw = small_deployment("m", str(model), groups=2, num_cpus=0.1, autoscaling={"mode": "Off"})["spec"]
     res = reconcile(ObjectRef("default", "m", 1), raw, {}, RenderOnlyClient(str(tmp_path / "ray")),
-                    Settings(allowed_roots=(str(tmp_path),)), fetch=lambda url: None, wait_s=5)
+                    Settings(allowed_roots=(str(tmp_path),)), fetch=lambda url: None)
     assert res.ready, res.event
     assert checked(res.status) is res.status
     assert {"conditions", "observedGeneration", "endpoint", "rayAddress", "groups", "replicas"} <= set(res.status)

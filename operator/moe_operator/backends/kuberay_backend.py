@@ -97,8 +97,10 @@ class KubeRayBackend:
 
     def delete(self, obj: ObjectRef) -> bool:
         # the owner reference lets the garbage collector do this too; deleting it here means the
-        # finalizer is only released once the RayService (and with it the app) is gone
+        # finalizer is only released once the apiserver accepted the RayService's deletion (KubeRay's
+        # own finalizer then takes the Ray cluster down)
         try:
-            return self.kuberay.delete_owned(obj.namespace, obj.name, obj.uid)
+            self.kuberay.delete_owned(obj.namespace, obj.name, obj.uid)
+            return True
         except KubeRayError as err:
             raise BackendError(cond.DEPLOY_FAILED, str(err), 10)

@@ -16,15 +16,17 @@ from dataclasses import dataclass
 from moe_operator.api import conditions as cond
 from moe_operator.api.models import GroupStatus, MoEDeploymentSpec
 from moe_operator.api.status import dump
-from moe_operator.backends.ray_rest import RayServeError, ReplicaStartFailed, Unschedulable
+from moe_operator.backends.ray_rest import RayServeError
 from moe_operator.backends.serve_backend import AppState, BackendError, ObjectRef, ServeBackend
-from moe_operator.backends.serve_status import pinned, unplaceable_pins
+from moe_operator.backends.serve_status import pinned, start_failure_message, unplaceable_pins, unschedulable_message
 from moe_operator.metrics import RAY_APPLY_SECONDS
 from moe_operator.names import app_name
 from moe_operator.render.serve_app import merge_applications
 from moe_workers.rfc3339 import parse_rfc3339
 
 START_RETRY_S = (30, 300)  # a spec whose replicas cannot start: the first retry, the longest wait
+DEPLOYING_RETRY_S = 2  # Serve is still deploying what was applied: look again this soon
+UNSCHEDULABLE_RETRY_S, FAILED_RETRY_S = 15, 30  # the cluster may grow or the spec change; a deploy failed
 
 
 def http_options(port: int, host: str = "127.0.0.1") -> dict:
@@ -53,46 +55,54 @@ def pin_check(client: ServeBackend, ours: dict) -> str | None:
     return unplaceable_pins(ours, nodes) if nodes else None  # none listed yet: Ray is starting
 
 
-def apply_application(client: ServeBackend, ours: dict, port: int, wait_s: float, attempts: int = 3,
-                      host: str = "127.0.0.1", wait: bool = True) -> dict:
+def apply_application(client: ServeBackend, ours: dict, port: int, attempts: int = 3,
+                      host: str = "127.0.0.1") -> dict:
     """Read-merge-write under the client's write lock (one writer at a time per Ray cluster in
     this process: the Serve REST PUT replaces the whole config, so two concurrent read-merge-writes
-    would drop each other's application; clients of one cluster share it), then wait outside it;
-    if another writer (another process) replaced the config meanwhile and ours is gone, write
-    again. When the cluster already runs our config, nothing is written (a steady pass makes no
-    PUT)."""
+    would drop each other's application; clients of one cluster share it), then Serve's status,
+    read once (nobody waits here for the app to run); if another writer (another process) replaced
+    the config meanwhile and ours is gone, write again. When the cluster already has our config,
+    nothing is written (a steady pass, and every pass while it deploys, makes no PUT)."""
     for _ in range(attempts):
         with client.write_lock:
             current = client.get()
             mine = current.get("applications", {}).get(ours["name"]) or {}
             if same_config(mine.get("deployed_app_config"), ours):
-                if mine.get("status") == "RUNNING":
-                    return current  # the cluster runs exactly this: nothing to write, nothing to wait for
-            else:
-                apps = [a["deployed_app_config"] for a in current.get("applications", {}).values()
-                        if a.get("deployed_app_config")]
-                client.put({"http_options": http_options(port, host), "applications": merge_applications(apps, ours)})
-        if wait:
-            client.wait_running([ours["name"]], timeout_s=wait_s)
+                return current  # the cluster has exactly this: nothing to write
+            apps = [a["deployed_app_config"] for a in current.get("applications", {}).values()
+                    if a.get("deployed_app_config")]
+            client.put({"http_options": http_options(port, host), "applications": merge_applications(apps, ours)})
         cluster = client.get()
         if (cluster.get("applications", {}).get(ours["name"]) or {}).get("deployed_app_config") is not None:
             return cluster
     raise RayServeError(f"application {ours['name']} was replaced by another writer {attempts} times in a row")
 
 
-def remove_application(client: ServeBackend, name: str, port: int, wait_s: float = 120.0,
-                       host: str = "127.0.0.1") -> bool:
-    """Delete our application, keep everyone else's, and wait until Ray no longer lists it.
-    False when it was not there."""
+def request_removal(client: ServeBackend, name: str, port: int, host: str = "127.0.0.1") -> bool:
+    """Ask Serve to delete our application, keeping everyone else's, without waiting: True once Ray
+    no longer lists it (nothing left to do), False while it does (asked now, or being deleted)."""
     with client.write_lock:
         apps = client.get().get("applications", {})
         if name not in apps:
-            return False
+            return True
+        if apps[name].get("status") == "DELETING":
+            return False  # asked before; Serve is at it
         others = [a["deployed_app_config"] for n, a in apps.items() if n != name and a.get("deployed_app_config")]
         if others:
             client.put({"http_options": http_options(port, host), "applications": others})
         else:
             client.delete_all()
+    return False
+
+
+def remove_application(client: ServeBackend, name: str, port: int, wait_s: float = 120.0,
+                       host: str = "127.0.0.1") -> bool:
+    """Delete our application, keep everyone else's, and wait until Ray no longer lists it (for
+    standalone's teardown and tests; the operator asks once a pass, `request_removal`). False when
+    it was not there."""
+    if name not in client.get().get("applications", {}):
+        return False
+    request_removal(client, name, port, host)
     client.wait_gone(name, wait_s)
     return True
 
@@ -106,6 +116,36 @@ def start_retry_s(conditions: list[dict], now: float) -> int:
         return first
     since = parse_rfc3339(ready.get("lastTransitionTime"))
     return first if since is None else int(min(longest, max(first, now - since)))
+
+
+def app_state(cluster: dict, name: str, conditions: list[dict], now: float) -> AppState:
+    """Where application `name` stands in Serve's status, read once (pure): RUNNING serves; replicas
+    that raise in their constructor, a failed deploy, replicas Ray cannot place or an UNHEALTHY app
+    are Ready=False with a Warning and a retry; anything else (DEPLOYING, NOT_STARTED) is still
+    under way: Progressing, looked at again in DEPLOYING_RETRY_S (Ready stays True when it was: the
+    old replicas serve until the new ones do)."""
+    app = cluster.get("applications", {}).get(name) or {}
+    status = app.get("status") or "NOT_STARTED"
+    if status == "RUNNING":
+        return AppState(True, observed=cluster)
+    if status == "DEPLOY_FAILED":
+        start = start_failure_message(name, app)
+        if start:  # the same spec fails the same way: back off (a spec change retries at once)
+            delay = start_retry_s(conditions, now)
+            return AppState(False, cond.REPLICA_START_FAILED, f"{start}; retrying in {delay} s", retry_s=delay,
+                            warning=True, observed=cluster)
+        return AppState(False, cond.DEPLOY_FAILED, f"deploy failed: { {name: app.get('message', '')} }",
+                        retry_s=FAILED_RETRY_S, warning=True, observed=cluster)
+    stuck = unschedulable_message(name, app)
+    if stuck:  # the cluster may grow (autoscaler) or the spec change: look again soon
+        return AppState(False, cond.UNSCHEDULABLE, stuck, retry_s=UNSCHEDULABLE_RETRY_S, warning=True, observed=cluster)
+    if status == "UNHEALTHY":
+        return AppState(False, cond.UNHEALTHY, f"application {name} is UNHEALTHY: {app.get('message') or 'no message'}",
+                        retry_s=FAILED_RETRY_S, warning=True, observed=cluster)
+    message = f"application {name} is {status}" + (f": {app['message']}" if app.get("message") else "")
+    # an app that served keeps serving while Serve rolls a change out in place: Ready stays, Progressing says so
+    serving = cond.is_true(conditions, cond.READY)
+    return AppState(serving, cond.DEPLOYING, message, progress=message, retry_s=DEPLOYING_RETRY_S, observed=cluster)
 
 
 def keys_fingerprint(digests: list[str] | None) -> str | None:
@@ -156,14 +196,12 @@ def observed_groups(cluster: dict, app: str, placement: dict[str, list[str]], de
 
 @dataclass
 class RestBackend:
-    """One pass' view of a Ray cluster through `client`. `wait_s`: how long a written config may
-    take to run; `api_key_digests`: the keys in force (rendered into the Ingress)."""
+    """One pass' view of a Ray cluster through `client`. `api_key_digests`: the keys in force (rendered into the Ingress)."""
 
     client: ServeBackend
     http_port: int = 8000
     http_host: str = "127.0.0.1"
     endpoint_host: str = "127.0.0.1"
-    wait_s: float = 600.0
     api_key_digests: list[str] | None = None
     mode: str = "Existing"
 
@@ -181,23 +219,21 @@ class RestBackend:
         return (cluster.get("applications", {}).get(app_name(obj.namespace, obj.name)) or {}).get("deployed_app_config")
 
     def apply(self, obj: ObjectRef, spec: MoEDeploymentSpec, app: dict, conditions: list[dict]) -> AppState:
+        """Write the config when the cluster does not run it, then read where it stands; never
+        waits for Serve (the next pass, DEPLOYING_RETRY_S later, looks again)."""
         pin_problem = pin_check(self.client, app)
         try:
-            with RAY_APPLY_SECONDS.time():  # a group no node can take: the others deploy, nobody waits for it
-                cluster = apply_application(self.client, app, self.http_port, self.wait_s, host=self.http_host,
-                                            wait=pin_problem is None)
+            with RAY_APPLY_SECONDS.time():
+                cluster = apply_application(self.client, app, self.http_port, host=self.http_host)
         except ValueError as err:  # route prefix clash and the like: the user must change the spec
             raise BackendError(cond.INVALID_SPEC, str(err))
-        except Unschedulable as err:  # the cluster may grow (autoscaler) or the spec change: look again soon
-            raise BackendError(cond.UNSCHEDULABLE, str(err), 15)
-        except ReplicaStartFailed as err:  # the same spec fails the same way: back off (a spec change retries at once)
-            delay = start_retry_s(conditions, time.time())
-            raise BackendError(cond.REPLICA_START_FAILED, f"{err}; retrying in {delay} s", delay)
         except (RayServeError, OSError) as err:
-            raise BackendError(cond.DEPLOY_FAILED, str(err), 30)
-        if pin_problem is not None:  # the cluster may gain such a node, or the spec change: look again soon
-            raise BackendError(cond.UNSCHEDULABLE, pin_problem, 15)
-        return AppState(True, observed=cluster)
+            raise BackendError(cond.DEPLOY_FAILED, str(err), FAILED_RETRY_S)
+        state = app_state(cluster, app["name"], conditions, time.time())
+        if pin_problem is not None and (not state.ready or state.progress):  # a group no node can take: the others deploy
+            return AppState(False, cond.UNSCHEDULABLE, pin_problem, retry_s=UNSCHEDULABLE_RETRY_S, warning=True,
+                            observed=cluster)
+        return state
 
     def record(self, status: dict, obj: ObjectRef) -> None:
         status["rayAddress"] = self.client.dashboard_url
@@ -224,6 +260,6 @@ class RestBackend:
     def delete(self, obj: ObjectRef) -> bool:
         app = app_name(obj.namespace, obj.name)
         try:
-            return remove_application(self.client, app, self.http_port, host=self.http_host)
+            return request_removal(self.client, app, self.http_port, host=self.http_host)
         except (RayServeError, OSError) as err:  # keep the finalizer until Ray confirms the app is gone
             raise BackendError(cond.DEPLOY_FAILED, f"removing {app}: {err}", 10)

@@ -1,8 +1,9 @@
 """The interfaces the reconcile pass is written against (`typing.Protocol`s).
 
 `Backend`: where an application is served, as the one pass (`moe_operator.reconcile.run_pass`) sees
-it: `observe` what is deployed, `apply` what was rendered (KubeRay returns at once and the next pass
-observes; the REST backend still waits up to `wait_s` for Serve to run it), `groups` as the backend reports them, `delete`. Two implement it:
+it: `observe` what is deployed, `apply` what was rendered and say where it stands (never waiting for it
+to run: the pass returns in progress with a short retry, and the next one observes), `groups` as
+the backend reports them, `delete` (asked again each pass until the application is gone). Two implement it:
 `rest_backend.RestBackend` (ray.mode Existing and standalone: a Ray cluster's Serve REST API, through
 a `ServeBackend` client) and `kuberay_backend.KubeRayBackend` (ray.mode KubeRay: a RayService);
 `tests/unit/test_backend_conformance.py` runs the same cases against both.
@@ -48,8 +49,9 @@ class BackendError(Exception):
 @dataclass(frozen=True)
 class AppState:
     """What a backend says of our application after `apply` (pure data).
-    ready: it serves what was applied. Otherwise `reason` / `message` for Ready=False, `progress`
-    (non-empty: Progressing=True with it), `retry_s` (None: terminal, until the spec changes) and
+    ready: it serves (what was applied, or, with `progress`, the previous version while the new one
+    rolls out). Otherwise `reason` / `message` for Ready=False. `progress` (non-empty:
+    Progressing=True with `reason` and it), `retry_s` (None: terminal, until the spec changes) and
     whether the Event is a Warning. `degraded`: the deployments reported unhealthy, named."""
 
     ready: bool
@@ -119,7 +121,8 @@ class Backend(Protocol):
         ...
 
     def delete(self, obj: ObjectRef) -> bool:
-        """Remove the application (others' stay); False when there was none of ours."""
+        """Ask for the application's removal (others' stay), without waiting: True once nothing of
+        ours is left, False while the removal is under way (the finalizer asks again)."""
         ...
 
 
@@ -147,11 +150,6 @@ class ServeBackend(Protocol):
 
     def delete_all(self) -> None:
         """Remove every application (the last one's removal: Serve takes no empty config)."""
-        ...
-
-    def wait_running(self, names: list[str], timeout_s: float = 300.0) -> dict:
-        """Serve's status once every named application is RUNNING; raises when one failed to
-        deploy, cannot be scheduled, or the time is up."""
         ...
 
     def wait_gone(self, name: str, timeout_s: float = 120.0) -> None:

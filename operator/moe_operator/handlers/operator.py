@@ -1,21 +1,27 @@
-"""kopf handlers: thin wrappers over moe_operator.reconcile.
+"""kopf wiring: one level-triggered loop per MoEDeployment over moe_operator.reconcile.
 
     kopf run -m moe_operator.handlers.operator --namespace NS [--standalone]
 
+Each object has one loop (`reconcile_loop`, a kopf daemon): it runs the pass
+(`reconcile.run_pass`, over the object's `Backend`), writes status once if it changed, posts the
+pass' Events, and sleeps for the pass' retry or STEADY_S. Nothing else reconciles: create, update
+and resume only wake the loop, as does the autoscaler when it sets a target; deletion asks the
+backend until the application is gone (the finalizer). Nothing waits for Ray anywhere.
+
 What the handlers share lives in kopf's operator memo, built once at startup: the settings
 (moe_operator.settings, from the environment the Helm chart sets), the autoscaler, which
-remembers each object's load window between timer passes, and the API clients (Ray's per cluster,
-Kubernetes' once, on first use), which the 2 s and 5 s timers would otherwise rebuild every call.
+remembers each object's load window between timer passes, the loops' wake-ups, and the API
+clients (Ray's per cluster, Kubernetes' once, on first use).
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import copy
 import logging
 import os
 import threading
 import time
-from datetime import datetime
 from typing import Any
 
 import kopf
@@ -33,15 +39,19 @@ from moe_operator.autoscaling.driver import Autoscaler, decide
 from moe_operator.merge_patch import merge_patch
 from moe_operator.settings import RENDER_ONLY, Settings, SettingsError
 from moe_operator.reconcile import (
-    ObjectRef, deployed_placement, keys_fingerprint, never_deployed, observe_live, placement_from_rayservice,
-    rest_backend, run_pass, unconfigured)
+    ObjectRef, deployed_placement, keys_fingerprint, never_deployed, observe_live, outcome_events,
+    placement_from_rayservice, rest_backend, run_pass, unconfigured)
 from moe_operator.names import FINALIZER, REBALANCE_ANNOTATION, app_name
 from moe_workers.serve.auth import digests
 
 RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
 PREFIX = models.GROUP
 DIFFBASE_KEY = "last-handled-configuration"  # kopf's record of the last spec it handled (an annotation)
-ORPHAN_GRACE_S = 30.0  # a retry kopf has not run this long after its time was dropped
+STEADY_S = 5.0  # a serving object's loop reads its live report this often
+ERROR_RETRY_S = 10.0  # a turn that raised (the apiserver or a backend down) runs again after this
+STOP_POLL_S = 1.0  # a sleeping loop notices kopf stopping it this soon
+log = logging.getLogger(__name__)
+REMOVAL_RETRY_S = 2  # a deletion looks again this soon whether the application is gone
 EVENT_MESSAGE_LIMIT = 1000  # characters of an Event's message (the apiserver keeps 1 KiB of it)
 
 
@@ -57,6 +67,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.ray_clients = RayClients()
     memo.kube = KubeApis()
     memo.render_only = RenderOnlyClient(memo.settings.render_only_dir)
+    memo.wakers = Wakers()
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -77,7 +88,7 @@ class KubeApis:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._core = self._kuberay = None
+        self._core = self._kuberay = self._custom = None
 
     def _load(self) -> None:
         import kubernetes
@@ -87,7 +98,8 @@ class KubeApis:
         except kubernetes.config.ConfigException:  # outside a cluster: $KUBECONFIG as it is now
             kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         self._core = kubernetes.client.CoreV1Api()
-        self._kuberay = KubeRayClient(kubernetes.client.CustomObjectsApi())
+        self._custom = kubernetes.client.CustomObjectsApi()
+        self._kuberay = KubeRayClient(self._custom)
 
     @property
     def core(self):
@@ -102,6 +114,44 @@ class KubeApis:
             if self._kuberay is None:
                 self._load()
             return self._kuberay
+
+    def patch_status(self, namespace: str, name: str, change: dict) -> None:
+        """Merge-patch a MoEDeployment's status subresource."""
+        with self._lock:
+            if self._custom is None:
+                self._load()
+        self._custom.patch_namespaced_custom_object_status(
+            models.GROUP, models.VERSION, namespace, models.PLURAL, name, {"status": change}, _request_timeout=30)
+
+
+class Wakers:
+    """Per object, the asyncio.Event its loop sleeps on between passes. Handlers set it from the
+    operator's event loop or from a worker thread (a sync handler)."""
+
+    def __init__(self):
+        self._events: dict[str, asyncio.Event] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def event(self, key: str) -> asyncio.Event:
+        """The loop's own event (called from the loop, on the operator's event loop)."""
+        self._loop = asyncio.get_running_loop()
+        return self._events.setdefault(key, asyncio.Event())
+
+    def wake(self, key: str) -> None:
+        event = self._events.get(key)
+        if event is None:
+            return  # no loop yet: its first pass is still to come
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop or self._loop is None:
+            event.set()
+        else:
+            self._loop.call_soon_threadsafe(event.set)
+
+    def forget(self, key: str) -> None:
+        self._events.pop(key, None)
 
 
 def _post(body, events) -> None:
@@ -209,19 +259,105 @@ def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict, m
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
-def reconcile_handler(name: str, namespace: str, spec, meta, status, patch, body, memo: kopf.Memo, **_: Any) -> None:
+async def wake_handler(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """A new object or spec: its loop runs a pass now (the loop, not this handler, reconciles)."""
+    memo.wakers.wake(f"{namespace}/{name}")
+
+
+@kopf.daemon(*RESOURCE, cancellation_backoff=10.0, cancellation_timeout=10.0)
+async def reconcile_loop(name: str, namespace: str, body, stopped, memo: kopf.Memo, logger, **_: Any) -> None:
+    """The object's one loop: a pass (in a worker thread: it does blocking I/O), then sleep for the
+    pass' retry or the steady interval, or until a handler wakes it. Level-triggered: every pass
+    starts from the object as it is now (kopf keeps `body` current), so a lost wake-up, a dropped
+    retry or a restarted operator all end in the same state."""
+    key = f"{namespace}/{name}"
+    wake = memo.wakers.event(key)
+    first = True
+    while not stopped:
+        wake.clear()
+        try:
+            delay = await asyncio.to_thread(one_pass, name, namespace, copy.deepcopy(dict(body)), first, memo, logger)
+            first = False
+        except Exception as err:  # an apiserver or backend outage: logged, looked at again soon
+            logger.warning("reconcile pass of %s failed: %s; again in %s s", key, err, ERROR_RETRY_S)
+            delay = ERROR_RETRY_S
+        deadline = time.monotonic() + delay
+        while not stopped and not wake.is_set() and (left := deadline - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=min(left, STOP_POLL_S))
+            except asyncio.TimeoutError:
+                pass
+    memo.wakers.forget(key)
+
+
+def needs_pass(spec: dict, meta: dict, status: dict, first: bool) -> bool:
+    """Whether this turn of the loop runs the whole pass (pure): always its first turn, a generation
+    status has not observed, an object not Ready (the pass' retry already set the wait), one still
+    Progressing (a change rolling out, a rebalance), ray.mode KubeRay (KubeRay changes the
+    RayService's status on its own). Otherwise the app serves what the spec asks for, and only its
+    live report is read."""
+    conditions = status.get("conditions") or []
+    return (first or status.get("observedGeneration") != meta.get("generation")
+            or not cond.is_true(conditions, cond.READY) or cond.is_true(conditions, cond.PROGRESSING)
+            or _kuberay_mode(spec) or (status.get("autoscaling") or {}).get("target") is not None)
+
+
+def one_pass(name: str, namespace: str, raw: dict, first: bool, memo: kopf.Memo, logger=log) -> float:
+    """One turn of the object's loop; the seconds until the next. Status is written once, as a merge
+    patch of what changed (nothing on a steady turn); the Events are posted once, here."""
+    spec, meta, status = raw.get("spec") or {}, raw.get("metadata") or {}, raw.get("status") or {}
+    if meta.get("deletionTimestamp"):
+        return STEADY_S  # the finalizer's handler has it
+    rename = None
+    if not needs_pass(spec, meta, status, first):
+        keys_changed = _keys_changed(spec, namespace, status, memo)
+        if not keys_changed:
+            try:
+                parsed = parse_spec(dict(spec))
+            except SpecError:
+                return STEADY_S
+            fields, events = observe_live(parsed, status)
+            _write_status(memo, namespace, name, status, {**status, **fields})
+            _post(raw, events)
+            return STEADY_S
+        rename = cond.API_KEYS_CHANGED
     started = time.perf_counter()
-    before = dict(status or {})
-    res = _reconcile(name, namespace, dict(spec), meta, dict(before), memo)
-    patch.status.update(merge_patch(before, res.status))
+    res = _reconcile(name, namespace, dict(spec), meta, dict(status), memo)
+    _write_status(memo, namespace, name, status, res.status)
     RECONCILE_SECONDS.observe(time.perf_counter() - started)
     RECONCILES.labels(result=res.event[1] if res.event else "None").inc()
-    _post(body, ([res.event] if res.event else []) + res.events)
+    events = outcome_events(status, res)
+    if rename and res.event:  # the keys apply in place: say why this pass ran
+        events = [(res.event[0], rename, "API keys changed; " + res.event[2])] + res.events
+    _post(raw, events)
     if res.ready:
         APPLIED_GENERATION.labels(namespace=namespace, name=name).set(meta.get("generation", 0))
-    elif res.retry_after_s is not None:
-        raise kopf.TemporaryError(res.event[2], delay=res.retry_after_s)
-    # a rebalance in progress is driven on by the autoscale timer
+    delay = res.retry_after_s if res.retry_after_s is not None else STEADY_S
+    if _kuberay_mode(spec):  # KubeRay moves on its own; a pass only reads the RayService unless it changed
+        delay = min(delay, STEADY_S)
+    if not res.ready or res.retry_after_s is not None:
+        logger.info("%s %s: %s; next pass in %.0f s", "Ready" if res.ready else "not Ready", res.event[1],
+                    res.event[2], delay)
+    return delay
+
+
+def _keys_changed(spec: dict, namespace: str, status: dict, memo: kopf.Memo) -> bool:
+    """Whether the API keys in force differ from those the app was rendered with (the Secret is read
+    each steady turn: no Secret watch, so no list/watch on Secrets is needed)."""
+    if not ((spec.get("ingress") or {}).get("apiKeySecretRef") or status.get("apiKeys")):
+        return False
+    try:
+        current = keys_fingerprint(_api_key_digests(spec, namespace, memo.kube))
+    except Unconfigured:
+        current = "unreadable"  # the pass says why
+    return current != (status.get("apiKeys") or {}).get("fingerprint")
+
+
+def _write_status(memo: kopf.Memo, namespace: str, name: str, before: dict, after: dict) -> None:
+    """The one status write: a merge patch of what changed, none when nothing did."""
+    change = merge_patch(before, after)
+    if change:
+        memo.kube.patch_status(namespace, name, change)
 
 
 def _kuberay_mode(spec: dict) -> bool:
@@ -230,104 +366,33 @@ def _kuberay_mode(spec: dict) -> bool:
 
 @kopf.on.delete(*RESOURCE)
 def delete_handler(name: str, namespace: str, spec, meta, status, logger, memo: kopf.Memo, **_: Any) -> None:
+    """Ask the backend to remove the application; the finalizer stays (the handler is retried)
+    until nothing of ours is left there. Nothing waits here."""
     memo.autoscaler.forget(f"{namespace}/{name}")
     if never_deployed(dict(status or {})):
         logger.info("nothing was deployed for %s/%s (never Ready); nothing to remove from Ray", namespace, name)
         return
     try:
         backend = _backend(dict(spec), namespace, memo, dict(status or {}))
-        removed = backend.delete(ObjectRef(namespace, name, meta.get("generation", 0), meta["uid"]))
+        gone = backend.delete(ObjectRef(namespace, name, meta.get("generation", 0), meta["uid"]))
     except (BackendError, Unconfigured) as err:  # keep the finalizer until the app is confirmed gone
         raise kopf.TemporaryError(str(err), delay=10)
     what = f"RayService {namespace}/{name}" if backend.mode == "KubeRay" else f"Serve application {app_name(namespace, name)}"
-    logger.info("removed %s" if removed else "no %s of ours to remove", what)
-
-
-def orphaned_generation(meta: dict, spec: dict, now: float | None = None) -> bool:
-    """Whether nobody will apply the object's current generation (status has not observed it):
-    kopf's last handled spec equals it, so kopf sees no change to handle, and no reconcile retry is
-    due (none recorded, or one whose time passed ORPHAN_GRACE_S ago without kopf running it). That
-    happens when an edit fails temporarily (retried after a delay) and a second edit reverts it
-    before the retry: kopf drops the retry, as the spec is back to what it handled, and leaves its
-    record behind."""
-    annotations = meta.get("annotations") or {}
-    try:
-        handled = json.loads(annotations.get(f"{PREFIX}/{DIFFBASE_KEY}") or "null")
-    except ValueError:
-        return False
-    if not isinstance(handled, dict) or handled.get("spec") != spec:
-        return False  # a change kopf is handling (or has not seen yet)
-    now = time.time() if now is None else now
-    for key, value in annotations.items():
-        if not key.startswith(f"{PREFIX}/reconcile_handler"):
-            continue
-        try:
-            delayed = datetime.fromisoformat(json.loads(value)["delayed"]).timestamp()
-        except (ValueError, KeyError, TypeError):
-            return False  # a handler running, or a record we cannot read: kopf's
-        if delayed > now - ORPHAN_GRACE_S:
-            return False  # its retry is still to come
-    return True
-
-
-@kopf.timer(*RESOURCE, interval=5.0, initial_delay=5.0)
-def observe_handler(name: str, namespace: str, spec, status, meta, patch, body, memo: kopf.Memo, **_: Any) -> None:
-    """Between reconciles: read the live app's report and update tiers, overridden experts and
-    hot-swap outcomes (written only when they changed; events on each outcome). A changed API-key
-    Secret runs the reconcile pass again (the keys apply in place). With ray.mode KubeRay the pass
-    runs every time: it maps the RayService's status, which KubeRay changes on its own."""
-    status = dict(status or {})
-    spec_dict = dict(spec)
-    if status.get("observedGeneration") != meta.get("generation"):
-        if not orphaned_generation(meta, spec_dict):
-            return  # the reconcile handler owns this generation until it has applied it
-        res = _reconcile(name, namespace, spec_dict, meta, status, memo)
-        patch.status.update(merge_patch(status, res.status))
-        _post(body, ([res.event] if res.event else []) + res.events)
-        return
-    if _kuberay_mode(spec_dict) and (status.get("autoscaling") or {}).get("target") is None:
-        # (a rebalance in progress is the autoscale timer's: it runs the same pass)
-        # the application's state lives in the RayService's status, which KubeRay changes on its
-        # own (an app turning UNHEALTHY, an upgrade): map it again; a steady pass writes nothing
-        res = _reconcile(name, namespace, spec_dict, meta, status, memo)
-        before, after = (cond.get_condition(c.get("conditions") or [], cond.READY) or {} for c in (status, res.status))
-        patch.status.update(merge_patch(status, res.status))
-        flipped = (before.get("status"), before.get("reason")) != (after.get("status"), after.get("reason"))
-        _post(body, ([res.event] if res.event and flipped else []) + res.events)
-        return
-    if not cond.is_true(status.get("conditions") or [], cond.READY):
-        return
-    if (spec_dict.get("ingress") or {}).get("apiKeySecretRef") or status.get("apiKeys"):
-        try:
-            current = keys_fingerprint(_api_key_digests(spec_dict, namespace, memo.kube))
-        except Unconfigured:
-            current = "unreadable"  # the pass says why
-        if current != (status.get("apiKeys") or {}).get("fingerprint"):
-            res = _reconcile(name, namespace, spec_dict, meta, status, memo)
-            patch.status.update(merge_patch(status, res.status))
-            if res.event:
-                _post(body, [(res.event[0], "ApiKeysChanged", "API keys changed; " + res.event[2])])
-            return
-    try:
-        parsed = parse_spec(dict(spec))
-    except SpecError:
-        return
-    fields, events = observe_live(parsed, status)
-    for key, value in fields.items():
-        if status.get(key) != value:
-            patch.status[key] = value
-    _post(body, events)
+    if not gone:
+        raise kopf.TemporaryError(f"removal of {what} under way", delay=REMOVAL_RETRY_S)
+    logger.info("%s removed", what)
 
 
 @kopf.timer(*RESOURCE, interval=2.0, initial_delay=5.0)
 def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body, logger, memo: kopf.Memo,
                       **_: Any) -> None:
-    """Drive a placement change in progress one make-before-break step; otherwise, when load is due
-    to be read (spec.autoscaling.metrics.scrapeIntervalSeconds) or `moectl rebalance` asked, read
-    it, decide, and write the decision (status, Event; spec.experts.replicasPerGroup on scaling)."""
+    """When load is due to be read (spec.autoscaling.metrics.scrapeIntervalSeconds) or `moectl
+    rebalance` asked, read it, decide, and write the decision (status, Event;
+    spec.experts.replicasPerGroup on scaling); a target wakes the object's loop, which applies it
+    make-before-break."""
     status = dict(status or {})
     if status.get("observedGeneration") != meta.get("generation"):
-        return  # the reconcile handler owns this generation until it has applied it
+        return  # the object's loop has not applied this generation yet
     if not cond.is_true(status.get("conditions") or [], cond.READY):
         return
     spec_dict = dict(spec)
@@ -336,10 +401,7 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
     except SpecError:
         return
     if (status.get("autoscaling") or {}).get("target") is not None:
-        res = _reconcile(name, namespace, spec_dict, meta, dict(status), memo)
-        patch.status.update(merge_patch(status, res.status))
-        _post(body, res.events)
-        return
+        return  # the object's loop drives the change, step by step
     request = (meta.get("annotations") or {}).get(REBALANCE_ANNOTATION)
 
     def read_placement() -> dict[str, list[str]] | None:
@@ -355,9 +417,10 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
                memo.settings.allowed_roots, app_name(namespace, name))
     if p is None:
         return
-    after = {**status, **p.status, "autoscaling": p.autoscaling}
-    patch.status.update(merge_patch(status, after))
+    _write_status(memo, namespace, name, status, {**status, **p.status, "autoscaling": p.autoscaling})
     if p.replicas_per_group is not None:
-        patch.spec["experts"] = {"replicasPerGroup": p.replicas_per_group}
+        patch.spec["experts"] = {"replicasPerGroup": p.replicas_per_group}  # a new spec: it wakes the loop
     if p.event:
         _post(body, [p.event])
+    if (p.autoscaling or {}).get("target") is not None:
+        memo.wakers.wake(f"{namespace}/{name}")  # a new target: the loop starts moving to it
