@@ -137,10 +137,11 @@ def run_mix(path: Path, blocks: int, max_batch: int, mix: list[tuple[int, int]])
     running: list[int] = []
     orig_step = engine.step
 
-    def step(out):
-        orig_step(out)
-        if engine.waiting:
-            running.append(len(engine.running))
+    def step():
+        outputs = orig_step()
+        if engine.scheduler.waiting:
+            running.append(len(engine.scheduler.running))
+        return outputs
 
     engine.step = step
 
@@ -155,7 +156,7 @@ def run_mix(path: Path, blocks: int, max_batch: int, mix: list[tuple[int, int]])
     generated = sum(len(r.produced) for r in reqs)
     return {"seconds": seconds, "generated": generated, "tokens_per_s": generated / seconds,
             "running_mean": statistics.mean(running) if running else float("nan"),
-            "preemptions": engine.kv.preemptions, "steps": engine.timings.steps}
+            "preemptions": engine.scheduler.kv.preemptions, "steps": engine.timings.steps}
 
 
 def bench_capacity(args, tmp: Path) -> tuple[dict, dict]:

@@ -575,7 +575,7 @@ def check_served(ctx) -> dict:
             for i in range(steps + 1):
                 cache.reserve(seq, chunk.start + len(chunk.tokens), chunk.start)
                 t0 = time.perf_counter()
-                logits = engine._forward_steps(StepBatch([chunk]))
+                logits = engine.runner.forward(StepBatch([chunk]))
                 times.append(time.perf_counter() - t0)
                 tok = int(logits[0].argmax())
                 served.append(tok)

@@ -58,7 +58,7 @@ def test_concurrent_requests_join_between_steps_and_match_reference(tmp_path):
 
     results, engine = asyncio.run(main())
     assert results == expected
-    assert engine.manager.num_used == 0 and not engine.manager.seqs
+    assert engine.cache.manager.num_used == 0 and not engine.cache.manager.seqs
     # batching happened: fewer steps than total tokens produced
     assert engine.timings.steps < sum(len(r) for r in results)
     # one forward pass a step (no micro-batches), in its thread: within the step's time on the loop
@@ -157,7 +157,7 @@ def test_micro_batches_give_the_same_tokens(tmp_path):
 
     async def main():
         engine = _engine(tmp_path, slots=6)
-        engine.micro_batches, engine.micro_batch_min_tokens = 2, 1
+        engine.runner.micro_batches, engine.runner.micro_batch_min_tokens = 2, 1
         reqs = [engine.submit(GenerationRequest(prompt=p, max_tokens=5, stop_at_eos=False)) for p in prompts]
         return await asyncio.gather(*(_collect(r) for r in reqs))
 
@@ -173,7 +173,7 @@ def test_failed_step_fails_its_requests_and_frees_their_slots(tmp_path):
         def broken(layer, x, indices, weights):
             raise RuntimeError("shard group unreachable")
 
-        engine.dispatch = broken
+        engine.runner.dispatch = broken
         reqs = [engine.submit(GenerationRequest(prompt=[5, 6], max_tokens=3)) for _ in range(3)]
         outs = await asyncio.gather(*(_collect(r) for r in reqs))
         return engine, reqs, outs
@@ -182,7 +182,7 @@ def test_failed_step_fails_its_requests_and_frees_their_slots(tmp_path):
     assert outs == [[], [], []]
     assert all(r.finish_reason == "error" and str(r.error) == "shard group unreachable" for r in reqs)
     assert all(isinstance(r.error, RuntimeError) for r in reqs)  # the HTTP layer picks 500 or 503 by type
-    assert engine.manager.num_used == 0 and engine.running == [] and not engine.waiting
+    assert engine.cache.manager.num_used == 0 and engine.scheduler.running == [] and not engine.scheduler.waiting
 
 
 def test_compute_rows_writes_each_experts_rows_in_place(tmp_path):
@@ -226,7 +226,7 @@ def test_observer_sees_each_sequences_latencies_and_logprobs_are_the_models(tmp_
 
     async def main():
         engine = _engine(tmp_path)
-        engine.observer = seen = Seen()
+        engine.scheduler.observer = seen = Seen()
         a = engine.submit(GenerationRequest(prompt=[5, 9, 11], max_tokens=4, stop_at_eos=False, logprobs=2))
         b = engine.submit(GenerationRequest(prompt=[7, 8], max_tokens=50, stop_at_eos=False))
         out_a = await _collect(a)

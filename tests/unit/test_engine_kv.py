@@ -42,7 +42,7 @@ async def _run(engine, prompts, max_tokens, gap=0.0, **kw):
             reqs.append(submit(p))
             await asyncio.sleep(gap)
     else:
-        with engine._work:  # the engine thread finds them all queued at its next step
+        with engine.scheduler.lock:  # the engine thread finds them all queued at its next step
             reqs = [submit(p) for p in prompts]
 
     async def collect(r):
@@ -71,15 +71,15 @@ def test_every_path_of_the_paged_engine_gives_transformers_tokens(tmp_path, fami
         engine = _engine(tmp_path, budget=16)
         first, _ = await _run(engine, prompts[:1], 8)
         rest, reqs = await _run(engine, prompts[1:], 8)
-        assert engine.kv.chunked_prefills >= 1
+        assert engine.scheduler.kv.chunked_prefills >= 1
         assert [r.cached_tokens for r in reqs] == [40, 40, 40]
-        assert engine.kv.prefix_hit_tokens == 120 and engine.manager.num_used == 0
+        assert engine.scheduler.kv.prefix_hit_tokens == 120 and engine.cache.manager.num_used == 0
         # blocks for one and a half of the four at once, each admitted with blocks for its first
         # chunk only: as they grow, the newest are preempted and recomputed
-        tight = _engine(tmp_path, blocks=sequence_blocks(engine.dense.cfg, 4, 52) * 3 // 2 + 1, budget=16,
+        tight = _engine(tmp_path, blocks=sequence_blocks(engine.cfg, 4, 52) * 3 // 2 + 1, budget=16,
                         prefix_caching=False)
         again, _ = await _run(tight, prompts, 8)
-        assert tight.kv.preemptions >= 1 and tight.manager.num_used == 0
+        assert tight.scheduler.kv.preemptions >= 1 and tight.cache.manager.num_used == 0
         return first + rest, again
 
     cached, preempted = asyncio.run(main())
@@ -117,7 +117,7 @@ def test_penalties_bias_min_tokens_and_stop_ids_match_transformers_generate_in_a
 
     async def main():
         engine = _engine(tmp_path)
-        with engine._work:  # one batch: the shaped row beside plain greedy ones
+        with engine.scheduler.lock:  # one batch: the shaped row beside plain greedy ones
             reqs = [engine.submit(GenerationRequest(prompt=prompt, max_tokens=12, sampling=shaped))]
             reqs += [engine.submit(GenerationRequest(prompt=p, max_tokens=8, stop_at_eos=False)) for p in plain]
         for r in reqs:
@@ -180,7 +180,7 @@ def test_decode_tokens_run_beside_a_long_prompt_prefilled_in_chunks(tmp_path):
         return engine, engine.timings.steps - steps_before, produced_meanwhile
 
     engine, steps, produced = asyncio.run(main())
-    assert engine.kv.chunked_prefills == 1
+    assert engine.scheduler.kv.chunked_prefills == 1
     assert steps >= 200 // 23  # the prompt took about 9 steps ...
     assert produced >= 200 // 23  # ... and the stream had a token in each of them
     assert engine.timings.computed_tokens <= engine.timings.steps * 24 + 30
@@ -195,7 +195,7 @@ def test_a_step_with_nothing_decoding_takes_more_prefill(tmp_path):
     async def main(factor):
         engine = _engine(tmp_path, budget=16, prefill_only_factor=factor)
         await _run(engine, prompts, 1)
-        return engine.timings.steps, engine.kv.chunked_prefills
+        return engine.timings.steps, engine.scheduler.kv.chunked_prefills
 
     assert asyncio.run(main(16)) == (1, 0)  # 160 tokens in one step of up to 256
     steps, chunked = asyncio.run(main(1))
@@ -220,14 +220,14 @@ def test_a_request_cancelled_while_it_is_admitted_ends_and_the_next_one_runs(tmp
         engine = _engine(tmp_path)
         first = GenerationRequest(prompt=_prompt(20, 1), max_tokens=2, stop_at_eos=False)
         second = GenerationRequest(prompt=_prompt(20, 2), max_tokens=2, stop_at_eos=False)
-        admit = engine.manager.admit
+        admit = engine.cache.manager.admit
 
         def admit_while_cancelled(seq, tokens, chunk):
             if tokens[:20] == first.prompt:  # the client of `first` goes away just now
                 engine.cancel(first)
             return admit(seq, tokens, chunk)
 
-        engine.manager.admit = admit_while_cancelled
+        engine.cache.manager.admit = admit_while_cancelled
         for r in (first, second):
             engine.submit(r)
         results = await asyncio.wait_for(asyncio.gather(*(_collect(r) for r in (first, second))), 60)
@@ -236,7 +236,7 @@ def test_a_request_cancelled_while_it_is_admitted_ends_and_the_next_one_runs(tmp
     first, second, results, engine = asyncio.run(main())
     assert first.finish_reason == "cancelled" and results[0] == []
     assert second.finish_reason == "length" and len(results[1]) == 2
-    assert engine.manager.num_used == 0 and not engine.manager.seqs
+    assert engine.cache.manager.num_used == 0 and not engine.cache.manager.seqs
 
 
 async def _collect(req):
@@ -262,6 +262,6 @@ def test_the_engine_reports_its_queue_and_cache_in_stats(tmp_path):
     kv = after["kv"]
     assert after["running"] == after["waiting"] == 0 and after["steps"] >= 8
     assert (kv["prefix_queried_tokens"], kv["prefix_hit_tokens"]) == (60, 28)
-    assert kv["blocks_used"] == 0 and kv["blocks_total"] == engine.manager.pool.usable
+    assert kv["blocks_used"] == 0 and kv["blocks_total"] == engine.cache.manager.pool.usable
     assert kv["attention"] == {"configured": "gather", "running": "gather", "fallbacks": 0, "error": ""}
     assert engine.kv_usage() == 0.0

@@ -77,7 +77,7 @@ def test_the_served_step_reads_the_device_once_a_moe_layer(checkpoints, family, 
             cache.reserve(slot, 8 + n, 8)
             chunks.append(Chunk(slot, 8, list(range(1, n + 1))))
         with HostReads() as reads, torch.inference_mode():
-            logits = engine._forward_steps(StepBatch(chunks))
+            logits = engine.runner.forward(StepBatch(chunks))
         assert tuple(logits.shape) == (len(lengths), cfg.vocab_size)
         assert reads.reads == len(cfg.sparse_layers), f"{family}: {reads.reads} reads, {len(cfg.sparse_layers)} MoE layers"
 

@@ -138,7 +138,7 @@ def test_the_engine_holds_random_weight_models_to_the_schema_in_a_mixed_batch(tm
         reqs, plain = [], []
         for wave in range(4):  # 50 at a time: the engine's wait queue holds 64
             batch = []
-            with engine._work:
+            with engine.scheduler.lock:
                 for i in range(50 * wave, 50 * (wave + 1)):
                     batch.append(engine.submit(GenerationRequest(
                         prompt=[5 + i % 7, 40, 41], max_tokens=200, seed=i, sampling=SamplingParams(temperature=1.0),

@@ -134,7 +134,7 @@ def test_gpt_oss_calls_a_tool_in_harmony_and_its_call_token_ends_the_turn(tmp_pa
         return _generate(tmp_path, prompt, max_tokens, **kw)
 
     # the model's own choice to call: <|call|> ends the turn as <|return|> does (forced here by a bias)
-    assert _engine(tmp_path).dense.cfg.eos_token_ids == (ret, call_token)
+    assert _engine(tmp_path).cfg.eos_token_ids == (ret, call_token)
     biased = run(ids(ask), 8, sampling=SamplingParams(logit_bias=((call_token, 100.0),)))
     assert biased.produced == [call_token] and biased.finish_reason.value == "stop"
 

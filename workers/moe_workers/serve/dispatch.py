@@ -10,6 +10,9 @@ Then it picks a copy of each expert by the placement (`ExpertRouter`), sends eac
 rows on the expert channel, all groups at once, and combines what comes back in transformers'
 order. A decode step (up to `routes.SMALL` routed rows) plans with Python ints (`routes`); a
 larger one keeps the rows' order on the device and reads counts only.
+
+Who is on the channel comes from the StatusBoard (`BoardMembership`), polled by the channel's
+thread, so Serve's replica changes reach the exchange without a restart.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from moe_workers.model import routes
 from moe_workers.model.grouped import sort_rows
 from moe_workers.model.layers import combine
 from moe_workers.serve.routing import ExpertRouter
-from moe_workers.transport import Part
+from moe_workers.transport import Member, Part
 
 
 class ExpertDispatcher:
@@ -155,3 +158,22 @@ def _count(values: torch.Tensor, n: int) -> torch.Tensor:
     """How often each of 0..n-1 occurs in `values`, on their device (no read)."""
     out = torch.zeros(n, dtype=torch.int64, device=values.device)
     return out.index_add_(0, values, torch.ones_like(values, dtype=torch.int64))
+
+
+class BoardMembership:
+    """The expert channel's members, from the StatusBoard: the channel's membership thread calls
+    it every second, and `forget`s a shard replica whose port refused (it is dead: off the board
+    at once). The same poll counts this Ingress replica as live and brings what the Ingress acts
+    on besides: the digest of the expert versions served now and how many Ingress replicas are
+    live, handed to `on_poll(weights, live_ingress_replicas)`."""
+
+    def __init__(self, board, replica: str, on_poll):
+        self.board, self.replica, self.on_poll = board, replica, on_poll
+
+    def __call__(self) -> tuple[list[Member], str]:
+        got = self.board.members.remote(ingress=self.replica).result(timeout_s=10)
+        self.on_poll(got.get("weights"), max(1, int(got.get("ingress_replicas") or 1)))
+        return [Member.from_report(m) for m in got["members"]], got["token"]
+
+    def forget(self, member: Member) -> None:
+        self.board.forget.remote(member.replica, member.endpoint).result(timeout_s=10)
