@@ -4,8 +4,9 @@
 
 Each object has one loop (`reconcile_loop`, a kopf daemon): it runs the pass
 (`reconcile.run_pass`, over the object's `Backend`), writes status once if it changed, posts the
-pass' Events, and sleeps for the pass' retry or STEADY_S. Nothing else reconciles: create, update
-and resume only wake the loop, as does the autoscaler when it sets a target; deletion asks the
+pass' Events, and sleeps for the pass' retry or STEADY_S. Nothing else reconciles: the daemon starts on
+create and resume, and its first pass covers them; a spec update only wakes the loop, as does the
+autoscaler when it sets a target; deletion asks the
 backend until the application is gone (the finalizer). Nothing waits for Ray anywhere.
 
 What the handlers share lives in kopf's operator memo, built once at startup: the settings
@@ -66,6 +67,12 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.autoscaler = Autoscaler()
     memo.ray_clients = RayClients()
     memo.kube = KubeApis()
+    import kubernetes
+
+    try:  # every loop writes status through it: import and configure it once, at start
+        memo.kube.load()
+    except kubernetes.config.ConfigException as err:  # no configuration yet: loaded on first use instead
+        log.warning("Kubernetes clients not loaded at start (%s); loaded on first use", err)
     memo.render_only = RenderOnlyClient(memo.settings.render_only_dir)
     memo.wakers = Wakers()
     settings.persistence.finalizer = FINALIZER
@@ -82,13 +89,19 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 
 class KubeApis:
-    """The Kubernetes API clients the handlers use beside kopf's own (Secrets, RayServices):
-    the configuration loaded and each client built once, on first use (an operator that never
-    reads a Secret or a RayService never loads it)."""
+    """The Kubernetes API clients the handlers use beside kopf's own (status, Secrets, RayServices):
+    the configuration loaded and each client built once, at the operator's start (`load`: every
+    loop writes status; importing `kubernetes` alone is ~0.4 CPU s), or on first use if that failed."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._core = self._kuberay = self._custom = None
+
+    def load(self) -> None:
+        """Load the configuration and build the clients now (the operator's start), not on first use."""
+        with self._lock:
+            if self._custom is None:
+                self._load()
 
     def _load(self) -> None:
         import kubernetes
@@ -117,9 +130,7 @@ class KubeApis:
 
     def patch_status(self, namespace: str, name: str, change: dict) -> None:
         """Merge-patch a MoEDeployment's status subresource."""
-        with self._lock:
-            if self._custom is None:
-                self._load()
+        self.load()
         self._custom.patch_namespaced_custom_object_status(
             models.GROUP, models.VERSION, namespace, models.PLURAL, name, {"status": change}, _request_timeout=30)
 
@@ -256,11 +267,12 @@ def _reconcile(name: str, namespace: str, spec_dict: dict, meta, status: dict, m
     return run_pass(obj, spec_dict, status, backend, memo.settings)
 
 
-@kopf.on.resume(*RESOURCE)
-@kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
 async def wake_handler(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    """A new object or spec: its loop runs a pass now (the loop, not this handler, reconciles)."""
+    """A new spec: its loop runs a pass now (the loop, not this handler, reconciles). Not on create
+    or resume: the daemon starts then and its first pass covers them, while a wake that lands
+    during that first pass would run a second whole pass from the object as the first one read it
+    (its own status write not yet seen). Without create handlers kopf still stores the diff base."""
     memo.wakers.wake(f"{namespace}/{name}")
 
 
