@@ -1,4 +1,4 @@
-"""What one turn of an object's loop does (moe_operator.handlers.operator.needs_pass, pure): the
+"""What one turn of an object's loop does (moe_operator.object_loop.needs_pass, pure): the
 whole pass whenever status has not observed the current generation (so a reverted edit is applied
 like any other: no record of kopf's to read), while the object is not Ready, in ray.mode KubeRay, or
 while a rebalance runs; otherwise only the live report is read."""
@@ -6,7 +6,7 @@ while a rebalance runs; otherwise only the live report is read."""
 from __future__ import annotations
 
 from moe_operator.api import conditions as cond
-from moe_operator.handlers.operator import needs_pass
+from moe_operator.object_loop import needs_pass
 
 REST = {"experts": {"groups": 2}}
 KUBERAY = {"ray": {"mode": "KubeRay"}, "experts": {"groups": 2}}

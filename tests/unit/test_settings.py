@@ -60,7 +60,8 @@ def test_the_kubernetes_clients_are_built_once_at_start(tmp_path, monkeypatch):
     them), and hands out the same ones after."""
     import kopf
 
-    from moe_operator.handlers.operator import KubeApis, configure
+    from moe_operator.clients import KubeApis
+    from moe_operator.handlers.operator import configure
 
     (tmp_path / "config").write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
