@@ -14,9 +14,9 @@ import time
 import kopf
 
 from moe_operator.api import conditions as cond
+from moe_operator.api.status import status_patch
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.clients import Unconfigured, api_key_digests, backend_for, kuberay_mode
-from moe_operator.merge_patch import merge_patch
 from moe_operator.metrics import APPLIED_GENERATION, RECONCILE_SECONDS, RECONCILES
 from moe_operator.reconcile import ObjectRef, Result, keys_fingerprint, observe_live, outcome_events, run_pass, unconfigured
 
@@ -62,8 +62,9 @@ def post_events(body, events) -> None:
 
 
 def write_status(memo: kopf.Memo, namespace: str, name: str, before: dict, after: dict) -> None:
-    """The one status write: a merge patch of what changed, none when nothing did."""
-    change = merge_patch(before, after)
+    """The one status write: a merge patch of what changed, both sides read through the typed
+    status (`api/status.status_patch`); none when nothing did."""
+    change = status_patch(before, after)
     if change:
         memo.kube.patch_status(namespace, name, change)
 

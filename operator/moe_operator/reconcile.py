@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from moe_operator.api import conditions as cond
 from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.api.semantics import validate_semantics
-from moe_operator.api.status import FIELDS as STATUS_FIELDS, checked
+from moe_operator.api.status import FIELDS as STATUS_FIELDS, build, checked
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.backends.kuberay_backend import (  # noqa: F401 (re-exported)
     UNRENDERABLE, KubeRayBackend, app_from_rayservice, placement_from_rayservice)
@@ -92,7 +92,9 @@ def record_step(status: dict, step: transition.Step, ingress_before: dict | None
 
 
 class _Outcome:
-    """Builds a pass's Result: Ready/Progressing written through the pure condition helper."""
+    """Builds a pass's Result: Ready/Progressing written through the pure condition helper, the
+    fields the pass found gathered in `status` (its own copy), and the status built from the typed
+    model once, when the pass returns (`api/status.build`)."""
 
     def __init__(self, status: dict, generation: int):
         # what the CRD keeps, as the apiserver would prune it (a status file an older version wrote
@@ -123,7 +125,7 @@ class _Outcome:
                      message if not ok else f"generation {g} applied")
         if not rolling_out:
             self.status["observedGeneration"] = g
-        return Result(checked(self.status), (event_type, reason, message), retry, ok, placement or {})
+        return Result(build(self.status), (event_type, reason, message), retry, ok, placement or {})
 
     def serving(self, message: str, step: transition.Step, events: list[tuple[str, str, str]],
                 rollout: tuple[str, str, float] | None = None) -> Result:
