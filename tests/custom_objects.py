@@ -1,7 +1,8 @@
 """An in-memory stand-in for kubernetes' `CustomObjectsApi`, as far as `KubeRayClient` uses it:
 create, get, replace and delete one namespaced object, with what the apiserver does that the
 backend relies on (404 as `ApiException`, a dry run that stores nothing, `metadata.generation`
-moving only when the spec changes, `status` kept across a replace, a uid precondition on delete).
+moving only when the spec changes, `status` kept across a replace, a uid precondition on delete, an
+object with finalizers only marked for deletion).
 What KubeRay would write into a RayService's status a test writes with `set_status`."""
 
 from __future__ import annotations
@@ -58,8 +59,19 @@ class MemoryCustomObjects:
         wanted = ((body or {}).get("preconditions") or {}).get("uid")
         if wanted and wanted != current["metadata"]["uid"]:
             raise ApiException(status=409, reason="Conflict")
+        if current["metadata"].get("finalizers"):  # held until its controller lets it go
+            current["metadata"].setdefault("deletionTimestamp", "2026-12-07T00:00:00Z")
+            return copy.deepcopy(current)
         del self.objects[(plural, namespace, name)]
         return {"kind": "Status", "status": "Success"}
+
+    def finalize(self, plural, namespace, name) -> None:
+        """What the other controller (KubeRay) does once its clean-up is done: drop its finalizer,
+        and the object goes if it was being deleted."""
+        obj = self.objects[(plural, namespace, name)]
+        obj["metadata"]["finalizers"] = []
+        if obj["metadata"].get("deletionTimestamp"):
+            del self.objects[(plural, namespace, name)]
 
     def set_status(self, plural, namespace, name, status: dict) -> None:
         """What the other controller (KubeRay) writes into the object's status subresource."""

@@ -17,7 +17,7 @@ from moe_operator.api import conditions as cond
 from moe_operator.api.status import status_patch
 from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.clients import Unconfigured, api_key_digests, backend_for, kuberay_mode
-from moe_operator.metrics import APPLIED_GENERATION, RECONCILE_SECONDS, RECONCILES
+from moe_operator.metrics import APPLIED_GENERATION, LOOP_TURNS, RECONCILE_SECONDS, RECONCILES
 from moe_operator.reconcile import ObjectRef, Result, keys_fingerprint, observe_live, outcome_events, run_pass, unconfigured
 
 STEADY_S = 5.0  # a serving object's loop reads its live report this often
@@ -87,6 +87,7 @@ def one_pass(name: str, namespace: str, raw: dict, first: bool, memo: kopf.Memo,
     spec, meta, status = raw.get("spec") or {}, raw.get("metadata") or {}, raw.get("status") or {}
     if meta.get("deletionTimestamp"):
         return STEADY_S  # the finalizer's handler has it
+    LOOP_TURNS.inc()
     rename = None
     if not needs_pass(spec, meta, status, first):
         keys_changed = _keys_changed(spec, namespace, status, memo)

@@ -97,10 +97,9 @@ class KubeRayBackend:
 
     def delete(self, obj: ObjectRef) -> bool:
         # the owner reference lets the garbage collector do this too; deleting it here means the
-        # finalizer is only released once the apiserver accepted the RayService's deletion (KubeRay's
-        # own finalizer then takes the Ray cluster down)
+        # finalizer is only released once the RayService is gone: KubeRay's own finalizer holds it
+        # (deletionTimestamp set) until its Ray cluster is down, and each ask meanwhile is a no-op
         try:
-            self.kuberay.delete_owned(obj.namespace, obj.name, obj.uid)
-            return True
+            return not self.kuberay.delete_owned(obj.namespace, obj.name, obj.uid)
         except KubeRayError as err:
             raise BackendError(cond.DEPLOY_FAILED, str(err), 10)

@@ -21,7 +21,6 @@ import asyncio
 import copy
 import logging
 import os
-import time
 from typing import Any
 
 import kopf
@@ -45,7 +44,6 @@ RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
 PREFIX = models.GROUP
 DIFFBASE_KEY = "last-handled-configuration"  # kopf's record of the last spec it handled (an annotation)
 ERROR_RETRY_S = 10.0  # a turn that raised (the apiserver or a backend down) runs again after this
-STOP_POLL_S = 1.0  # a sleeping loop notices kopf stopping it this soon
 REMOVAL_RETRY_S = 2  # a deletion looks again this soon whether the application is gone
 log = logging.getLogger(__name__)
 
@@ -109,13 +107,20 @@ async def reconcile_loop(name: str, namespace: str, body, stopped, memo: kopf.Me
         except Exception as err:  # an apiserver or backend outage: logged, looked at again soon
             logger.warning("reconcile pass of %s failed: %s; again in %s s", key, err, ERROR_RETRY_S)
             delay = ERROR_RETRY_S
-        deadline = time.monotonic() + delay
-        while not stopped and not wake.is_set() and (left := deadline - time.monotonic()) > 0:
-            try:
-                await asyncio.wait_for(wake.wait(), timeout=min(left, STOP_POLL_S))
-            except asyncio.TimeoutError:
-                pass
+        if not stopped:
+            await _sleep(wake, stopped, delay)
     memo.wakers.forget(key)
+
+
+async def _sleep(wake: asyncio.Event, stopped, delay: float) -> None:
+    """Until `delay` passes, a handler wakes the loop, or kopf stops it (nothing polls)."""
+    waits = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stopped.wait(delay))]
+    try:
+        await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)  # nothing of the sleep outlives it
 
 
 
