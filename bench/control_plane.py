@@ -1,14 +1,20 @@
 """Control-plane cost of the operator, on the real apiserver + etcd (scripts/testenv).
 
-    python bench/control_plane.py            # 50 MoEDeployments on the render-only backend
-    python bench/control_plane.py --quick    # 10
-    python bench/control_plane.py --node     # everything in Pods on a real node (needs root)
+    python bench/control_plane.py                       # 50 MoEDeployments on the render-only backend
+    python bench/control_plane.py --quick               # 10
+    python bench/control_plane.py --only many --count 400   # part B alone, at 400
+    python bench/control_plane.py --node                # everything in Pods on a real node (needs root)
 
 A: one MoEDeployment on a local Ray head: seconds from `kubectl apply` to Ready=True, split into
-   the operator's own work, Ray's (Serve config PUT -> app RUNNING), and the rest (watch latency,
-   status write-back). C: passes over an unchanged spec, both backends (Ray REST on that head;
-   KubeRay on KubeRay 1.5.0's own RayService CRD): writes per pass (target 0). B: N MoEDeployments reconciled with the render-only Ray backend: time until
-   all are Ready, apiserver requests and operator CPU seconds per reconcile. D: beside them, one
+   the operator's own work (its passes), Ray's config writes, and the rest (between passes: Serve
+   deploying, watch latency, status write-back; a pass never waits for Ray); then a spec edit
+   (`kubectl patch`) to the app serving it. C: passes over an unchanged spec, both backends (Ray
+   REST on that head; KubeRay on KubeRay 1.5.0's own RayService CRD): writes per pass (target 0).
+   B: N MoEDeployments reconciled with the render-only Ray backend: time until all are Ready,
+   apiserver requests and operator CPU seconds per reconcile; then a steady window (--steady-s):
+   the operator's writes a minute (target 0), its CPU share of a core (so, objects a core at the
+   5 s steady interval) and its loops' turns an object per 5 s (1.0: it keeps up).
+   D: beside them, one
    MoEDeployment of DeepSeek-V3's shape (14,848 experts, 32 groups; bench/scale.py): apply to
    Ready, and the object's bytes as the apiserver stores it. Writes every result to --out (JSON)
    and ends with `figure: value` lines.
@@ -16,7 +22,7 @@ A: one MoEDeployment on a local Ray head: seconds from `kubectl apply` to Ready=
 --node: on `scripts/testenv start --node` (images imported again, so the import is measured):
    the node's start, the images' import, `helm install` -> operator Pod Ready, the Ray head and
    worker Pods -> the dashboard answering, and `kubectl apply` -> Ready of one MoEDeployment
-   split into the operator's work, Ray's (Serve config PUT -> app RUNNING) and the rest, read
+   split into the operator's work, Ray's config writes and the rest (Serve deploying), read
    from the operator Pod's own metrics; side by side in the same run with A (the same apply with
    the operator and Ray as local processes).
 """
@@ -64,6 +70,16 @@ def apiserver_requests(cp: dict) -> float:
     text = requests.get(cp["MOE_TESTENV_SERVER"] + "/metrics", headers={"Authorization": f"Bearer {cp['TOKEN']}"},
                         verify=False, timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("apiserver_request_total{"))
+
+
+def operator_writes(cp: dict) -> float:
+    """Writes to MoEDeployments (status included) and Events so far: in a steady window only the
+    operator makes them (the apiserver's own lease updates are not counted)."""
+    text = requests.get(cp["MOE_TESTENV_SERVER"] + "/metrics", headers={"Authorization": f"Bearer {cp['TOKEN']}"},
+                        verify=False, timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("apiserver_request_total{") and re.search(r'verb="(POST|PUT|PATCH|DELETE)"', line)
+               and re.search(r'resource="(moedeployments|events)"', line))
 
 
 def metric_sum(port: int, name: str) -> float:
@@ -140,9 +156,15 @@ STEADY_PASSES = 5
 def steady_rest_passes(head, cp: dict, model: Path, name: str) -> tuple[float, float, float]:
     """Passes of the Ray REST backend over an application already serving (the operator's own
     object, read back): Serve config PUTs per steady pass, seconds per steady pass, and seconds of
-    one pass with a change (a PUT and the wait for RUNNING), side by side."""
+    one change applied until it runs (a PUT, then passes until Serve reports RUNNING), side by side."""
     from moe_operator.backends.ray_rest import RayServeClient
     from moe_operator.reconcile import ObjectRef, reconcile
+
+    try:
+        from moe_operator.reconcile import deploying
+    except ImportError:  # an operator before issue 69, whose pass waited for RUNNING (a before-run)
+        def deploying(status):
+            return False
     from moe_operator.settings import Settings
 
     obj = json.loads(kubectl(cp, "get", "moed", name, "-o", "json"))
@@ -157,7 +179,11 @@ def steady_rest_passes(head, cp: dict, model: Path, name: str) -> tuple[float, f
     steady_puts = client.puts / STEADY_PASSES
     changed = {**spec, "ingress": {**spec.get("ingress", {}), "maxBatchSize": 4}}
     t0 = time.perf_counter()
-    assert reconcile(ObjectRef("default", name, generation + 1), changed, status, client, settings).ready
+    res = reconcile(ObjectRef("default", name, generation + 1), changed, status, client, settings)
+    while deploying(res.status):  # a pass never waits (the old version serves meanwhile): the next one looks again
+        time.sleep(res.retry_after_s)
+        res = reconcile(ObjectRef("default", name, generation + 1), changed, res.status, client, settings)
+    assert res.ready, res.event
     return steady_puts, steady_s, time.perf_counter() - t0
 
 
@@ -199,6 +225,44 @@ def steady_kuberay_passes(cp: dict, model: Path) -> tuple[float, float, float]:
     return (client.writes - writes0) / STEADY_PASSES, (time.perf_counter() - t0) / STEADY_PASSES, first_s
 
 
+def edit_to_serving(cp: dict, head, name: str) -> float:
+    """Seconds from a spec edit (`kubectl patch`, spec.ingress.maxBatchSize) to the app serving it:
+    status has observed the new generation, Ready=True and not Progressing, and Serve's deployed
+    config carries the new value."""
+    from moe_operator.backends.ray_rest import RayServeClient
+    from moe_operator.names import app_name
+
+    client = RayServeClient(head.dashboard_url, head.token)
+
+    def serving() -> bool:
+        obj = json.loads(kubectl(cp, "get", "moed", name, "-o", "json"))
+        conditions = {c["type"]: c["status"] for c in (obj.get("status") or {}).get("conditions", [])}
+        if (obj.get("status") or {}).get("observedGeneration") != obj["metadata"]["generation"] or \
+                conditions.get("Ready") != "True" or conditions.get("Progressing") == "True":
+            return False
+        app = client.get()["applications"].get(app_name("default", name)) or {}
+        return app.get("status") == "RUNNING" and \
+            '"max_batch_size": 6' in json.dumps(app.get("deployed_app_config") or {})
+
+    t0 = time.perf_counter()
+    kubectl(cp, "patch", "moed", name, "--type", "merge", "-p", json.dumps({"spec": {"ingress": {"maxBatchSize": 6}}}))
+    wait_until(serving, timeout_s=300, interval_s=0.1)
+    return time.perf_counter() - t0
+
+
+def steady_window(cp: dict, op: subprocess.Popen, port: int, count: int, window_s: float) -> dict:
+    """Over `window_s` of N objects all serving an unchanged spec: the operator's writes (status and
+    Events; target 0), its CPU share of one core, and its loops' turns an object per 5 s (1.0: every
+    object read each steady interval; absent where the operator has no such metric)."""
+    proc = psutil.Process(op.pid)
+    cpu0, writes0, turns0 = sum(proc.cpu_times()[:2]), operator_writes(cp), metric_sum(port, "moe_operator_loop_turns_total")
+    time.sleep(window_s)
+    cpu = sum(proc.cpu_times()[:2]) - cpu0
+    turns = metric_sum(port, "moe_operator_loop_turns_total") - turns0
+    return {"window_s": window_s, "writes_per_minute": (operator_writes(cp) - writes0) * 60 / window_s,
+            "cpu_share": cpu / window_s, "turns_per_object_per_5s": turns / count / (window_s / 5) if turns else None}
+
+
 def local_apply_to_ready(cp: dict, work: Path, model: Path) -> tuple[float, float, float, tuple]:
     """One MoEDeployment on a local Ray head with the operator as a local process: seconds from
     apply to Ready, the operator's reconcile seconds and, of them, Ray's; then the steady passes."""
@@ -219,7 +283,8 @@ def local_apply_to_ready(cp: dict, work: Path, model: Path) -> tuple[float, floa
         total = time.perf_counter() - t0
         figures = (total, metric_sum(port_a, "moe_operator_reconcile_seconds_sum"),
                    metric_sum(port_a, "moe_operator_ray_apply_seconds_sum"))
-        return (*figures, steady_rest_passes(head, cp, model, "one"))
+        edit = edit_to_serving(cp, head, "one")
+        return (*figures, steady_rest_passes(head, cp, model, "one"), edit)
     finally:
         stop(op)
         head.stop()
@@ -318,8 +383,8 @@ def node_bench(out: str) -> int:
     print("MoEDeployment: kubectl apply -> Ready")
     print(f"  total                                   {total:7.2f} s")
     print(f"  operator (reconcile, no Ray)            {operator_s:7.2f} s")
-    print(f"  Ray (PUT -> app RUNNING)                {ray_s:7.2f} s")
-    print(f"  watch latency + status write            {total - reconcile_s:7.2f} s")
+    print(f"  Ray (Serve config read-merge-write)     {ray_s:7.2f} s")
+    print(f"  between passes (Serve deploying, watch) {total - reconcile_s:7.2f} s")
     print(f"the same apply, operator and Ray as local processes: {local_total:.2f} s "
           f"(operator {local_reconcile - local_ray:.2f} s, Ray {local_ray:.2f} s)")
     figures = {"node-start-s": start_s, "image-import-s": import_s, "ray-pods-ready-s": ray_ready,
@@ -348,6 +413,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--count", type=int, default=None)
     p.add_argument("--node", action="store_true", help="everything in Pods on a real node (needs root)")
+    p.add_argument("--only", choices=["many"], default=None, help="many: part B alone (N objects, then a steady window)")
+    p.add_argument("--steady-s", type=float, default=30.0, help="B's steady window after all are Ready (seconds)")
     p.add_argument("--out", default=None, help="results as JSON (default bench/results/operator.json, "
                    "operator-node.json with --node)")
     a = p.parse_args()
@@ -370,9 +437,10 @@ def main() -> int:
         kubectl(cp, "wait", "--for=condition=Established", "crd/moedeployments.serving.moe.io")
         kubectl(cp, "create", "namespace", "bench")
 
-        # A: one MoEDeployment on a real local Ray
-        total, reconcile_s, ray_s, rest_steady = local_apply_to_ready(cp, work, model)
-        kuberay_steady = steady_kuberay_passes(cp, model)
+        many_only = a.only == "many"
+        if not many_only:  # A: one MoEDeployment on a real local Ray
+            total, reconcile_s, ray_s, rest_steady, edit_s = local_apply_to_ready(cp, work, model)
+            kuberay_steady = steady_kuberay_passes(cp, model)
 
         # B: N MoEDeployments, render-only Ray backend
         port_b = free_port()
@@ -405,50 +473,65 @@ def main() -> int:
             ours = (polls + 2) * per_poll + count + per_poll  # polls, final check, the apply (~ a get + creates)
             operator_requests = max(0.0, requests_total - ours)
             apps = len(json.loads((work / "render" / "serve-config.json").read_text())["applications"])
-            deepseek = deepseek_on_the_apiserver(cp, work)
+            steady = steady_window(cp, op, port_b, count, a.steady_s)
+            deepseek = None if many_only else deepseek_on_the_apiserver(cp, work)
         finally:
             stop(op)
     finally:
         subprocess.run([str(REPO / "scripts" / "testenv"), "stop", str(work / "k8s")], check=False)
 
-    operator_s = reconcile_s - ray_s
-    print("\nA: one MoEDeployment on a local Ray head, apply -> Ready")
-    print(f"  total                         {total:7.2f} s")
-    print(f"  operator (reconcile, no Ray)  {operator_s:7.2f} s")
-    print(f"  Ray (PUT -> app RUNNING)      {ray_s:7.2f} s")
-    print(f"  watch latency + status write  {total - reconcile_s:7.2f} s")
-    print(f"\nC: {STEADY_PASSES} reconcile passes over an unchanged spec (in-process, against the same cluster)")
-    print(f"  Ray REST: Serve config PUTs per pass {rest_steady[0]:.1f}; {rest_steady[1]:.3f} s a pass, against "
-          f"{rest_steady[2]:.2f} s for a pass with a change (PUT + wait for RUNNING): {rest_steady[1] / rest_steady[2]:.3f}")
-    print(f"  KubeRay: RayService writes per pass {kuberay_steady[0]:.1f}; {kuberay_steady[1]:.3f} s a pass, against "
-          f"{kuberay_steady[2]:.3f} s for the first pass (creates it)")
+    turns = steady["turns_per_object_per_5s"]
+    many = {"count": count, "applications": apps, "all_ready_s": all_ready, "reconciles": reconciles,
+            "operator_cpu_s": cpu, "operator_requests": operator_requests,
+            "apiserver_requests": requests_total, "bench_requests": ours, "steady": steady}
+    figures = {f"all-ready-{count}-s": all_ready, "cpu-seconds-per-reconcile": cpu / reconciles,
+               "api-requests-per-reconcile": operator_requests / reconciles,
+               f"steady-writes-per-minute-{count}": steady["writes_per_minute"],
+               f"steady-cpu-share-{count}": steady["cpu_share"],
+               f"objects-per-core-at-5s-{count}": count / max(steady["cpu_share"], 1e-9)}
+    if turns is not None:
+        figures[f"steady-turns-per-object-per-5s-{count}"] = turns
+    if not many_only:
+        operator_s = reconcile_s - ray_s
+        print("\nA: one MoEDeployment on a local Ray head, apply -> Ready")
+        print(f"  total                         {total:7.2f} s")
+        print(f"  operator (reconcile, no Ray)  {operator_s:7.2f} s")
+        print(f"  Ray (config read-merge-write) {ray_s:7.2f} s")
+        print(f"  between passes (Serve deploying, watch, status) {total - reconcile_s:7.2f} s")
+        print(f"  a spec edit (kubectl patch) -> serving it     {edit_s:7.2f} s")
+        print(f"\nC: {STEADY_PASSES} reconcile passes over an unchanged spec (in-process, against the same cluster)")
+        print(f"  Ray REST: Serve config PUTs per pass {rest_steady[0]:.1f}; {rest_steady[1]:.3f} s a pass, against "
+              f"{rest_steady[2]:.2f} s for a pass with a change (PUT + wait for RUNNING): {rest_steady[1] / rest_steady[2]:.3f}")
+        print(f"  KubeRay: RayService writes per pass {kuberay_steady[0]:.1f}; {kuberay_steady[1]:.3f} s a pass, against "
+              f"{kuberay_steady[2]:.3f} s for the first pass (creates it)")
     print(f"\nB: {count} MoEDeployments, render-only Ray backend ({apps} applications rendered)")
     print(f"  all Ready after               {all_ready:7.2f} s")
     print(f"  reconciles                    {reconciles:7.0f}")
     print(f"  operator CPU                  {cpu:7.2f} s ({cpu / reconciles:.3f} s per reconcile)")
     print(f"  apiserver requests by the operator ~{operator_requests:.0f} ({operator_requests / reconciles:.1f} per reconcile;"
           f" all {requests_total:.0f}, of them the bench's own ~{ours:.0f})")
-    print("\nD: a DeepSeek-V3-shaped MoEDeployment (14,848 experts, 32 groups) beside them")
-    print(f"  apply -> Ready                {deepseek['apply_to_ready_s']:7.2f} s")
-    print(f"  the object as stored          {deepseek['object_bytes'] / 1024:7.1f} KiB "
-          f"(its Serve application {deepseek['app_config_bytes'] / 1024:.1f} KiB)")
-    figures = {"deepseek-v3-apply-to-ready-s": deepseek["apply_to_ready_s"],
-               "deepseek-v3-object-bytes": deepseek["object_bytes"], "apply-to-ready-s": total, "operator-share-of-apply-to-ready": operator_s / total,
-               "ray-share-of-apply-to-ready": ray_s / total, f"all-ready-{count}-s": all_ready,
-               "cpu-seconds-per-reconcile": cpu / reconciles, "steady-writes-per-pass-rest": rest_steady[0],
-               "steady-writes-per-pass-kuberay": kuberay_steady[0], "steady-pass-s-rest": rest_steady[1],
-               "api-requests-per-reconcile": operator_requests / reconciles}
-    results = {"one_apply": {"total_s": total, "operator_s": operator_s, "ray_s": ray_s,
-                             "watch_and_status_s": total - reconcile_s},
-               "steady_passes": {"passes": STEADY_PASSES,
-                                 "rest": {"writes_per_pass": rest_steady[0], "pass_s": rest_steady[1],
-                                          "changed_pass_s": rest_steady[2]},
-                                 "kuberay": {"writes_per_pass": kuberay_steady[0], "pass_s": kuberay_steady[1],
-                                             "first_pass_s": kuberay_steady[2]}},
-               "deepseek_v3": deepseek,
-               "many": {"count": count, "applications": apps, "all_ready_s": all_ready, "reconciles": reconciles,
-                        "operator_cpu_s": cpu, "operator_requests": operator_requests,
-                        "apiserver_requests": requests_total, "bench_requests": ours}}
+    print(f"  then {a.steady_s:.0f} s steady: writes a minute {steady['writes_per_minute']:.1f}, operator CPU "
+          f"{steady['cpu_share']:.3f} of a core (~{count / max(steady['cpu_share'], 1e-9):.0f} objects a core), "
+          f"loop turns an object per 5 s {'n/a' if turns is None else f'{turns:.2f}'}")
+    results = {"many": many}
+    if not many_only:
+        print("\nD: a DeepSeek-V3-shaped MoEDeployment (14,848 experts, 32 groups) beside them")
+        print(f"  apply -> Ready                {deepseek['apply_to_ready_s']:7.2f} s")
+        print(f"  the object as stored          {deepseek['object_bytes'] / 1024:7.1f} KiB "
+              f"(its Serve application {deepseek['app_config_bytes'] / 1024:.1f} KiB)")
+        figures.update({"deepseek-v3-apply-to-ready-s": deepseek["apply_to_ready_s"],
+                        "deepseek-v3-object-bytes": deepseek["object_bytes"], "apply-to-ready-s": total,
+                        "edit-to-serving-s": edit_s, "operator-share-of-apply-to-ready": operator_s / total,
+                        "ray-share-of-apply-to-ready": ray_s / total, "steady-writes-per-pass-rest": rest_steady[0],
+                        "steady-writes-per-pass-kuberay": kuberay_steady[0], "steady-pass-s-rest": rest_steady[1]})
+        results.update({"one_apply": {"total_s": total, "operator_s": operator_s, "ray_s": ray_s,
+                                      "watch_and_status_s": total - reconcile_s, "edit_to_serving_s": edit_s},
+                        "steady_passes": {"passes": STEADY_PASSES,
+                                          "rest": {"writes_per_pass": rest_steady[0], "pass_s": rest_steady[1],
+                                                   "changed_pass_s": rest_steady[2]},
+                                          "kuberay": {"writes_per_pass": kuberay_steady[0], "pass_s": kuberay_steady[1],
+                                                      "first_pass_s": kuberay_steady[2]}},
+                        "deepseek_v3": deepseek})
     return report(a.out, results, figures)
 
 if __name__ == "__main__":

@@ -107,11 +107,11 @@ def one(shape: str, groups: int) -> dict:
 
     def first():
         (Path(root) / "ray" / "serve-config.json").unlink(missing_ok=True)
-        return reconcile(obj, raw, {}, client, settings, fetch=lambda url: None, wait_s=5)
+        return reconcile(obj, raw, {}, client, settings, fetch=lambda url: None)
 
     first_ms, res = timed(first)
     assert res.ready, res.event
-    again_ms, res2 = timed(lambda: reconcile(obj, raw, res.status, client, settings, fetch=lambda url: None, wait_s=5))
+    again_ms, res2 = timed(lambda: reconcile(obj, raw, res.status, client, settings, fetch=lambda url: None))
     sizes = app_sizes(root)
     spec = parse_spec(raw)
     kuberay = parse_spec({**raw, "ray": {"mode": "KubeRay", "kubeRay": {"image": "rayproject/ray:2.54.0"}},
@@ -132,7 +132,7 @@ def one(shape: str, groups: int) -> dict:
                                               request="bench"))
     eplb_ms, _ = timed(lambda: reference(load, sorted(placement), SPARE[shape]))
     applying = {**status, "autoscaling": step.autoscaling}
-    apply_ms, res3 = timed(lambda: reconcile(obj, raw, applying, client, settings, fetch=lambda url: None, wait_s=5),
+    apply_ms, res3 = timed(lambda: reconcile(obj, raw, applying, client, settings, fetch=lambda url: None),
                            rounds=1)
     # what the replicas would report: every expert once, on the group hosting it
     rep = {"replicas": [{"group": g, "replica": g, "versions": {e: {"tier": "hot", "tokens": int(load.get(e, 0)),

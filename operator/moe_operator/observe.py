@@ -9,6 +9,7 @@ import json
 import urllib.error
 import urllib.request
 
+from moe_operator.api import conditions as cond
 from moe_operator.api.models import KVCacheStatus, MoEDeploymentSpec, TierSummary
 
 MAX_SWAPS = 20
@@ -151,10 +152,10 @@ def swap_transitions(before: list[dict], after: list[dict]) -> list[tuple[str, s
         if r["outcome"] == old.get(r["expert"]) or r["outcome"] == "Pending":
             continue
         if r["outcome"] == "Failed":
-            events.append(("Warning", "HotSwapFailed", f"expert {r['expert']}: {r.get('reason', '')}"))
+            events.append((cond.WARNING, cond.HOT_SWAP_FAILED, f"expert {r['expert']}: {r.get('reason', '')}"))
         elif r["outcome"] == "Serving":
-            events.append(("Normal", "HotSwapServing", f"expert {r['expert']} serves {r.get('digest', '')} on every "
+            events.append((cond.NORMAL, cond.HOT_SWAP_SERVING, f"expert {r['expert']} serves {r.get('digest', '')} on every "
                            f"replica ({r.get('durationSeconds', 0):.2f} s)"))
         else:
-            events.append(("Normal", "HotSwapRolledBack", f"expert {r['expert']} back to the checkpoint's version"))
+            events.append((cond.NORMAL, cond.HOT_SWAP_ROLLED_BACK, f"expert {r['expert']} back to the checkpoint's version"))
     return events

@@ -231,8 +231,11 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
 
         # change the number of groups: re-planned, re-rendered, still serving the same tokens
         k8s.kubectl("patch", "moed", "tiny", "--type=merge", "-p", json.dumps({"spec": {"experts": {"groups": 3}}}))
+        # (Ready stays True while Serve rolls the change out; Progressing=False once it is done)
         wait_for(lambda: (r := _ready(k8s, "tiny"))[1].get("observedGeneration") == r[0]["metadata"]["generation"]
-              and len(r[1].get("groups", [])) == 3 and r[2]["status"] == "True", what="3 groups")
+              and len(r[1].get("groups", [])) == 3 and r[2]["status"] == "True"
+              and next(c for c in r[1]["conditions"] if c["type"] == "Progressing")["status"] == "False",
+              what="3 groups")
         got = requests.post(endpoint + "/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0},
                             timeout=60).json()["choices"][0]["token_ids"]
         assert got == reference.generate([prompt], max_tokens=5)[0][: len(got)]

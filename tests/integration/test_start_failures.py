@@ -10,7 +10,8 @@ from manifests import small_deployment
 from moe_operator.api import conditions as cond
 from moe_operator.backends.ray_rest import RayServeClient
 from moe_operator.names import app_name
-from moe_operator.reconcile import ObjectRef, reconcile, remove_application
+from moe_operator.reconcile import ObjectRef, remove_application
+from passes import converge
 from moe_operator.settings import Settings
 from moe_workers.model.random_init import write_random_mixtral
 
@@ -27,7 +28,7 @@ def test_a_constructor_error_is_the_condition_and_a_fixed_spec_deploys(ray_head,
     port = ray_head.serve_http_port
     settings = Settings(allowed_roots=(str(tmp_path),), serve_http_port=port)
     try:
-        res = reconcile(ObjectRef("default", "broken", 1), spec, {}, client, settings, wait_s=300)
+        res = converge(ObjectRef("default", "broken", 1), spec, {}, client, settings)
         ready = next(c for c in res.status["conditions"] if c["type"] == cond.READY)
         assert not res.ready and ready["reason"] == cond.REPLICA_START_FAILED, ready
         assert "replicas of default.broken fail in their constructor: Ingress: Exception:" in ready["message"]
@@ -36,7 +37,7 @@ def test_a_constructor_error_is_the_condition_and_a_fixed_spec_deploys(ray_head,
 
         (model / "tokenizer.json").unlink()  # the fix: token ids only
         fixed = {**spec, "ingress": {**spec["ingress"], "maxBatchSize": 4}}
-        res = reconcile(ObjectRef("default", "broken", 2), fixed, res.status, client, settings, wait_s=300)
+        res = converge(ObjectRef("default", "broken", 2), fixed, res.status, client, settings)
         assert res.ready, res.event
     finally:
         remove_application(client, app_name("default", "broken"), port)

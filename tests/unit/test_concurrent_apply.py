@@ -17,7 +17,7 @@ def _app(i):
 def test_parallel_writers_keep_every_application(tmp_path):
     client = RenderOnlyClient(str(tmp_path))
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda i: apply_application(client, _app(i), 8000, wait_s=5), range(40)))
+        list(pool.map(lambda i: apply_application(client, _app(i), 8000), range(40)))
     names = {a["name"] for a in json.loads((tmp_path / "serve-config.json").read_text())["applications"]}
     assert names == {f"ns.m{i}" for i in range(40)}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:

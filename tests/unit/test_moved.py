@@ -35,18 +35,18 @@ def spec(tmp_path_factory):
 def test_a_served_object_pointed_at_another_cluster_keeps_serving_where_it_is(spec, tmp_path):
     raw, settings = spec
     a, b = RenderOnlyClient(str(tmp_path / "a")), RenderOnlyClient(str(tmp_path / "b"))
-    first = reconcile(ObjectRef("default", "m", 1), raw, {}, a, settings, fetch=lambda url: None, wait_s=5)
+    first = reconcile(ObjectRef("default", "m", 1), raw, {}, a, settings, fetch=lambda url: None)
     assert first.ready, first.event
     assert first.status["rayAddress"] == a.dashboard_url and _apps(a) == ["default.m"]
 
-    res = reconcile(ObjectRef("default", "m", 2), raw, first.status, b, settings, fetch=lambda url: None, wait_s=5)
+    res = reconcile(ObjectRef("default", "m", 2), raw, first.status, b, settings, fetch=lambda url: None)
     assert not res.ready and res.event[:2] == ("Warning", cond.INVALID_SPEC)
     assert res.event[2].startswith(f"spec.ray.address: the application serves on the Ray cluster {a.dashboard_url}; "
                                    f"moving it to {b.dashboard_url} is not supported")
     assert _apps(b) == [] and _apps(a) == ["default.m"]  # nothing written anywhere; the old one serves
     assert res.status["rayAddress"] == a.dashboard_url and res.status["endpoint"] == first.status["endpoint"]
 
-    back = reconcile(ObjectRef("default", "m", 3), raw, res.status, a, settings, fetch=lambda url: None, wait_s=5)
+    back = reconcile(ObjectRef("default", "m", 3), raw, res.status, a, settings, fetch=lambda url: None)
     assert back.ready, back.event  # the address set back: serving again, Ready
 
 

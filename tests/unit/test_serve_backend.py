@@ -20,7 +20,7 @@ def _params(fn) -> list[tuple[str, object]]:
 
 
 def test_the_protocol_names_what_the_pass_calls():
-    assert sorted(METHODS) == ["delete_all", "get", "nodes", "put", "wait_gone", "wait_running"]
+    assert sorted(METHODS) == ["delete_all", "get", "nodes", "put", "wait_gone"]
     assert isinstance(vars(ServeBackend)["dashboard_url"], property)
 
 

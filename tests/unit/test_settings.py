@@ -54,12 +54,14 @@ def test_the_operator_refuses_to_start_on_a_bad_variable(monkeypatch):
     assert memo.settings.serve_http_port == 8100 and memo.autoscaler is not None
 
 
-def test_the_kubernetes_clients_are_built_once_and_only_when_used(tmp_path, monkeypatch):
+def test_the_kubernetes_clients_are_built_once_at_start(tmp_path, monkeypatch):
     """The 2 s and 5 s timers used to load the kubeconfig and build a client on every call; the
-    memo's KubeApis builds them on first use and hands out the same ones after."""
+    memo's KubeApis builds them once, at the operator's start (every loop writes status through
+    them), and hands out the same ones after."""
     import kopf
 
-    from moe_operator.handlers.operator import KubeApis, configure
+    from moe_operator.clients import KubeApis
+    from moe_operator.handlers.operator import configure
 
     (tmp_path / "config").write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
@@ -70,7 +72,7 @@ def test_the_kubernetes_clients_are_built_once_and_only_when_used(tmp_path, monk
     memo = kopf.Memo()
     configure(settings=kopf.OperatorSettings(), memo=memo)
     apis = memo.kube
-    assert isinstance(apis, KubeApis) and apis._core is None  # nothing loaded at start
+    assert isinstance(apis, KubeApis) and apis._core is not None  # loaded at start
     core, kuberay = apis.core, apis.kuberay
     assert core.api_client.configuration.host == "https://127.0.0.1:1"
     assert apis.core is core and apis.kuberay is kuberay

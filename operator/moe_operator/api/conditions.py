@@ -29,6 +29,19 @@ UNHEALTHY = "Unhealthy"  # the application or one of its deployments is UNHEALTH
 NO_SERVE_ENDPOINTS = "NoServeEndpoints"  # the app runs but KubeRay's Service has no endpoint
 DEPLOYMENT_UNHEALTHY = "DeploymentUnhealthy"  # Degraded: names the deployments
 
+# Event reasons beside the conditions' (an Event posted on a pass' outcome carries Ready's reason);
+# every Event is (type, reason, message), posted by one function per runner (the kopf handlers'
+# `_post`, standalone's log)
+NORMAL, WARNING = "Normal", "Warning"  # Event types
+HOT_SWAP_SERVING = "HotSwapServing"  # an override's new weights serve on every replica
+HOT_SWAP_FAILED = "HotSwapFailed"  # an override was refused (the replica's reason)
+HOT_SWAP_ROLLED_BACK = "HotSwapRolledBack"  # an override removed: the checkpoint's version serves again
+REBALANCE_STARTED = "RebalanceStarted"  # the autoscaler set a target placement (status.autoscaling.target)
+REBALANCE_RECOMMENDED = "RebalanceRecommended"  # autoscaling mode Recommend: what a rebalance would move
+REBALANCE_NOT_NEEDED = "RebalanceNotNeeded"  # a requested rebalance found nothing worth moving
+REBALANCED = "Rebalanced"  # the target placement serves (the make-before-break change is done)
+API_KEYS_CHANGED = "ApiKeysChanged"  # the API-key Secret changed; the keys apply in place
+
 
 def now_rfc3339() -> str:
     return format_rfc3339()

@@ -6,7 +6,9 @@ and `moectl get`, the scale subresource or a dashboard would read nothing. So ev
 produces status (the reconcile pass, the autoscaler, the live observer) hands it out through
 `checked()`: a key or a value the models do not allow raises `StatusError` naming its path, in
 the unit tests of that pass rather than on a cluster. Entries with a model of their own (a
-shard group) are built from it with `dump()`.
+shard group) are built from it with `dump()`; the pass' whole status is built once, at its exit,
+from `MoEDeploymentStatus` (`build()`), and `status_patch()` compares it, read through the same
+model, with what is stored: a status is written only when the model reads the two differently.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ValidationError
 
 from moe_operator.api.models import MoEDeploymentStatus
+from moe_operator.merge_patch import merge_patch
 
 # keys a status may carry at the top, as the CRD spells them (the model itself ignores unknown
 # top-level keys when it reads a stored status, so an old operator's fields do not break a read)
@@ -43,3 +46,29 @@ def checked(status: dict) -> dict:
         problems = "; ".join(f"status.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
         raise StatusError(f"status does not fit the CRD's schema: {problems}") from None
     return status
+
+
+def _stored(status: dict) -> dict:
+    """`status` read into MoEDeploymentStatus and dumped as the CRD keeps it: the keys it holds
+    (a default it does not set stays unset), camelCase, None (a removal) left out, top-level keys
+    the CRD lacks dropped (the apiserver prunes them). ValidationError when the model cannot read it."""
+    model = MoEDeploymentStatus.model_validate({k: v for k, v in status.items() if v is not None})
+    return model.model_dump(by_alias=True, exclude_unset=True, exclude_none=True, mode="json")
+
+
+def build(status: dict) -> dict:
+    """The status a pass hands out, built once from MoEDeploymentStatus: `checked()` (StatusError
+    naming what the CRD lacks), then read into the model and dumped as the CRD keeps it."""
+    return _stored(checked(status))
+
+
+def status_patch(before: dict, after: dict) -> dict:
+    """The JSON merge patch that takes the stored status `before` to `after`, both read through
+    MoEDeploymentStatus: {} when the model reads them alike (a steady pass writes nothing, and a
+    key the apiserver would prune is not written pass after pass). A side the model cannot read (a
+    status an older version stored) is compared as it is."""
+    try:
+        before, after = _stored(before), _stored(after)
+    except ValidationError:
+        pass
+    return merge_patch(before, after)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe_operator.api import conditions as cond
 from moe_operator.api.models import MoEDeploymentSpec
 from moe_operator.api.status import checked
 from moe_operator.autoscaling import policy
@@ -109,17 +110,17 @@ def _autoscale(spec: MoEDeploymentSpec, status: dict, placement: dict[str, list[
             auto["target"] = proposal.placement
             auto["phase"] = "Loading"
             auto.pop("recommended", None)
-            out.event = ("Normal", "RebalanceStarted",
+            out.event = (cond.NORMAL, cond.REBALANCE_STARTED,
                          f"{decision.reason}; moving {proposal.moved_copies} expert copies "
                          f"({proposal.bytes_moved / 2**20:.1f} MiB), expected imbalance {expected:.2f}")
         elif auto.get("recommended") != proposal.placement:  # one event per new recommendation
             auto["recommended"] = proposal.placement
-            out.event = ("Normal", "RebalanceRecommended", f"{decision.reason}; a rebalance would move "
+            out.event = (cond.NORMAL, cond.REBALANCE_RECOMMENDED, f"{decision.reason}; a rebalance would move "
                          f"{proposal.moved_copies} copies for imbalance {expected:.2f}")
     elif decision.kind in (policy.SCALE_UP, policy.SCALE_DOWN):
         if decision.apply:
             out.replicas_per_group = decision.replicas_per_group
-        out.event = ("Normal", decision.kind if decision.apply else f"{decision.kind}Recommended", decision.reason)
+        out.event = (cond.NORMAL, decision.kind if decision.apply else f"{decision.kind}Recommended", decision.reason)
     elif requested:
-        out.event = ("Normal", "RebalanceNotNeeded", decision.reason)
+        out.event = (cond.NORMAL, cond.REBALANCE_NOT_NEEDED, decision.reason)
     return out

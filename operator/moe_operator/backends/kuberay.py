@@ -111,7 +111,8 @@ class KubeRayClient:
                 "spec.ray.authTokenSecretRef to run the cluster without a token")
 
     def delete_owned(self, namespace: str, name: str, owner_uid: str) -> bool:
-        """Delete the RayService if (and only if) `owner_uid` owns it; False when there was none of ours."""
+        """Delete the RayService if (and only if) `owner_uid` owns it: True while one of ours is there
+        (also one already being deleted, held by KubeRay's finalizer), False once there is none."""
         current = self.get(namespace, name)
         if current is None or not any(r.get("uid") == owner_uid for r in current["metadata"].get("ownerReferences") or []):
             return False

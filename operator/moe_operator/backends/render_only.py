@@ -15,6 +15,7 @@ from pathlib import Path
 @dataclass
 class RenderOnlyClient:
     directory: str
+    puts: int = 0  # config writes made, as RayServeClient counts them
     write_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -33,6 +34,7 @@ class RenderOnlyClient:
                                              "deployed_app_config": a} for a in config.get("applications", [])}}
 
     def put(self, config: dict) -> None:
+        self.puts += 1
         path = self._file()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")

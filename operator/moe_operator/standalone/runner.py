@@ -24,7 +24,7 @@ from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.autoscaling.driver import Autoscaler, decide
 from moe_operator.backends.serve_backend import ServeBackend
 from moe_operator.names import MANIFEST_ANNOTATION, OWNER_ANNOTATION, app_name
-from moe_operator.reconcile import ObjectRef, observe_live, reconcile, remove_application
+from moe_operator.reconcile import ObjectRef, deploying, observe_live, reconcile, remove_application
 from moe_operator.settings import Settings
 from moe_workers.process_tag import process_tag, tag_running
 from moe_workers.serve.auth import digests
@@ -155,6 +155,7 @@ class StandaloneRunner:
     _replicas_in_file: int | None = None
     autoscaler: Autoscaler = field(default_factory=Autoscaler)
     _retry_at: float | None = None  # a pass that failed for a passing reason (Ray busy) runs again then
+    _deploying: float | None = None  # the last pass left Serve deploying: the next one in so many seconds
     owner: str | None = None  # owner_tag() of the `moectl up` whose exit ends serving (None: --once)
     _last_manifest: Manifest | None = None
 
@@ -188,7 +189,18 @@ class StandaloneRunner:
             update={"replicas_per_group": self._replicas})})
 
     def reconcile(self, new_generation: bool = True) -> bool:
+        """Passes over the current file until one is not under way (a pass never waits for Ray: while
+        Serve deploys what was applied, the next pass looks again after its short retry); True when
+        the app serves."""
+        ready = self._pass(new_generation)
+        while self._deploying is not None:
+            time.sleep(self._deploying)
+            ready = self._pass(new_generation=False)
+        return ready
+
+    def _pass(self, new_generation: bool = True) -> bool:
         """One pass over the current file; True when the app serves."""
+        self._deploying = None
         if new_generation:
             self.generation += 1
         m = load_manifest(self.manifest_path)
@@ -207,6 +219,7 @@ class StandaloneRunner:
         keys = digests(self.api_key_file.read_text()) if self.api_key_file is not None else None
         if self.api_key_file is not None and not keys:
             self.log(f"warning: {self.api_key_file} holds no API key; the API stays open")
+        was_deploying = deploying(self.status)
         settings = Settings(allowed_roots=tuple(self.allowed_roots), serve_http_port=self.http_port)
         res = reconcile(ObjectRef(m.namespace, m.name, self.generation), m.raw_spec, self.status, self.client,
                         settings, spec=self._spec(m), api_key_digests=keys)
@@ -215,9 +228,13 @@ class StandaloneRunner:
         for _, reason, message in res.events:
             self.log(f"{reason}: {message}")
         self._retry_at = None
+        if deploying(res.status) and res.retry_after_s is not None:  # Serve is at it: the next pass looks again
+            if not was_deploying:
+                self.log(f"{cond.DEPLOYING}: {res.event[2] if not res.ready else 'a change rolls out'}")
+            self._deploying = res.retry_after_s
         if res.ready:
             self._app = app_name(m.namespace, m.name)
-        else:
+        elif self._deploying is None:
             self.log(f"{res.event[1]}: {res.event[2]}")
             if res.retry_after_s is not None:  # as kopf does with TemporaryError
                 self._retry_at = time.monotonic() + res.retry_after_s
