@@ -134,6 +134,9 @@ def summarise(spec: MoEDeploymentSpec, report: dict, previous_status: dict) -> d
     kv = kv_summary(report.get("ingress") or {})
     if kv is not None:
         out["kvCache"] = kv
+    quarantined = (report.get("routing") or {}).get("quarantined")
+    if quarantined is not None:  # an app that reports it: the experts its routers leave out now
+        out["quarantinedExperts"] = list(quarantined)
     return out
 
 

@@ -121,6 +121,38 @@ def _hot_swap_through_the_spec(k8s, model, endpoint, reference):
         assert r.returncode == 1 and r.stderr.strip() == "error: moedeployment default/nope not found", (cmd, r.stderr)
 
 
+def _quarantine_through_moectl(k8s, endpoint, reference):
+    """moectl quarantine --wait: the Ingress leaves the expert out in place (the tokens follow the
+    reference with the same quarantine, status.quarantinedExperts says so); an expert the model
+    does not have: exit 1 naming the entry, the quarantine in force keeps serving; --lift: the
+    checkpoint's tokens again."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [40, 41, 42, 43, 44]]
+
+    def tokens(p):
+        return requests.post(endpoint + "/completions", json={"prompt": p, "max_tokens": 5, "temperature": 0},
+                             timeout=60).json()["choices"][0]["token_ids"]
+
+    plain = [reference.generate([p], 5, stop_at_eos=True)[0] for p in prompts]
+    reference.dense.quarantine(["0.1", "1.0"])
+    try:
+        contained = [reference.generate([p], 5, stop_at_eos=True)[0] for p in prompts]
+    finally:
+        reference.dense.quarantine([])
+    assert contained != plain
+    r = _moectl(k8s, "quarantine", "tiny", "1.0", "0.1", "--wait", "--timeout", "120")
+    assert r.returncode == 0 and "the Ingress leaves out 0.1, 1.0" in r.stdout, (r.stdout, r.stderr)
+    assert k8s.kubectl_json("get", "moed", "tiny")["status"]["quarantinedExperts"] == ["0.1", "1.0"]
+    assert [tokens(p) for p in prompts] == contained
+    r = _moectl(k8s, "quarantine", "tiny", "1.9", "--wait", "--timeout", "120")
+    assert r.returncode == 1 and "spec.routing.quarantine[2] 1.9 does not exist" in r.stderr, r.stderr
+    assert [tokens(p) for p in prompts] == contained  # the refused edit changed nothing served
+    r = _moectl(k8s, "quarantine", "tiny", "1.9", "0.1", "1.0", "--lift", "--wait", "--timeout", "120")
+    assert r.returncode == 0 and "the Ingress leaves out no expert" in r.stdout, (r.stdout, r.stderr)
+    assert [tokens(p) for p in prompts] == plain
+    r = _moectl(k8s, "quarantine", "tiny", "1.x")
+    assert r.returncode == 2 and "'1.x' is not an expert id" in r.stderr, r.stderr
+
+
 def _api_keys_from_a_secret(k8s, endpoint):
     """spec.ingress.apiKeySecretRef: /v1/* needs a key from the Secret; a changed Secret applies
     without a spec change (the observe timer notices it); removing the reference opens the API."""
@@ -195,6 +227,7 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
 
         _hot_swap_through_the_spec(k8s, model, endpoint, reference)
         _api_keys_from_a_secret(k8s, endpoint)
+        _quarantine_through_moectl(k8s, endpoint, reference)
 
         # change the number of groups: re-planned, re-rendered, still serving the same tokens
         k8s.kubectl("patch", "moed", "tiny", "--type=merge", "-p", json.dumps({"spec": {"experts": {"groups": 3}}}))

@@ -199,6 +199,60 @@ def test_reconfigure_changes_expert_set_without_restart(served, ray_head):
     assert got == reference.generate([prompt], max_tokens=6)[0][: len(got)]
 
 
+def _greedy_logprobs(model, prompt, n):
+    """The in-process model's greedy tokens and each one's logprob."""
+    ids, lps = list(prompt), []
+    for _ in range(n):
+        lp = torch.log_softmax(model.prompt_logits(ids)[-1].double(), dim=-1)
+        ids.append(int(lp.argmax()))
+        lps.append(float(lp[ids[-1]]))
+    return ids[len(prompt):], lps
+
+
+def test_a_quarantine_applies_in_place_and_the_served_tokens_follow_it(served, ray_head):
+    """spec.routing.quarantine as the operator renders it (the Ingress' user_config): the Ingress
+    process stays, its routers leave the experts out (tokens and logprobs are the reference's with
+    the same quarantine, and differ from the unquarantined ones), the status says so; lifted, the
+    checkpoint's again."""
+    url, reference = served[0], served[1]
+    args, placement = served[2]
+    status = lambda: requests.get(url + "/moe/v1/status", timeout=30).json()  # noqa: E731
+    pid = status()["ingress"]["pid"]
+    prompt, n = [21, 22, 23, 24, 25], 4
+    plain = _greedy_logprobs(reference, prompt, n)
+    # two experts of every layer out (a quarter of each: the default share allows it): the first
+    # pair that moves this prompt's logprobs clearly (this checkpoint's experts add little to the
+    # residual stream, so tokens alone might not tell)
+    for pair in [(a, b) for a in range(NUM_EXPERTS) for b in range(a + 1, NUM_EXPERTS)]:
+        quarantine = [f"{layer}.{e}" for layer in range(NUM_LAYERS) for e in pair]
+        reference.dense.quarantine(quarantine)
+        try:
+            contained = _greedy_logprobs(reference, prompt, n)
+        finally:
+            reference.dense.quarantine([])
+        if max(abs(a - b) for a, b in zip(contained[1], plain[1])) > 1e-3:
+            break
+    else:
+        raise AssertionError("no quarantine of two experts a layer moves this prompt's logprobs")
+
+    def served_matches(want) -> None:
+        r = _complete(url, prompt=prompt, max_tokens=n, temperature=0, logprobs=1)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"] == want[0]
+        assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], want[1])) < 1e-4
+
+    deploy(ray_head, [serve_application("moe", "/", args, placement, quarantine=quarantine)])
+    wait_for(lambda: status()["routing"]["quarantined"] == sorted(quarantine, key=lambda e: tuple(map(int, e.split(".")))),
+             timeout_s=60, what="the Ingress to apply the quarantine")
+    served_matches(contained)
+    assert status()["ingress"]["pid"] == pid  # applied in place
+    deploy(ray_head, [serve_application("moe", "/", args, placement)])
+    wait_for(lambda: status()["routing"]["quarantined"] == [], timeout_s=60, what="the quarantine lifted")
+    served_matches(plain)
+    assert status()["ingress"]["pid"] == pid
+
+
 @pytest.fixture(scope="module")
 def served_with_tokenizer(served, ray_head, tmp_path_factory):
     """A second application on the same Ray cluster, with tokenizer.json, under its own prefix."""

@@ -575,6 +575,34 @@ class ExpertsSpec(ApiModel):
 
 
 # ---------------------------------------------------------------------------------------------
+# spec.routing
+
+
+class RoutingSpec(ApiModel):
+    """What the routers may choose: experts contained (quarantined) out of their layer's candidates."""
+
+    quarantine: list[ExpertIdStr] = Field(
+        default_factory=list, max_length=4096,
+        description="Experts LAYER.EXPERT taken out of their router's candidates: their tokens take their next "
+        "choice, weighted as the family's router weights it. Applied in place (no replica restarts; the prefix "
+        "cache is dropped). Remove an entry to lift it.",
+        json_schema_extra={"x-kubernetes-list-type": "set"})
+    max_quarantined_share: float = Field(
+        default=0.25, gt=0.0, le=0.5,
+        description="The most of a layer's routed experts that may be quarantined at once.")
+
+    @field_validator("quarantine")
+    @classmethod
+    def _each_expert_once(cls, experts: list[str]) -> list[str]:
+        first: dict[str, int] = {}
+        for i, e in enumerate(experts):
+            if e in first:
+                raise ValueError(f"entry [{i}] quarantines expert {e} again (first at [{first[e]}])")
+            first[e] = i
+        return experts
+
+
+# ---------------------------------------------------------------------------------------------
 # spec.autoscaling
 
 
@@ -671,6 +699,7 @@ class MoEDeploymentSpec(ApiModel):
     autoscaling: AutoscalingSpec = Field(
         default_factory=AutoscalingSpec, description="Load-aware rebalancing and scaling."
     )
+    routing: RoutingSpec = Field(default_factory=RoutingSpec, description="What the routers may choose (quarantine).")
 
     @model_validator(mode="after")
     def _pins_have_worker_groups(self) -> "MoEDeploymentSpec":
@@ -826,6 +855,9 @@ class MoEDeploymentStatus(ApiModel):
     groups: list[GroupStatus] = Field(default_factory=list, description="Per shard group.")
     tiers: dict[str, TierSummary] = Field(default_factory=dict, description="Residency per tier (hot, warm, cold).")
     overridden_experts: int = Field(default=0, description="Experts serving an override.")
+    quarantined_experts: list[ExpertIdStr] | None = Field(
+        default=None, max_length=4096,
+        description="Experts the Ingress' routers leave out now (spec.routing.quarantine once applied).")
     imbalance: float | None = Field(
         default=None, description="Mean over MoE layers of each layer's max/mean shard-group load over the last window "
                                   "(a decode step waits, layer by layer, for that layer's busiest group).")

@@ -152,6 +152,55 @@ def check_overrides(spec, roots, facts):
     return OK
 
 
+def check_quarantine(spec, roots, facts):
+    """Each quarantined expert is a routed expert of the model, and a layer keeps enough
+    candidates: no more than maxQuarantinedShare of its experts out, and never fewer than top-k
+    left (for group-limited routers, enough in the groups it may choose)."""
+    routing = spec.routing
+    if not routing.quarantine or not facts:
+        return OK
+    per_layer: dict[int, list[int]] = {}
+    for i, eid in enumerate(routing.quarantine):
+        e = ExpertId.parse(eid)
+        problem = facts.expert_problem(e.layer, e.expert)
+        if problem:
+            return (cond.INVALID_SPEC, f"spec.routing.quarantine[{i}] {eid} does not exist: {problem}", True)
+        per_layer.setdefault(e.layer, []).append(e.expert)
+    allowed = math.floor(routing.max_quarantined_share * facts.num_experts)
+    for layer, experts in sorted(per_layer.items()):
+        if len(experts) > allowed:
+            return (cond.INVALID_SPEC, f"spec.routing.quarantine takes {len(experts)} of layer {layer}'s "
+                    f"{facts.num_experts} experts out; spec.routing.maxQuarantinedShare "
+                    f"({routing.max_quarantined_share}) allows {allowed}", True)
+        problem = _too_few_left(facts, experts)
+        if problem:
+            return (cond.INVALID_SPEC, f"spec.routing.quarantine leaves layer {layer} {problem}", True)
+    return OK
+
+
+def _too_few_left(facts: ModelFacts, experts: list[int]) -> str | None:
+    """Whether a layer with `experts` out still has top-k candidates wherever its router looks: a
+    group-limited router chooses among its topk_group best groups, each needing (DeepSeek-V3's
+    group score is its two best) two candidates, so the worst such groups must hold top-k."""
+    left = facts.num_experts - len(experts)
+    if left < facts.top_k:
+        return f"{left} candidates, fewer than top-k ({facts.top_k})"
+    arch = facts.arch
+    n_group = getattr(arch, "n_group", 1) or 1
+    if n_group <= 1:
+        return None
+    size = facts.num_experts // n_group
+    in_group = [size - sum(1 for e in experts if e // size == g) for g in range(n_group)]
+    need_each = 2 if getattr(arch, "router", "") == "sigmoid_group" and size > 1 else 1
+    if min(in_group) < need_each:
+        return f"a group of experts with {min(in_group)} candidates (its router scores a group by its best {need_each})"
+    worst = sum(sorted(in_group)[:arch.topk_group])
+    if worst < facts.top_k:
+        return (f"{worst} candidates in its {arch.topk_group} emptiest groups, fewer than top-k ({facts.top_k}): "
+                "its router may choose exactly those groups")
+    return None
+
+
 def check_hot_budget(spec, roots, facts):
     """The hot tier must hold one token's experts at once (those of a layer in a shard group,
     top-k at most); a call needing more is computed in waves of what it holds."""
@@ -182,7 +231,7 @@ def check_kv_budget(spec, roots, facts):
 
 
 CHECKS: list[Check] = [check_model_root, check_model_dir, check_shape_agrees, check_topk, check_overrides,
-                       check_hot_budget, check_kv_budget]
+                       check_quarantine, check_hot_budget, check_kv_budget]
 
 
 def validate_semantics(spec: MoEDeploymentSpec, roots: list[str]) -> tuple[ModelFacts | None, list[str], str]:

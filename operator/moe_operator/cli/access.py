@@ -9,7 +9,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .console import fail
 
@@ -110,3 +110,74 @@ def app_report(base: str) -> dict:
     if report is None:
         fail(f"cannot read {base}/moe/v1/status (is the app serving, and reachable from here? see --endpoint)")
     return report
+
+
+def _set_in(spec: dict, change: dict) -> None:
+    """`change` (a spec fragment: {"experts": {"overrides": [...]}}) written into `spec`; a list or
+    a value replaces what was there, as a JSON merge patch does."""
+    for k, v in change.items():
+        if isinstance(v, dict) and isinstance(spec.get(k), dict):
+            _set_in(spec[k], v)
+        else:
+            spec[k] = v
+
+
+def edit_spec(name: str, namespace: str, kubeconfig: Optional[Path], local: bool,
+              change: Callable[[dict], dict], dry_run: bool = False
+              ) -> Optional[tuple[Callable[[], dict], Callable[[dict], bool]]]:
+    """Apply `change` (the spec as it is -> the spec fragment to write) to one MoEDeployment: in
+    standalone mode to the manifest `moectl up` runs (replaced atomically), else as a merge patch
+    conditional on resourceVersion, re-read and retried when another writer landed in between.
+    Returns (read: the object now, seen: whether a read object has our change), or None with
+    `dry_run` (the fragment printed, nothing changed)."""
+    import random
+    import sys
+    import time
+
+    import yaml
+
+    from moe_operator.names import MANIFEST_ANNOTATION
+
+    if local:
+        doc = fetch_local(name, namespace, False)[0]
+        manifest = Path(doc["metadata"].get("annotations", {}).get(MANIFEST_ANNOTATION, ""))
+        if not manifest.is_file():
+            fail(f"the manifest of {namespace}/{name} ({manifest}) is gone; is `moectl up` still running?")
+        raw = yaml.safe_load(manifest.read_text())
+        fragment = change(raw.get("spec") or {})
+        if dry_run:
+            sys.stdout.write(yaml.safe_dump({"spec": fragment}, sort_keys=False))
+            return None
+        _set_in(raw.setdefault("spec", {}), fragment)
+        tmp = manifest.with_name(f".{manifest.name}.tmp")
+        tmp.write_text(yaml.safe_dump(raw, sort_keys=False))
+        tmp.replace(manifest)
+        before = doc["metadata"].get("generation", 0)
+        return (lambda: fetch_local(name, namespace, False)[0],
+                lambda d: d["metadata"].get("generation", 0) > before)
+    import kubernetes
+
+    api = kube_objects(kubeconfig)
+    attempts = 20  # each conflict means another writer landed: n concurrent writers need up to n tries
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(random.uniform(0.02, 0.1) * min(attempt, 5))  # jitter, so retries do not collide again
+        doc = read_object(api, namespace, name)
+        fragment = change(doc.get("spec") or {})
+        if dry_run:
+            sys.stdout.write(yaml.safe_dump({"spec": fragment}, sort_keys=False))
+            return None
+        # resourceVersion makes the write conditional: a concurrent writer's change is never overwritten
+        patch = {"metadata": {"resourceVersion": doc["metadata"]["resourceVersion"]}, "spec": fragment}
+        with kube_call(namespace, name):
+            try:
+                doc = api.patch_namespaced_custom_object(*object_args(namespace, name), patch, _request_timeout=30)
+                break
+            except kubernetes.client.ApiException as e:
+                if e.status != 409:
+                    raise
+                # 409: someone else wrote in between: re-read and apply our change to theirs
+    else:
+        fail(f"moedeployment {namespace}/{name} kept changing; gave up after {attempts} attempts")
+    after = doc["metadata"]["generation"]
+    return lambda: read_object(api, namespace, name), lambda d: d["metadata"]["generation"] >= after

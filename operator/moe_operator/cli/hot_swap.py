@@ -3,17 +3,14 @@ replica by replica."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-import yaml
 
-from moe_operator.names import MANIFEST_ANNOTATION
 from moe_workers.expert_ids import expert_key
 
-from .access import fetch_local, kube_call, kube_objects, object_args, read_object
+from .access import edit_spec
 from .console import app, err, fail, out
 from .views import replica_progress
 
@@ -75,59 +72,15 @@ def hot_swap(
     if local and weights and not weights.startswith("/"):
         weights = str(Path(weights).resolve())  # standalone: relative to where moectl runs
     _check_swap_args(expert, weights, sha256, rollback)
-    if local:
-        doc = fetch_local(name, namespace, False)[0]
-        manifest = Path(doc["metadata"].get("annotations", {}).get(MANIFEST_ANNOTATION, ""))
-        if not manifest.is_file():
-            fail(f"the manifest of {namespace}/{name} ({manifest}) is gone; is `moectl up` still running?")
-        raw = yaml.safe_load(manifest.read_text())
-        new = _with_override(raw.get("spec") or {}, expert, weights, sha256)
-        if dry_run:
-            sys.stdout.write(yaml.safe_dump({"spec": {"experts": {"overrides": new}}}, sort_keys=False))
-            return
-        raw.setdefault("spec", {}).setdefault("experts", {})["overrides"] = new
-        tmp = manifest.with_name(f".{manifest.name}.tmp")
-        tmp.write_text(yaml.safe_dump(raw, sort_keys=False))
-        tmp.replace(manifest)
-        generation = doc["metadata"].get("generation", 0)
+    edited = edit_spec(name, namespace, kubeconfig, local,
+                       lambda spec: {"experts": {"overrides": _with_override(spec, expert, weights, sha256)}}, dry_run)
+    if edited is None:
+        return  # --dry-run: printed
+    read_doc, seen = edited
 
-        def read() -> tuple[Optional[dict], dict]:
-            d = fetch_local(name, namespace, False)[0]
-            return (_swap_record(d, expert) if d["metadata"].get("generation", 0) > generation else None), d
-    else:
-        import random
-
-        import kubernetes
-
-        api = kube_objects(kubeconfig)
-        args = object_args(namespace, name)
-        attempts = 20  # each conflict means another writer landed: n concurrent writers need up to n tries
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(random.uniform(0.02, 0.1) * min(attempt, 5))  # jitter, so retries do not collide again
-            doc = read_object(api, namespace, name)
-            new = _with_override(doc.get("spec") or {}, expert, weights, sha256)
-            # resourceVersion makes the write conditional: a concurrent writer's change is never overwritten
-            patch = {"metadata": {"resourceVersion": doc["metadata"]["resourceVersion"]},
-                     "spec": {"experts": {"overrides": new}}}
-            if dry_run:
-                sys.stdout.write(yaml.safe_dump({"spec": patch["spec"]}, sort_keys=False))
-                return
-            with kube_call(namespace, name):
-                try:
-                    doc = api.patch_namespaced_custom_object(*args, patch, _request_timeout=30)
-                    break
-                except kubernetes.client.ApiException as e:
-                    if e.status != 409:
-                        raise
-                    # 409: someone else wrote in between: re-read and apply our change to theirs
-        else:
-            fail(f"moedeployment {namespace}/{name} kept changing; gave up after {attempts} attempts")
-        generation = doc["metadata"]["generation"]
-
-        def read() -> tuple[Optional[dict], dict]:
-            d = read_object(api, namespace, name)
-            return (_swap_record(d, expert) if d["metadata"]["generation"] >= generation else None), d
+    def read() -> tuple[Optional[dict], dict]:
+        d = read_doc()
+        return (_swap_record(d, expert) if seen(d) else None), d
 
     action = "rollback of" if rollback else "hot-swap of"
     if not wait:

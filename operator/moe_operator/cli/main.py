@@ -11,11 +11,12 @@ from . import up  # up
 from . import get  # get
 from . import hot_swap  # hot-swap
 from . import rebalance  # rebalance
+from . import quarantine  # quarantine
 from . import experts  # experts, top
 from . import bench  # bench
 from .console import app
 
-COMMANDS = (init_model, up, get, hot_swap, rebalance, experts, bench)
+COMMANDS = (init_model, up, get, hot_swap, rebalance, quarantine, experts, bench)
 
 
 def main() -> None:

@@ -109,6 +109,8 @@ PROBES: dict[str, object] = {
     "autoscaling.metrics.prometheusUrl": "http://prometheus:9090",
     "autoscaling.metrics.scrapeUrls": ["http://10.0.0.7:8080/metrics"],
     "autoscaling.metrics.scrapeIntervalSeconds": 30,
+    "routing.quarantine": ["1.3"],
+    "routing.maxQuarantinedShare": 0.5,
 }
 
 # fields a probe needs set beside it, before and after (a value the probe's value requires)

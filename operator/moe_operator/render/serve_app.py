@@ -81,8 +81,9 @@ def render_application(namespace: str, name: str, spec: MoEDeploymentSpec, place
                        allowed_roots: list[str] | None = None,
                        shard_experts: dict[str, list[str]] | None = None,
                        api_key_digests: list[str] | None = None) -> dict:
-    """One entry of the Serve config's `applications` for this MoEDeployment. Tiers, overrides
-    and prefetch go into user_config (applied in place); allowed roots into the static args.
+    """One entry of the Serve config's `applications` for this MoEDeployment. Tiers, overrides,
+    prefetch and the quarantine go into user_config (applied in place); allowed roots into the
+    static args.
     `shard_experts`: what the groups host when it differs from the routing placement (a
     make-before-break rebalance in progress)."""
     prefetch = spec.experts.tiers.prefetch
@@ -91,7 +92,8 @@ def render_application(namespace: str, name: str, spec: MoEDeploymentSpec, place
                              spec.experts.replicas_per_group,
                              tiers=tier_config(spec), overrides=overrides_config(spec),
                              prefetch_lookahead=prefetch.lookahead_layers if prefetch.enabled else 0,
-                             shard_experts=shard_experts, api_key_digests=api_key_digests)
+                             shard_experts=shard_experts, api_key_digests=api_key_digests,
+                             quarantine=spec.routing.quarantine)
 
 
 def merge_applications(current: list[dict], ours: dict) -> list[dict]:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_workers.device import host_to_device
+from moe_workers.expert_ids import ExpertId
 
 from .checkpoint import Checkpoint
 from .config import CheckpointError, MoEConfig
@@ -133,6 +134,9 @@ class DenseModel:
         inv_freq, self.rope_scaling = rope_parameters(cfg.head_dim, cfg.rope_theta, cfg.rope_params,
                                                       cfg.max_position_embeddings)
         self.inv_freq = inv_freq.to(self.device)
+        # spec.routing.quarantine: per sparse layer, a bool mask over its experts (True: not a
+        # candidate of its router); replaced whole by `quarantine()`, so a step reads one or the other
+        self.excluded: dict[int, torch.Tensor] = {}
         self.mla_absorb = True  # latent attention decodes absorbed (False: expanded, for the bench)
         self._absorb: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, w in enumerate(self.layers if cfg.mla else []):
@@ -304,17 +308,32 @@ class DenseModel:
         indices, weights = self.pick(layer, x)
         return x, indices, weights
 
+    def quarantine(self, experts: list[str]) -> None:
+        """Take the experts (ids `L.E`, checked by the operator against the model) out of their
+        routers' candidates from the next step on; [] restores every router exactly."""
+        masks: dict[int, torch.Tensor] = {}
+        for eid in experts:
+            e = ExpertId.parse(eid)
+            if not 0 <= e.layer < self.cfg.num_layers or "gate" not in self.layers[e.layer] \
+                    or not 0 <= e.expert < self.cfg.num_experts:
+                raise ValueError(f"quarantine: {eid} is not a routed expert of this model")
+            mask = masks.setdefault(e.layer, torch.zeros(self.cfg.num_experts, dtype=torch.bool))
+            mask[e.expert] = True
+        self.excluded = {layer: mask.to(self.device) for layer, mask in masks.items()}
+
     def pick(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router of a sparse layer on normed hidden states x: (indices, weights)."""
         cfg, w = self.cfg, self.layers[layer]
+        excluded = self.excluded.get(layer)
         if cfg.router == "topk_softmax":
-            return route_topk_softmax(x, w["gate"], w["gate_bias"], cfg.top_k)
+            return route_topk_softmax(x, w["gate"], w["gate_bias"], cfg.top_k, excluded)
         if cfg.router == "sigmoid_group":
             return route_sigmoid_group(x, w["gate"], w["correction"], cfg.top_k, cfg.n_group, cfg.topk_group,
-                                       cfg.norm_topk_prob, cfg.routed_scaling_factor)
+                                       cfg.norm_topk_prob, cfg.routed_scaling_factor, excluded)
         if cfg.router == "softmax_group":
-            return route_softmax_group(x, w["gate"], cfg.top_k, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
-        return route(x, w["gate"], cfg.top_k, cfg.norm_topk_prob)
+            return route_softmax_group(x, w["gate"], cfg.top_k, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor,
+                                       excluded)
+        return route(x, w["gate"], cfg.top_k, cfg.norm_topk_prob, excluded)
 
     def local(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
         """What this layer computes here beside the routed experts: the dense MLP of a layer

@@ -118,31 +118,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
-def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+# Every router takes `excluded`: None (the family's router exactly), or a bool tensor over the
+# layer's experts, True for a quarantined one (spec.routing.quarantine). An excluded expert is
+# never among the candidates of the top-k choice, so its tokens take their next choice; the
+# weights are then computed from the chosen experts' scores as the family does (renormalised over
+# the k chosen where it renormalises, a softmax over the k chosen logits for gpt-oss).
+
+
+def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm: bool = True,
+          excluded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k router (mixtral, qwen, olmoe): (indices (N, k), float32 weights (N, k)),
     renormalised over the k when `norm`."""
     probs = torch.softmax(F.linear(x, gate).float(), dim=-1)
+    if excluded is not None:
+        probs = probs.masked_fill(excluded, float("-inf"))
     weights, indices = torch.topk(probs, top_k, dim=-1)
     if norm:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return indices, weights
 
 
-def route_topk_softmax(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk_softmax(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int,
+                       excluded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt_oss: top-k of the biased logits, then a softmax over those k only."""
     logits = F.linear(x, gate, bias)
+    if excluded is not None:
+        logits = logits.masked_fill(excluded, float("-inf"))
     values, indices = torch.topk(logits, top_k, dim=-1)
     return indices, torch.softmax(values, dim=1, dtype=values.dtype)
 
 
 def route_sigmoid_group(x: torch.Tensor, gate: torch.Tensor, correction: torch.Tensor, top_k: int, n_group: int,
-                        topk_group: int, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        topk_group: int, norm: bool, scale: float,
+                        excluded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3: sigmoid scores; the correction bias steers the choice only; experts are
     chosen within the `topk_group` groups whose two best biased scores sum highest; weights are
     the unbiased scores, renormalised when `norm`, times `scale`."""
     scores = F.linear(x.float(), gate.float()).sigmoid()
     n, e = scores.shape
     choice = scores + correction
+    if excluded is not None:  # the biased choice, not the scores: the bias would make it a candidate again
+        choice = choice.masked_fill(excluded, float("-inf"))
     group_scores = choice.view(n, n_group, e // n_group).topk(2 if e // n_group > 1 else 1, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
@@ -156,10 +172,12 @@ def route_sigmoid_group(x: torch.Tensor, gate: torch.Tensor, correction: torch.T
 
 
 def route_softmax_group(x: torch.Tensor, gate: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: float, excluded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V2: softmax scores; with groups, only the `topk_group` groups whose best score is
     highest compete (the rest scored 0); weights are the scores times `scale`, not renormalised."""
     scores = F.linear(x.float(), gate.float()).softmax(dim=-1, dtype=torch.float32)
+    if excluded is not None:  # a group is ranked by its best expert still a candidate
+        scores = scores.masked_fill(excluded, float("-inf"))
     if n_group > 1:
         n, e = scores.shape
         group_scores = scores.view(n, n_group, e // n_group).max(dim=-1).values
@@ -167,6 +185,8 @@ def route_softmax_group(x: torch.Tensor, gate: torch.Tensor, top_k: int, n_group
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
         score_mask = group_mask.unsqueeze(-1).expand(n, n_group, e // n_group).reshape(n, e)
         scores = scores.masked_fill(~score_mask.bool(), 0.0)
+        if excluded is not None:  # the 0 fill of the groups left out would make it a candidate again
+            scores = scores.masked_fill(excluded, float("-inf"))
     weights, indices = torch.topk(scores, k=top_k, dim=-1, sorted=False)
     return indices, weights * scale
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from moe_workers.expert_ids import expert_key
 from moe_workers.serve.proxy.gate import RETRY_AFTER_S
 
 IMPORT_PATH = "moe_workers.serve.app:build_app"
@@ -251,10 +252,11 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
                       replicas_per_group: dict[str, int] | int = 1, tiers: dict | None = None,
                       overrides: dict[str, dict] | None = None, prefetch_lookahead: int = 0,
                       shard_experts: dict[str, list[str]] | None = None,
-                      api_key_digests: list[str] | None = None) -> dict:
+                      api_key_digests: list[str] | None = None, quarantine: list[str] | None = None) -> dict:
     """One entry of a Serve config's `applications`. Placement, replicas, tier budgets, expert
-    overrides (hot-swaps: expert -> {"path", "sha256"}) and prefetch are in-place options: Serve
-    applies them through reconfigure() / num_replicas without restarting replicas.
+    overrides (hot-swaps: expert -> {"path", "sha256"}), prefetch and the quarantine (experts out of
+    their routers' candidates) are in-place options: Serve applies them through reconfigure() /
+    num_replicas without restarting replicas.
 
     `placement` is what the ingress routes by; `shard_experts` (default: the placement) what each
     group hosts, a superset while a new placement is applied make-before-break.
@@ -272,6 +274,8 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
         ingress_config["prefetch_lookahead"] = prefetch_lookahead
     if api_key_digests:
         ingress_config["api_keys_sha256"] = sorted(api_key_digests)
+    if quarantine:
+        ingress_config["quarantine"] = sorted(quarantine, key=expert_key)
     ingress: dict = ({"autoscaling_config": autoscaling} if autoscaling is not None
                      else {"num_replicas": args.ingress_replicas})
     ingress["request_router_config"] = ingress_router_config(args.prefix_routing)

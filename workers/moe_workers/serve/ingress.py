@@ -76,6 +76,7 @@ class Ingress:
         self.ingress_replicas: int | str = self.args.ingress_replicas
         self.live_ingress_replicas = 1
         self._weights: str | None = None  # the experts' versions the prefix cache was computed with
+        self.quarantined: list[str] = []  # experts out of their routers' candidates (user_config "quarantine")
         membership = BoardMembership(board, self.replica, self._on_poll) if board is not None else None
         self.channel = ExpertChannel(membership, timeout_s=self.args.exchange_timeout_s,
                                      on_refused=membership.forget if membership is not None else None,
@@ -112,6 +113,8 @@ class Ingress:
 
     def reconfigure(self, config: dict) -> None:
         """user_config {"placement": {group: [L.E, ...]}} re-points routing without a restart;
+        "quarantine" ([L.E, ...]) takes experts out of their routers' candidates (each layer's
+        router reads the new set from its next call on; the prefix cache is dropped);
         "ingress_replicas" (how many Ingress replicas the app runs now) resizes the capacity this
         replica announces to the proxy's admission gate, so scaling the Ingress restarts nothing."""
         placement = config.get("placement") or {}
@@ -124,6 +127,12 @@ class Ingress:
             raise ValueError(f"placement hosts no copy of experts {', '.join(missing[:10])}"
                              + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
         self.dispatcher.configure(router, int(config.get("prefetch_lookahead", 0)))
+        quarantine = list(config.get("quarantine") or [])
+        if quarantine != self.quarantined:
+            self.dense.quarantine(quarantine)  # ValueError naming an expert this model does not route
+            self.quarantined = quarantine
+            if getattr(self, "engine", None) is not None:
+                self.engine.reset_prefix_cache()  # what it holds was computed by the routers as they were
         count = config.get("ingress_replicas", self.args.ingress_replicas)
         self.ingress_replicas = AUTO if count == AUTO else int(count)
         self._size_admission()
@@ -227,7 +236,8 @@ class Ingress:
                             "last_membership_error": self.channel.last_membership_error,
                             "wake_latency": self.channel.wake.status(),
                             "realtime": self.engine.realtime.status()},
-                "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs()}}
+                "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs(),
+                            "quarantined": list(self.quarantined)}}
 
     def tune_channel(self, local: bool | None = None, spin_us: int | None = None,
                      wake_latency_us: int | None | str = "keep", realtime_priority: int | None = None) -> None:
