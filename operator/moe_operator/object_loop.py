@@ -92,7 +92,7 @@ def needs_pass(spec: dict, meta: dict, status: dict, first: bool) -> bool:
     status has not observed, an object not Ready (the pass' retry already set the wait), one still
     Progressing (a change rolling out, a rebalance), ray.mode KubeRay (KubeRay changes the
     RayService's status on its own). Otherwise the app serves what the spec asks for, and only its
-    live report is read."""
+    live report is read (the whole pass still runs when that report cannot be read)."""
     conditions = status.get("conditions") or []
     return (first or status.get("observedGeneration") != meta.get("generation")
             or not cond.is_true(conditions, cond.READY) or cond.is_true(conditions, cond.PROGRESSING)
@@ -133,11 +133,15 @@ def one_pass(name: str, namespace: str, raw: dict, first: bool, memo: kopf.Memo)
             except SpecError:
                 return Turn(STEADY_S, status)
             fields, events = observe_live(parsed, status)
-            after = {**status, **fields}
-            write_status(memo, namespace, name, status, after)
-            post_events(raw, events)
-            return Turn(STEADY_S, after)
-        rename = cond.API_KEYS_CHANGED
+            if fields:  # the app answered: it serves what the spec asks
+                after = {**status, **fields}
+                write_status(memo, namespace, name, status, after)
+                post_events(raw, events)
+                return Turn(STEADY_S, after)
+            # its report cannot be read: the whole pass looks at what Ray has (the app may be gone:
+            # a restarted cluster, someone's delete), and applies it again if so
+        else:
+            rename = cond.API_KEYS_CHANGED
     started = time.perf_counter()
     res = _reconcile(name, namespace, dict(spec), meta, dict(status), memo)
     write_status(memo, namespace, name, status, res.status)
