@@ -22,6 +22,7 @@ from moe_operator.api.validation import SpecError, parse_spec
 from moe_operator.clients import Unconfigured, api_key_digests, backend_for, kuberay_mode
 from moe_operator.metrics import APPLIED_GENERATION, LOOP_TURNS, RECONCILE_SECONDS, RECONCILES
 from moe_operator.reconcile import ObjectRef, Result, keys_fingerprint, observe_live, outcome_events, run_pass, unconfigured
+from moe_operator.settings import RENDER_ONLY
 
 STEADY_S = 5.0  # a serving object's loop reads its live report this often
 EVENT_MESSAGE_LIMIT = 1000  # characters of an Event's message (the apiserver keeps 1 KiB of it)
@@ -133,7 +134,9 @@ def one_pass(name: str, namespace: str, raw: dict, first: bool, memo: kopf.Memo)
             except SpecError:
                 return Turn(STEADY_S, status)
             fields, events = observe_live(parsed, status)
-            if fields:  # the app answered: it serves what the spec asks
+            # the app answered (it serves what the spec asks), or nothing serves (render-only: no
+            # report to read and nothing to deploy again)
+            if fields or memo.settings.ray_backend == RENDER_ONLY:
                 after = {**status, **fields}
                 write_status(memo, namespace, name, status, after)
                 post_events(raw, events)
