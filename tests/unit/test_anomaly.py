@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from moe_workers.serve.anomaly import ANONYMOUS, ENTROPY, SURGE, Detector, Thresholds, attribute, entropy, key_id
+from moe_workers.serve.anomaly import ANONYMOUS, ENTROPY, SURGE, Detector, Thresholds, attribute, entropy
+from moe_workers.serve.auth import key_digest, key_id
 
 E = 8
 
@@ -86,6 +87,7 @@ def test_thresholds_from_user_config():
 
 
 def test_key_ids_and_attribution():
-    assert key_id(None) == ANONYMOUS and len(key_id("sk-secret")) == 8 and "secret" not in key_id("sk-secret")
+    assert key_id(None) == key_id("Basic x") == key_id("Bearer ") == ANONYMOUS
+    assert key_id("Bearer sk-secret") == key_digest("sk-secret")[:8]
     assert attribute({}, 0, 1) == (ANONYMOUS, 0.0)
     assert attribute({"k1": {0: [0, 3]}, "k2": {0: [5, 1]}}, 0, 1) == ("k1", 0.75)

@@ -13,26 +13,18 @@ weighted mean over the windows that saw traffic (`min_tokens` or more). A layer 
 No alert before the layer has `warmup_windows` windows of baseline. While a layer alerts its
 baseline is frozen (a sustained surge never becomes the new normal and clears itself); a window
 with traffic that no longer crosses the thresholds clears the alert; a window without traffic
-leaves everything as it was. Each alert names the API key (its short id, `key_id`) with the most
+leaves everything as it was. Each alert names the API key (its short id, `auth.key_id`) with the most
 of the surging expert's tokens in the window ("-": requests without a key), from the per-key
 expert-token counts RoutingStats keeps.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, replace
 
 SURGE, ENTROPY = "surge", "entropy"
-ANONYMOUS = "-"  # the key of requests that sent none (no API keys configured)
-
-
-def key_id(api_key: str | None) -> str:
-    """A short id for an API key (the first 8 hex of its sha256; never the key itself)."""
-    if not api_key:
-        return ANONYMOUS
-    return hashlib.sha256(api_key.encode()).hexdigest()[:8]
+from moe_workers.serve.auth import ANONYMOUS
 
 
 @dataclass(frozen=True)
