@@ -112,3 +112,12 @@ def test_the_loop_runs_the_whole_pass_for_a_pending_surge():
     sp = {"routing": {"autoQuarantine": True}}
     assert not needs_pass(sp, meta, ready, False)
     assert needs_pass(sp, meta, {**ready, "routingAnomalies": [{"expert": "1.5", "kind": "surge"}]}, False)
+
+
+def test_moectl_quarantine_wait_reads_the_users_quarantine_beside_the_automatic_one():
+    from moe_operator.cli.quarantine import applied
+    doc = {"metadata": {"generation": 2}, "status": {"observedGeneration": 2, "conditions": [],
+                                                       "quarantinedExperts": ["1.5", "3.1"], "autoQuarantined": ["1.5"]}}
+    assert applied(doc, ["3.1"]) == ""
+    assert applied(doc, ["1.5", "3.1"]) == ""  # taken over by the spec
+    assert applied(doc, ["3.1", "3.2"]) is None
