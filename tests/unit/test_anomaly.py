@@ -91,3 +91,19 @@ def test_key_ids_and_attribution():
     assert key_id("Bearer sk-secret") == key_digest("sk-secret")[:8]
     assert attribute({}, 0, 1) == (ANONYMOUS, 0.0)
     assert attribute({"k1": {0: [0, 3]}, "k2": {0: [5, 1]}}, 0, 1) == ("k1", 0.75)
+
+
+def test_the_anomaly_gauge_goes_to_zero_when_an_alert_clears_and_key_tokens_count_up():
+    import types
+
+    from moe_workers.serve.metrics import IngressMetrics
+
+    m = IngressMetrics("app", "r1")
+    seen = []
+    m.enabled = True
+    m.anomaly = types.SimpleNamespace(set=lambda v, tags: seen.append((v, tags["layer"], tags["expert"], tags["key"])))
+    m.key_tokens = types.SimpleNamespace(inc=lambda v, tags: seen.append((v, tags["key"])))
+    m.anomalies([{"layer": 1, "expert": 5, "kind": SURGE, "key": "k1"}])
+    m.anomalies([])
+    m.keys({"k1": 12, "-": 0})
+    assert seen == [(1, "1", "5", "k1"), (0, "1", "5", "k1"), (12, "k1")]

@@ -217,13 +217,15 @@ class Ingress:
         alerts it had stay until a window can be read again."""
         try:
             window = self.routing_stats.take()
-            found = self.detector.observe(window.pop("selected"), window.pop("keys"), format_rfc3339())
+            keys = window.pop("keys")
+            found = self.detector.observe(window.pop("selected"), keys, format_rfc3339())
         except Exception as err:  # noqa: BLE001 - reported; the next window tries again
             self.detector_state = {"ok": False, "reason": f"cannot read the routing window: {type(err).__name__}: {err}"}
             return {}
         self.anomalies = [a.as_dict() for a in found]
         self.detector_state = {"ok": True, "reason": self.detector.status()}
         self.metrics.anomalies(self.anomalies)
+        self.metrics.keys({key: sum(map(sum, layers.values())) for key, layers in keys.items()})
         return window
 
     # -- HTTP -----------------------------------------------------------------------------------

@@ -158,6 +158,9 @@ class IngressMetrics:
                              "layer's expert (kind surge or entropy), 0 once it cleared.",
                              tag_keys=tags + ("layer", "expert", "kind", "key"))
         self._anomalies: set[tuple[str, str, str, str]] = set()  # the alerts set to 1 last time
+        self.key_tokens = Counter("moe_key_expert_tokens", description="Expert-tokens routed for each API key id "
+                                  "(first 8 hex of the key's SHA-256; '-' without a key; at most 32 ids a window apart, "
+                                  "the rest as 'other').", tag_keys=tags + ("key",))
         self.group_tokens = Counter("moe_group_tokens", description="Expert-tokens the ingress sent to each shard group.",
                                     tag_keys=tags + ("group",))
 
@@ -185,6 +188,13 @@ class IngressMetrics:
             tags = {**self._base(), **dict(zip(("layer", "expert", "kind", "key"), labels))}
             self.anomaly.set(1 if labels in now else 0, tags=tags)
         self._anomalies = now
+
+    def keys(self, tokens: dict[str, int]) -> None:
+        """moe_key_expert_tokens by each key id's expert-tokens in the window."""
+        if self.enabled:
+            for key, n in tokens.items():
+                if n:
+                    self.key_tokens.inc(n, tags={**self._base(), "key": key})
 
     # -- the engine's Observer ----------------------------------------------------------------
     # A Ray metric's record costs 50-175 us (its C++ side, under the GIL): one per token on the
