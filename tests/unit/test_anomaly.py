@@ -107,3 +107,15 @@ def test_the_anomaly_gauge_goes_to_zero_when_an_alert_clears_and_key_tokens_coun
     m.anomalies([])
     m.keys({"k1": 12, "-": 0})
     assert seen == [(1, "1", "5", "k1"), (0, "1", "5", "k1"), (12, "k1")]
+
+
+def test_an_alert_keeps_naming_its_expert_while_it_still_qualifies():
+    d, rng = warmed()
+    both = normal(rng)
+    both[2] += 1500
+    both[6] += 1400
+    [first] = [a for a in d.observe({0: both}, {}, "a") if a.kind == SURGE]
+    swapped = list(both)
+    swapped[2], swapped[6] = both[6], both[2]  # the other one leads now: the alert still names the first
+    [again] = [a for a in d.observe({0: swapped}, {}, "b") if a.kind == SURGE]
+    assert (again.expert, again.since) == (first.expert, "a")

@@ -13,7 +13,9 @@ weighted mean over the windows that saw traffic (`min_tokens` or more). A layer 
 No alert before the layer has `warmup_windows` windows of baseline. While a layer alerts its
 baseline is frozen (a sustained surge never becomes the new normal and clears itself); a window
 with traffic that no longer crosses the thresholds clears the alert; a window without traffic
-leaves everything as it was. Each alert names the API key (its short id, `auth.key_id`) with the most
+leaves everything as it was. An alert keeps naming its expert while that one still qualifies (no
+flapping between two surging experts; the operator's condition changes only with what it names).
+Each alert names the API key (its short id, `auth.key_id`) with the most
 of the surging expert's tokens in the window ("-": requests without a key), from the per-key
 expert-token counts RoutingStats keeps.
 """
@@ -123,10 +125,10 @@ class Detector:
                 floor = th.min_share_factor / len(counts)
                 surges = [e for e, s in enumerate(shares) if s >= floor and s > th.surge_factor * base[e]]
                 if surges:
-                    e = max(surges, key=lambda x: shares[x] - base[x])
+                    e = self._named(layer, SURGE, surges, lambda x: shares[x] - base[x])
                     found[SURGE] = self._anomaly(layer, e, SURGE, shares, base, h, keys, now)
                 if h is not None and h < th.entropy_floor:
-                    e = max(range(len(counts)), key=lambda x: counts[x])
+                    e = self._named(layer, ENTROPY, range(len(counts)), lambda x: counts[x])
                     found[ENTROPY] = self._anomaly(layer, e, ENTROPY, shares, base, h, keys, now)
             for kind in (SURGE, ENTROPY):
                 if kind not in found:
@@ -136,10 +138,19 @@ class Detector:
                 self._learn(layer, shares)
         return [self.active[k] for k in sorted(self.active)]
 
+    def _named(self, layer: int, kind: str, candidates, rank) -> int:
+        """The expert an alert names: the one it named already while that one still qualifies (an
+        alert does not flap between two surging experts), else the top of `rank`."""
+        previous = self.active.get((layer, kind))
+        candidates = list(candidates)
+        if previous is not None and previous.expert in candidates and (kind == SURGE or rank(previous.expert) > 0):
+            return previous.expert
+        return max(candidates, key=rank)
+
     def _anomaly(self, layer, e, kind, shares, base, h, keys, now) -> Anomaly:
         key, key_share = attribute(keys or {}, layer, e)
         previous = self.active.get((layer, kind))
-        since = previous.since if previous is not None and previous.expert == e else now
+        since = previous.since if previous is not None else now  # the layer's alert goes on
         return Anomaly(layer, e, kind, shares[e], base[e], h, key, key_share, since)
 
     def _learn(self, layer: int, shares: list[float]) -> None:
