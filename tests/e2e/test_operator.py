@@ -229,6 +229,20 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
         _api_keys_from_a_secret(k8s, endpoint)
         _quarantine_through_moectl(k8s, endpoint, reference)
 
+        # the app removed from Ray behind the operator's back: a steady turn cannot read its report,
+        # runs the whole pass, finds it gone and applies it again (level-triggered)
+        from moe_operator.backends.rest_backend import request_removal
+
+        app = lambda: ray.get().get("applications", {}).get("default.tiny") or {}  # noqa: E731
+        deployed_at = app()["last_deployed_time_s"]
+        assert request_removal(ray, "default.tiny", ray_head.serve_http_port) is False  # asked
+        wait_for(lambda: app().get("status") == "RUNNING" and app().get("last_deployed_time_s") != deployed_at,
+                 timeout_s=180, what="the operator to deploy the app again")
+        got = wait_for(lambda: (r := requests.post(endpoint + "/completions", json={
+            "prompt": prompt, "max_tokens": 5, "temperature": 0}, timeout=60)).status_code == 200 and r,
+            timeout_s=60, what="completions again").json()["choices"][0]["token_ids"]
+        assert got == reference.generate([prompt], max_tokens=5)[0][: len(got)]
+
         # change the number of groups: re-planned, re-rendered, still serving the same tokens
         k8s.kubectl("patch", "moed", "tiny", "--type=merge", "-p", json.dumps({"spec": {"experts": {"groups": 3}}}))
         # (Ready stays True while Serve rolls the change out; Progressing=False once it is done)

@@ -57,3 +57,53 @@ def test_the_sleep_between_turns_ends_on_a_wake_up_on_kopf_stopping_it_or_at_its
     assert asyncio.run(slept("wake")) < 5  # a 30 s sleep ended by the wake-up
     assert asyncio.run(slept("stop")) < 5  # ... by kopf stopping the daemon
     assert 0.09 < asyncio.run(slept(None)) < 5  # a 0.1 s sleep, nothing else happening
+
+
+def test_a_turn_starts_from_the_previous_turns_status_until_the_watch_brings_it():
+    """object_loop.turn_body (pure): woken before the watch delivered its own write, a turn starts
+    from the status the previous turn left (a rebalance's switchedAt, say), not from the older one."""
+    from moe_operator.object_loop import turn_body
+
+    body = {"metadata": {"resourceVersion": "7"}, "status": {"autoscaling": {"phase": "Loading"}}}
+    left = ("7", {"autoscaling": {"phase": "Switching", "switchedAt": "2026-12-07T17:00:00Z"}})
+    raw, read = turn_body(body, left)
+    assert read == "7" and raw["status"] == left[1] and raw["status"] is not left[1]
+    assert body["status"] == {"autoscaling": {"phase": "Loading"}}  # kopf's body untouched
+    newer = {"metadata": {"resourceVersion": "8"}, "status": {"autoscaling": {"phase": "Draining"}}}
+    assert turn_body(newer, left)[0]["status"] == {"autoscaling": {"phase": "Draining"}}  # the watch's is newer
+    assert turn_body(body, None)[0]["status"] == body["status"]  # a first turn, or after a failed one
+
+
+def test_the_finalizer_waits_for_a_pass_under_way():
+    """Wakers.locked / lock: the finalizer's handler takes the object's lock, so it runs only once
+    a pass that started before it has ended (that pass might apply the application again)."""
+    import threading
+
+    from moe_operator.object_loop import Wakers
+
+    wakers, order = Wakers(), []
+    started, release = threading.Event(), threading.Event()
+
+    def slow_pass():
+        started.set()
+        release.wait(5)
+        order.append("pass")
+
+    t = threading.Thread(target=wakers.locked, args=("ns/m", slow_pass))
+    t.start()
+    started.wait(5)
+
+    def finalizer():
+        with wakers.lock("ns/m"):
+            order.append("delete")
+
+    f = threading.Thread(target=finalizer)
+    f.start()
+    time.sleep(0.1)
+    assert order == []  # the finalizer waits
+    release.set()
+    t.join(5)
+    f.join(5)
+    assert order == ["pass", "delete"]
+    with wakers.lock("ns/other"):  # another object's lock is its own
+        assert not wakers.lock("ns/m").locked()

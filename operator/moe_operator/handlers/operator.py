@@ -18,7 +18,6 @@ clients (`clients.py`: Ray's per cluster, Kubernetes' once, at start).
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 from typing import Any
@@ -36,7 +35,7 @@ from moe_operator.backends.serve_backend import BackendError
 from moe_operator.clients import KubeApis, Unconfigured, backend_for, kuberay_mode, serve_client
 from moe_operator.metrics import start_metrics_server
 from moe_operator.names import FINALIZER, REBALANCE_ANNOTATION, app_name
-from moe_operator.object_loop import Wakers, one_pass, post_events, write_status
+from moe_operator.object_loop import Wakers, one_pass, post_events, turn_body, write_status
 from moe_operator.reconcile import ObjectRef, deployed_placement, never_deployed, placement_from_rayservice
 from moe_operator.settings import Settings, SettingsError
 
@@ -91,25 +90,32 @@ async def wake_handler(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
 
 
 @kopf.daemon(*RESOURCE, cancellation_backoff=10.0, cancellation_timeout=10.0)
-async def reconcile_loop(name: str, namespace: str, body, stopped, memo: kopf.Memo, logger, **_: Any) -> None:
-    """The object's one loop: a pass (in a worker thread: it does blocking I/O), then sleep for the
-    pass' retry or the steady interval, or until a handler wakes it. Level-triggered: every pass
-    starts from the object as it is now (kopf keeps `body` current), so a lost wake-up, a dropped
-    retry or a restarted operator all end in the same state."""
+async def reconcile_loop(name: str, namespace: str, body, stopped, memo: kopf.Memo, **_: Any) -> None:
+    """The object's one loop: a pass (in a worker thread: it does blocking I/O; under the object's
+    lock, which the finalizer's handler takes too), then sleep for the pass' retry or the steady
+    interval, or until a handler wakes it. Level-triggered: every pass starts from the object as it
+    is now (kopf keeps `body` current), so a lost wake-up, a dropped retry or a restarted operator
+    all end in the same state; except that a turn woken before the watch brought the previous
+    turn's own status write starts from that status (else a rebalance's switch time, say, would
+    be read as unset)."""
     key = f"{namespace}/{name}"
     wake = memo.wakers.event(key)
     first = True
-    while not stopped:
-        wake.clear()
-        try:
-            delay = await asyncio.to_thread(one_pass, name, namespace, copy.deepcopy(dict(body)), first, memo, logger)
-            first = False
-        except Exception as err:  # an apiserver or backend outage: logged, looked at again soon
-            logger.warning("reconcile pass of %s failed: %s; again in %s s", key, err, ERROR_RETRY_S)
-            delay = ERROR_RETRY_S
-        if not stopped:
-            await _sleep(wake, stopped, delay)
-    memo.wakers.forget(key)
+    left: tuple[str | None, dict] | None = None  # (the resourceVersion the last turn read, the status it left)
+    try:
+        while not stopped:
+            wake.clear()
+            raw, read = turn_body(body, left)
+            try:
+                turn = await asyncio.to_thread(memo.wakers.locked, key, one_pass, name, namespace, raw, first, memo)
+                first, delay, left = False, turn.delay, (read, turn.status)
+            except Exception as err:  # an apiserver or backend outage: logged, looked at again soon
+                log.warning("reconcile pass of %s failed: %s; again in %s s", key, err, ERROR_RETRY_S)
+                delay, left = ERROR_RETRY_S, None
+            if not stopped:
+                await _sleep(wake, stopped, delay)
+    finally:
+        memo.wakers.forget(key)
 
 
 async def _sleep(wake: asyncio.Event, stopped, delay: float) -> None:
@@ -129,6 +135,11 @@ def delete_handler(name: str, namespace: str, spec, meta, status, logger, memo: 
     """Ask the backend to remove the application; the finalizer stays (the handler is retried)
     until nothing of ours is left there. Nothing waits here."""
     memo.autoscaler.forget(f"{namespace}/{name}")
+    with memo.wakers.lock(f"{namespace}/{name}"):  # a pass under way ends first (it might apply the app)
+        _remove(name, namespace, spec, meta, status, logger, memo)
+
+
+def _remove(name: str, namespace: str, spec, meta, status, logger, memo: kopf.Memo) -> None:
     if never_deployed(dict(status or {})):
         logger.info("nothing was deployed for %s/%s (never Ready); nothing to remove from Ray", namespace, name)
         return
@@ -170,7 +181,7 @@ def autoscale_handler(name: str, namespace: str, spec, status, meta, patch, body
                 return placement_from_rayservice(memo.kube.kuberay.get(namespace, name))
             return deployed_placement(serve_client(spec_dict, namespace, memo).get(), app_name(namespace, name))
         except (RayServeError, KubeRayError, OSError, Unconfigured) as err:
-            logger.info("autoscaler: cannot read the deployed placement: %s", err)
+            log.info("autoscaler: cannot read the deployed placement of %s/%s: %s", namespace, name, err)
             return None
 
     p = decide(memo.autoscaler, f"{namespace}/{name}", parsed, status, request, read_placement,
