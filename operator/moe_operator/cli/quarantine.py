@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from moe_operator.api import conditions as cond
 from moe_workers.expert_ids import ExpertId, expert_key
 
 from .access import edit_spec
@@ -26,9 +27,9 @@ def applied(doc: dict, wanted: list[str]) -> Optional[str]:
     status = doc.get("status") or {}
     if status.get("observedGeneration") != doc["metadata"].get("generation"):
         return None
-    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
-    if ready.get("status") == "False" and ready.get("reason") == "InvalidSpec":
-        return ready.get("message") or "InvalidSpec"
+    ready = cond.get_condition(status.get("conditions") or [], cond.READY) or {}
+    if ready.get("status") == "False" and ready.get("reason") == cond.INVALID_SPEC:
+        return ready.get("message") or cond.INVALID_SPEC
     return "" if sorted(status.get("quarantinedExperts") or [], key=expert_key) == wanted else None
 
 
