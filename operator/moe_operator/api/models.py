@@ -867,6 +867,10 @@ class MoEDeploymentStatus(ApiModel):
     quarantined_experts: list[ExpertIdStr] | None = Field(
         default=None, max_length=4096,
         description="Experts the Ingress' routers leave out now (spec.routing.quarantine once applied).")
+    capacity_factor: float | None = Field(
+        default=None, description="The expert capacity the Ingress' routers apply now (spec.routing.capacityFactor "
+                                  "once applied; unset: exact routing). Tokens routed to their next choice are "
+                                  "counted by the metric moe_capacity_rerouted_tokens.")
     imbalance: float | None = Field(
         default=None, description="Mean over MoE layers of each layer's max/mean shard-group load over the last window "
                                   "(a decode step waits, layer by layer, for that layer's busiest group).")
