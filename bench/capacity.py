@@ -4,15 +4,16 @@ routing: decode throughput and request latency at batch 64, alternating in one w
     python bench/capacity.py            # hidden 1024, intermediate 3584, 8 experts, top-2, 4 layers, 4 groups
     python bench/capacity.py --quick    # hidden 256, 2 layers: a smoke run
 
-The checkpoint's routers are scaled (router_scale 10), so a few experts take most tokens, and
-each shard group hosts every `groups`-th expert: the group with the hot experts is the one a
-step waits for. One app on a local Ray; each round applies the factor in place (Serve's
+Skew: the batch's requests are `--distinct` prompts repeated, decoded greedily, so the requests
+of one prompt route alike at every step (a hot topic's traffic); the checkpoint's routers are
+scaled (router_scale 10). Each shard group hosts every `groups`-th expert: the group with a
+step's hot experts is the one it waits for. One app on a local Ray; each round applies the factor in place (Serve's
 reconfigure, no restart) and runs `--batch` concurrent requests of `--tokens` new tokens, then
 the other side; rounds alternate. Decode tokens/s are a run with max_tokens=T minus one with
 max_tokens=1 (bench/serving.py's rule); p99 is over every request of the full runs of a side.
-Also reported: the share of routed choices the cap moved to a next choice, and the mean over
-layers of the busiest group's share of a step's expert-tokens on each side (from the shards'
-token counters).
+Also reported: the share of routed choices the cap moved to a next choice, and means over
+layers of the busiest group's share of the expert-tokens and of the busiest expert's load over
+the mean expert's, on each side (from the shards' token counters).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def parse_args():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--tokens", type=int, default=16, help="new tokens a request")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds a side")
+    p.add_argument("--distinct", type=int, default=4,
+                   help="distinct prompts among the batch's requests (greedy: each repeats its tokens' routing, "
+                        "the skew a hot topic makes); 0: every prompt its own")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the ingress and of each shard")
     p.add_argument("--cache-dir", default=str(Path("/tmp/moe-bench")))
@@ -57,17 +61,22 @@ def timed_requests(url: str, bodies: list[dict]) -> tuple[float, list[float]]:
     return time.perf_counter() - t0, latencies
 
 
-def busiest_group_share(before: list[dict], after: list[dict]) -> float | None:
-    """Mean over layers of the busiest shard group's share of the layer's expert-tokens between
-    two reads of the shards' status (their cumulative per-expert token counts)."""
-    by_layer: dict[str, dict[str, int]] = {}
+def busiest(before: list[dict], after: list[dict], num_experts: int) -> tuple[float | None, float | None]:
+    """Between two reads of the shards' status (their cumulative per-expert token counts), means
+    over layers of the busiest shard group's share of the layer's expert-tokens and of the
+    busiest expert's load over the mean expert's."""
+    groups: dict[str, dict[str, int]] = {}
+    experts: dict[str, dict[str, int]] = {}
     for a, b in zip(before, after):
         for eid, n in b["load"].items():
-            layer = eid.split(".")[0]
-            groups = by_layer.setdefault(layer, {})
-            groups[b["group"]] = groups.get(b["group"], 0) + n - a["load"].get(eid, 0)
-    shares = [max(g.values()) / sum(g.values()) for g in by_layer.values() if sum(g.values())]
-    return statistics.mean(shares) if shares else None
+            layer, delta = eid.split(".")[0], n - a["load"].get(eid, 0)
+            g = groups.setdefault(layer, {})
+            g[b["group"]] = g.get(b["group"], 0) + delta
+            experts.setdefault(layer, {})[eid] = experts.get(layer, {}).get(eid, 0) + delta
+    group_shares = [max(g.values()) / sum(g.values()) for g in groups.values() if sum(g.values())]
+    expert_peaks = [max(e.values()) * num_experts / sum(e.values()) for e in experts.values() if sum(e.values())]
+    return (statistics.mean(group_shares) if group_shares else None,
+            statistics.mean(expert_peaks) if expert_peaks else None)
 
 
 def p99(values: list[float]) -> float:
@@ -80,40 +89,48 @@ def main() -> int:
     shape = model_shape(a.quick)
     path = ensure_checkpoint(a.cache_dir, shape)
     sides = {"exact": None, f"capacity {a.factor:g}": a.factor}
-    results = {name: {"tps": [], "latencies": [], "busiest": [], "rerouted": 0, "choices": 0} for name in sides}
+    results = {name: {"tps": [], "latencies": [], "busiest": [], "peak": [], "rerouted": 0, "choices": 0}
+               for name in sides}
     with served_app(path, a.groups, a.threads, a.threads, shape["num_layers"], shape["num_experts"], 1, {},
                     a.batch) as (url, stats, redeploy):
         status = lambda: requests.get(url + "/moe/v1/status", timeout=30).json()  # noqa: E731
-        ps = prompts(a.batch, 8, shape["vocab_size"], 3)
+        distinct = prompts(a.distinct or a.batch, 8, shape["vocab_size"], 3)
+        ps = [distinct[i % len(distinct)] for i in range(a.batch)]
         for r in range(a.rounds):
             for name, factor in (sides.items() if r % 2 == 0 else reversed(sides.items())):
                 redeploy(capacity_factor=factor)
                 while status()["routing"].get("capacity_factor") != factor:
                     time.sleep(0.2)
-                one, _ = timed_requests(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
+                one, _ = timed_requests(url, [{"prompt": p, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+                                              for p in ps])
                 _, s0 = stats()
                 moved0 = status()["routing"]["capacity_rerouted"]
-                full, lat = timed_requests(url, [{"prompt": p, "max_tokens": a.tokens, "temperature": 0} for p in ps])
+                full, lat = timed_requests(url, [{"prompt": p, "max_tokens": a.tokens, "temperature": 0,
+                                                  "ignore_eos": True} for p in ps])
                 _, s1 = stats()
                 side = results[name]
                 side["tps"].append(a.batch * (a.tokens - 1) / (full - one))
                 side["latencies"].extend(lat)
-                side["busiest"].append(busiest_group_share(s0, s1))
+                group_share, peak = busiest(s0, s1, shape["num_experts"])
+                side["busiest"].append(group_share)
+                side["peak"].append(peak)
                 side["rerouted"] += status()["routing"]["capacity_rerouted"] - moved0
                 side["choices"] += sum(sum(x["load"].values()) for x in s1) - sum(sum(x["load"].values()) for x in s0)
                 print(f"round {r + 1} {name}: {side['tps'][-1]:.1f} tok/s, p99 {p99(lat) * 1000:.0f} ms, "
-                      f"busiest group {side['busiest'][-1]:.2f} of a layer's expert-tokens", flush=True)
+                      f"busiest group {group_share:.2f} of a layer's expert-tokens, busiest expert {peak:.2f}x the mean",
+                      flush=True)
     figures = {}
     for name, side in results.items():
         key = "capacity" if sides[name] else "exact"
         figures[f"{key}-decode{a.batch}-tps"] = statistics.median(side["tps"])
         figures[f"{key}-p99-s"] = p99(side["latencies"])
         figures[f"{key}-busiest-group-share"] = statistics.mean(x for x in side["busiest"] if x is not None)
+        figures[f"{key}-busiest-expert-over-mean"] = statistics.mean(x for x in side["peak"] if x is not None)
         figures[f"{key}-rerouted-share"] = side["rerouted"] / side["choices"] if side["choices"] else 0.0
     figures["capacity-over-exact-tps"] = figures[f"capacity-decode{a.batch}-tps"] / figures[f"exact-decode{a.batch}-tps"]
     figures["capacity-over-exact-p99"] = figures["capacity-p99-s"] / figures["exact-p99-s"]
     shape_text = {k: v for k, v in shape.items() if k != "max_position_embeddings"}
-    return report(a.out, {"shape": shape_text, "groups": a.groups, "factor": a.factor, "batch": a.batch,
+    return report(a.out, {"shape": shape_text, "groups": a.groups, "distinct_prompts": a.distinct, "factor": a.factor, "batch": a.batch,
                           "tokens": a.tokens, "rounds": {n: {k: v for k, v in s.items() if k != "latencies"}
                                                          for n, s in results.items()}}, figures)
 
