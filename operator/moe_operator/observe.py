@@ -137,6 +137,8 @@ def summarise(spec: MoEDeploymentSpec, report: dict, previous_status: dict) -> d
     quarantined = (report.get("routing") or {}).get("quarantined")
     if quarantined is not None:  # an app that reports it: the experts its routers leave out now
         out["quarantinedExperts"] = list(quarantined)
+    if "capacity_factor" in (report.get("routing") or {}):  # the cap the routers apply now (None: exact)
+        out["capacityFactor"] = report["routing"]["capacity_factor"]
     return out
 
 

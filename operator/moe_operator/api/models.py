@@ -579,7 +579,8 @@ class ExpertsSpec(ApiModel):
 
 
 class RoutingSpec(ApiModel):
-    """What the routers may choose: experts contained (quarantined) out of their layer's candidates."""
+    """What the routers may choose: experts contained (quarantined) out of their layer's candidates,
+    and an opt-in cap on the tokens an expert takes a step."""
 
     quarantine: list[ExpertIdStr] = Field(
         default_factory=list, max_length=4096,
@@ -590,6 +591,13 @@ class RoutingSpec(ApiModel):
     max_quarantined_share: float = Field(
         default=0.25, gt=0.0, le=0.5,
         description="The most of a layer's routed experts that may be quarantined at once.")
+    capacity_factor: float | None = Field(
+        default=None, ge=1.0, le=16.0,
+        description="Opt-in expert capacity: in each forward call (a step, or each micro-batch of a long one) "
+        "an expert takes at most factor x tokens x top_k / experts of the tokens' choices; a choice that finds "
+        "its expert full goes to the token's next-best expert with room (GShard's rule), weighted as the "
+        "family's router weights the new set. Unset: every token gets its exact choice (outputs as the "
+        "model's). At least 1.0, so that no choice is ever dropped. Applied in place.")
 
     @field_validator("quarantine")
     @classmethod
@@ -699,7 +707,8 @@ class MoEDeploymentSpec(ApiModel):
     autoscaling: AutoscalingSpec = Field(
         default_factory=AutoscalingSpec, description="Load-aware rebalancing and scaling."
     )
-    routing: RoutingSpec = Field(default_factory=RoutingSpec, description="What the routers may choose (quarantine).")
+    routing: RoutingSpec = Field(default_factory=RoutingSpec,
+                                 description="What the routers may choose (quarantine, expert capacity).")
 
     @model_validator(mode="after")
     def _pins_have_worker_groups(self) -> "MoEDeploymentSpec":
@@ -858,6 +867,10 @@ class MoEDeploymentStatus(ApiModel):
     quarantined_experts: list[ExpertIdStr] | None = Field(
         default=None, max_length=4096,
         description="Experts the Ingress' routers leave out now (spec.routing.quarantine once applied).")
+    capacity_factor: float | None = Field(
+        default=None, description="The expert capacity the Ingress' routers apply now (spec.routing.capacityFactor "
+                                  "once applied; unset: exact routing). Tokens routed to their next choice are "
+                                  "counted by the metric moe_capacity_rerouted_tokens.")
     imbalance: float | None = Field(
         default=None, description="Mean over MoE layers of each layer's max/mean shard-group load over the last window "
                                   "(a decode step waits, layer by layer, for that layer's busiest group).")

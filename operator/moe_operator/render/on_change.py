@@ -111,6 +111,7 @@ PROBES: dict[str, object] = {
     "autoscaling.metrics.scrapeIntervalSeconds": 30,
     "routing.quarantine": ["1.3"],
     "routing.maxQuarantinedShare": 0.5,
+    "routing.capacityFactor": 1.25,
 }
 
 # fields a probe needs set beside it, before and after (a value the probe's value requires)

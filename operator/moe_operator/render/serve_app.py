@@ -93,7 +93,7 @@ def render_application(namespace: str, name: str, spec: MoEDeploymentSpec, place
                              tiers=tier_config(spec), overrides=overrides_config(spec),
                              prefetch_lookahead=prefetch.lookahead_layers if prefetch.enabled else 0,
                              shard_experts=shard_experts, api_key_digests=api_key_digests,
-                             quarantine=spec.routing.quarantine)
+                             quarantine=spec.routing.quarantine, capacity_factor=spec.routing.capacity_factor)
 
 
 def merge_applications(current: list[dict], ours: dict) -> list[dict]:

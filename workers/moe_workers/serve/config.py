@@ -252,10 +252,11 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
                       replicas_per_group: dict[str, int] | int = 1, tiers: dict | None = None,
                       overrides: dict[str, dict] | None = None, prefetch_lookahead: int = 0,
                       shard_experts: dict[str, list[str]] | None = None,
-                      api_key_digests: list[str] | None = None, quarantine: list[str] | None = None) -> dict:
+                      api_key_digests: list[str] | None = None, quarantine: list[str] | None = None,
+                      capacity_factor: float | None = None) -> dict:
     """One entry of a Serve config's `applications`. Placement, replicas, tier budgets, expert
-    overrides (hot-swaps: expert -> {"path", "sha256"}), prefetch and the quarantine (experts out of
-    their routers' candidates) are in-place options: Serve applies them through reconfigure() /
+    overrides (hot-swaps: expert -> {"path", "sha256"}), prefetch, the quarantine (experts out of
+    their routers' candidates) and the expert capacity are in-place options: Serve applies them through reconfigure() /
     num_replicas without restarting replicas.
 
     `placement` is what the ingress routes by; `shard_experts` (default: the placement) what each
@@ -276,6 +277,8 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
         ingress_config["api_keys_sha256"] = sorted(api_key_digests)
     if quarantine:
         ingress_config["quarantine"] = sorted(quarantine, key=expert_key)
+    if capacity_factor is not None:
+        ingress_config["capacity_factor"] = capacity_factor
     ingress: dict = ({"autoscaling_config": autoscaling} if autoscaling is not None
                      else {"num_replicas": args.ingress_replicas})
     ingress["request_router_config"] = ingress_router_config(args.prefix_routing)
