@@ -407,7 +407,7 @@ def served(path: Path, threads: int, shard_threads: int, batch: int, env: dict[s
     from moe_workers.model.config import MoEConfig
 
     cfg = MoEConfig.from_dir(path)
-    with served_app(path, 2, threads, shard_threads, cfg.num_layers, cfg.num_experts, 1, env, batch) as (url, stats):
+    with served_app(path, 2, threads, shard_threads, cfg.num_layers, cfg.num_experts, 1, env, batch) as (url, stats, _):
         yield Served(url, stats)
 
 

@@ -207,8 +207,10 @@ def _concurrent(url: str, bodies: list[dict]) -> float:
 def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_layers: int, num_experts: int,
                micro_batches: int, serve_env: dict[str, str], max_batch: int, realtime_priority: int | None = None,
                max_num_batched_tokens: int | None = None):
-    """The bench app on a fresh local Ray head: (url, stats()) with stats() the ingress' engine
-    figures and each shard's status."""
+    """The bench app on a fresh local Ray head: (url, stats(), redeploy(**options)) with stats()
+    the ingress' engine figures and each shard's status, and redeploy() the same app with other
+    in-place options of `serve_application` (e.g. capacity_factor), applied by Serve's
+    reconfigure without a restart, once Serve reports the app running again."""
     from moe_operator.backends.ray_rest import RayServeClient
     from moe_operator.standalone.local_ray import LocalRayHead
     from moe_workers.serve.config import AppArgs, serve_application
@@ -245,6 +247,12 @@ def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_la
         def stats():
             return ingress.engine_stats.remote().result(), [s.status.remote().result() for s in shards]
 
+        def redeploy(**options):
+            client.put({"http_options": {"host": "127.0.0.1", "port": head.serve_http_port},
+                        "applications": [{**app, "deployments": serve_application(
+                            "bench", "/", args, placement, **options)["deployments"]}]})
+            client.wait_running(["bench"], timeout_s=300)
+
         _post(url, {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})  # warm-up
         # the app's steady state: its warm spare worker starts (importing torch, seconds of CPU)
         # once the node has settled, which would otherwise land in the first measured rounds
@@ -252,7 +260,7 @@ def served_app(path: Path, groups: int, threads: int, shard_threads: int, num_la
 
         status = types.SimpleNamespace(status=lambda: requests.get(url + "/moe/v1/status", timeout=10).json())
         print(f"warm spares ready after {wait_spares(status, args.warm_spares)} s", flush=True)
-        yield url, stats
+        yield url, stats, redeploy
         client.delete_all()
     finally:
         # the driver leaves before its head stops, on an error too: a driver left connected
@@ -268,7 +276,7 @@ def run_served(path: Path, work: dict, groups: int, threads: int, shard_threads:
                max_num_batched_tokens: int | None = None) -> dict:
     batch = max([work["prefill_n"], *work["decode_batches"]])
     with served_app(path, groups, threads, shard_threads, num_layers, num_experts, micro_batches, serve_env,
-                    batch, realtime_priority, max_num_batched_tokens) as (url, stats):
+                    batch, realtime_priority, max_num_batched_tokens) as (url, stats, _):
         out = {}
         ps = prompts(work["prefill_n"], work["prefill_len"], vocab, 1)
         runs = []
@@ -353,7 +361,7 @@ def deep_point(a, n: int) -> dict:
 
     rounds = []
     with served_app(path, 2, a.deep_threads, a.shard_threads, n, shape["num_experts"], a.micro_batches,
-                    dict(kv.split("=", 1) for kv in a.serve_env), 8) as (url, stats):
+                    dict(kv.split("=", 1) for kv in a.serve_env), 8) as (url, stats, _):
         body = {"prompt": prompt, "temperature": 0}
 
         def served_ms() -> tuple[float, dict]:

@@ -139,6 +139,8 @@ def summarise(spec: MoEDeploymentSpec, report: dict, previous_status: dict) -> d
     quarantined = routing.get("quarantined")
     if quarantined is not None:  # an app that reports it: the experts its routers leave out now
         out["quarantinedExperts"] = list(quarantined)
+    if "capacity_factor" in routing:  # the cap the routers apply now (None: exact)
+        out["capacityFactor"] = routing["capacity_factor"]
     state, reason, message, records = routing_anomaly(routing)
     out["routingAnomalies"] = records or None  # None: removed when there are none
     out["conditions"] = cond.set_condition(previous_status.get("conditions") or [], cond.ROUTING_ANOMALY, state,

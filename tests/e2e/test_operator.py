@@ -200,6 +200,37 @@ def _routing_anomaly_and_auto_quarantine(k8s, endpoint):
              timeout_s=120, what="the automatic quarantine lifted")
 
 
+def _capacity_through_the_spec(k8s, endpoint, reference):
+    """spec.routing.capacityFactor on the real apiserver: applied in place (status.capacityFactor;
+    a prompt's tokens follow the reference capped the same way), a factor below 1 refused by the
+    schema naming the field, unset: exact routing again."""
+    prompt = list(range(20, 60))  # one prefill call of 40 tokens: 20 choices an expert at 1.0
+    reference.dense.capacity_factor = 1.0
+    try:
+        capped = reference.generate([prompt], 4)[0]
+        assert sum(reference.dense.rerouted.values()) > 0  # the skewed router overflows some experts
+    finally:
+        reference.dense.capacity_factor = None
+    plain = reference.generate([prompt], 4)[0]
+
+    def tokens():
+        return requests.post(endpoint + "/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0},
+                             timeout=60).json()["choices"][0]["token_ids"]
+
+    patch = lambda v: k8s.kubectl("patch", "moed", "tiny", "--type", "merge", "-p",  # noqa: E731
+                                  json.dumps({"spec": {"routing": {"capacityFactor": v}}}), check=False)
+    r = patch(0)
+    assert r.returncode != 0 and "spec.routing.capacityFactor" in r.stderr, r.stderr
+    assert patch(1.0).returncode == 0
+    wait_for(lambda: k8s.kubectl_json("get", "moed", "tiny")["status"].get("capacityFactor") == 1.0,
+             timeout_s=120, what="status.capacityFactor 1.0")
+    assert tokens() == capped
+    assert patch(None).returncode == 0
+    wait_for(lambda: k8s.kubectl_json("get", "moed", "tiny")["status"].get("capacityFactor") is None,
+             timeout_s=120, what="status.capacityFactor unset")
+    assert tokens() == plain
+
+
 def _api_keys_from_a_secret(k8s, endpoint):
     """spec.ingress.apiKeySecretRef: /v1/* needs a key from the Secret; a changed Secret applies
     without a spec change (the observe timer notices it); removing the reference opens the API."""
@@ -276,6 +307,7 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
         _api_keys_from_a_secret(k8s, endpoint)
         _quarantine_through_moectl(k8s, endpoint, reference)
         _routing_anomaly_and_auto_quarantine(k8s, endpoint)
+        _capacity_through_the_spec(k8s, endpoint, reference)
 
         # the app removed from Ray behind the operator's back: a steady turn cannot read its report,
         # runs the whole pass, finds it gone and applies it again (level-triggered)

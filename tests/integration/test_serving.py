@@ -253,6 +253,36 @@ def test_a_quarantine_applies_in_place_and_the_served_tokens_follow_it(served, r
     assert status()["ingress"]["pid"] == pid
 
 
+def test_a_capacity_factor_applies_in_place_and_a_lone_request_is_routed_exactly(served, ray_head):
+    """spec.routing.capacityFactor through the Ingress' user_config, in place: a single request's
+    prefill (one forward call) is capped as the reference caps it, its decode steps (one token: an
+    expert never takes more than one choice) route exactly; the status shows the factor."""
+    url, reference = served[0], served[1]
+    args, placement = served[2]
+    status = lambda: requests.get(url + "/moe/v1/status", timeout=30).json()  # noqa: E731
+    pid = status()["ingress"]["pid"]
+    prompt, n = list(range(20, 60)), 4  # 40 tokens, 8 experts, top-2: 10 choices an expert at 1.0
+    reference.dense.capacity_factor = 1.0
+    try:  # the prefill's logprob (one call over the prompt, as the engine makes it), then decoding
+        first_lp = float(torch.log_softmax(reference.prompt_logits(prompt)[-1].double(), dim=-1).max())
+        assert sum(reference.dense.rerouted.values()) > 0  # the cap moved some of the prompt's tokens
+        capped = reference.generate([prompt], max_tokens=n)[0]
+    finally:
+        reference.dense.capacity_factor = None
+    plain_lp = float(torch.log_softmax(reference.prompt_logits(prompt)[-1].double(), dim=-1).max())
+    assert abs(plain_lp - first_lp) > 5e-5  # the cap changes this prompt's first logprob (this checkpoint's experts are weak)
+    deploy(ray_head, [serve_application("moe", "/", args, placement, capacity_factor=1.0)])
+    wait_for(lambda: status()["routing"]["capacity_factor"] == 1.0, timeout_s=60, what="the factor applied")
+    r = _complete(url, prompt=prompt, max_tokens=n, temperature=0, logprobs=1)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == capped
+    assert abs(choice["logprobs"]["token_logprobs"][0] - first_lp) < 1e-5
+    assert status()["routing"]["capacity_rerouted"] > 0 and status()["ingress"]["pid"] == pid
+    deploy(ray_head, [serve_application("moe", "/", args, placement)])
+    wait_for(lambda: status()["routing"]["capacity_factor"] is None, timeout_s=60, what="the factor unset")
+
+
 @pytest.fixture(scope="module")
 def served_with_tokenizer(served, ray_head, tmp_path_factory):
     """A second application on the same Ray cluster, with tokenizer.json, under its own prefix."""

@@ -608,7 +608,8 @@ class AnomalySpec(ApiModel):
 
 
 class RoutingSpec(ApiModel):
-    """What the routers may choose: experts contained (quarantined) out of their layer's candidates."""
+    """What the routers may choose: experts contained (quarantined) out of their layer's candidates,
+    and an opt-in cap on the tokens an expert takes a step."""
 
     quarantine: list[ExpertIdStr] = Field(
         default_factory=list, max_length=4096,
@@ -626,6 +627,13 @@ class RoutingSpec(ApiModel):
         description="Quarantine the expert a RoutingAnomaly surge names, on top of spec.routing.quarantine "
         "(status.autoQuarantined), never past maxQuarantinedShare of its layer. Lifted when this is turned off or "
         "the expert is put in spec.routing.quarantine (then moectl quarantine --lift lifts it).")
+    capacity_factor: float | None = Field(
+        default=None, ge=1.0, le=16.0,
+        description="Opt-in expert capacity: in each forward call (a step, or each micro-batch of a long one) "
+        "an expert takes at most factor x tokens x top_k / experts of the tokens' choices; a choice that finds "
+        "its expert full goes to the token's next-best expert with room (GShard's rule), weighted as the "
+        "family's router weights the new set. Unset: every token gets its exact choice (outputs as the "
+        "model's). At least 1.0, so that no choice is ever dropped. Applied in place.")
 
     @field_validator("quarantine")
     @classmethod
@@ -735,7 +743,8 @@ class MoEDeploymentSpec(ApiModel):
     autoscaling: AutoscalingSpec = Field(
         default_factory=AutoscalingSpec, description="Load-aware rebalancing and scaling."
     )
-    routing: RoutingSpec = Field(default_factory=RoutingSpec, description="What the routers may choose (quarantine).")
+    routing: RoutingSpec = Field(default_factory=RoutingSpec,
+                                 description="What the routers may choose (quarantine, expert capacity).")
 
     @model_validator(mode="after")
     def _pins_have_worker_groups(self) -> "MoEDeploymentSpec":
@@ -915,6 +924,10 @@ class MoEDeploymentStatus(ApiModel):
         default=None, max_length=4096,
         description="Surging experts spec.routing.autoQuarantine left serving: quarantining them would pass "
         "maxQuarantinedShare or leave a layer too few candidates.")
+    capacity_factor: float | None = Field(
+        default=None, description="The expert capacity the Ingress' routers apply now (spec.routing.capacityFactor "
+                                  "once applied; unset: exact routing). Tokens routed to their next choice are "
+                                  "counted by the metric moe_capacity_rerouted_tokens.")
     imbalance: float | None = Field(
         default=None, description="Mean over MoE layers of each layer's max/mean shard-group load over the last window "
                                   "(a decode step waits, layer by layer, for that layer's busiest group).")

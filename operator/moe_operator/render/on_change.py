@@ -117,6 +117,7 @@ PROBES: dict[str, object] = {
     "routing.anomaly.minTokens": 256,
     "routing.anomaly.warmupWindows": 6,
     "routing.autoQuarantine": True,
+    "routing.capacityFactor": 1.25,
 }
 
 # fields a probe needs set beside it, before and after (a value the probe's value requires)

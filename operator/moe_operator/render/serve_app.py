@@ -96,7 +96,7 @@ def render_application(namespace: str, name: str, spec: MoEDeploymentSpec, place
                              prefetch_lookahead=prefetch.lookahead_layers if prefetch.enabled else 0,
                              shard_experts=shard_experts, api_key_digests=api_key_digests,
                              quarantine=list(spec.routing.quarantine) + list(auto_quarantine or []),
-                             anomaly=spec.routing.anomaly.user_config())
+                             anomaly=spec.routing.anomaly.user_config(), capacity_factor=spec.routing.capacity_factor)
 
 
 def merge_applications(current: list[dict], ours: dict) -> list[dict]:

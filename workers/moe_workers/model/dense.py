@@ -11,6 +11,7 @@ shared experts in layers with them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -139,6 +140,10 @@ class DenseModel:
         # spec.routing.quarantine: per sparse layer, a bool mask over its experts (True: not a
         # candidate of its router); replaced whole by `quarantine()`, so a step reads one or the other
         self.excluded: dict[int, torch.Tensor] = {}
+        # spec.routing.capacityFactor: None routes exactly; else each expert takes at most
+        # factor x tokens x top_k / experts of a forward call's choices (`pick_within_capacity`)
+        self.capacity_factor: float | None = None
+        self.rerouted: dict[int, int] = {}  # per layer, tokens routed again for capacity (a counter)
         self.mla_absorb = True  # latent attention decodes absorbed (False: expanded, for the bench)
         self._absorb: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, w in enumerate(self.layers if cfg.mla else []):
@@ -307,8 +312,73 @@ class DenseModel:
         x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
         if "gate" not in w:
             return x, None, None
-        indices, weights = self.pick(layer, x)
+        if self.capacity_factor is None:
+            indices, weights = self.pick(layer, x)
+        else:
+            indices, weights, rerouted = self.pick_within_capacity(layer, x, self.capacity_factor)
+            self.rerouted[layer] = self.rerouted.get(layer, 0) + rerouted
         return x, indices, weights
+
+    def pick_within_capacity(self, layer: int, x: torch.Tensor, factor: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The router with each expert taking at most ceil(factor x tokens x top_k / experts) of
+        these tokens' choices (spec.routing.capacityFactor), GShard's rule: choices are served in
+        order of rank (every token's first choice, then the seconds, ...) and of position; a token
+        one of whose choices found its expert full is routed again by its family's router with the
+        full experts left out (the choices it kept stay candidates), so that choice goes to its
+        next-best expert with room and the weights are the family's for the new set. Repeated until
+        every choice fits (each round fills at least one more expert). A token that cannot find
+        top-k experts with room (with few experts, or a group-limited router whose groups have
+        none left) keeps its choice over capacity.
+        Returns (indices, weights, the tokens routed again)."""
+        indices, weights = self.pick(layer, x)
+        n, k, e = indices.shape[0], indices.shape[1], self.cfg.num_experts
+        if n == 0:
+            return indices, weights, 0
+        capacity = max(1, math.ceil(factor * n * k / e))
+        excluded = self.excluded.get(layer)
+        dev = indices.device
+        load = torch.zeros(e, dtype=torch.long, device=dev)
+        placed = torch.zeros(n, k, dtype=torch.bool, device=dev)  # a choice that has its place
+        rerouted = torch.zeros(n, dtype=torch.bool, device=dev)
+        todo = torch.arange(n, device=dev)
+        for _ in range(e + 1):
+            choice, done = indices[todo], placed[todo]
+            waiting = (~done).t().reshape(-1)
+            flat = choice.t().reshape(-1)  # rank-major: every token's first choice, then the seconds
+            queue = F.one_hot(flat, e) * waiting.unsqueeze(-1)  # only choices still waiting queue
+            position = (queue.cumsum(0) * queue).sum(-1) - 1 + load[flat]
+            fits = ((position < capacity) & waiting).view(k, -1).t()
+            load += torch.bincount(choice[fits], minlength=e)
+            done = done | fits
+            placed[todo] = done
+            whole = done.all(-1)
+            if bool(whole.all()):
+                break
+            over = todo[~whole]
+            kept = torch.zeros(len(over), e, dtype=torch.bool, device=dev)
+            kept.scatter_(1, indices[over], placed[over])  # a placed choice stays a candidate
+            mask = (load >= capacity).unsqueeze(0) & ~kept
+            if excluded is not None:
+                mask = mask | excluded
+            if bool(((~mask).sum(-1) < k).any()):
+                break  # a token has fewer than top-k experts with room: these keep their choice
+            new_idx, new_w = self._pick(layer, x[over], mask)
+            stuck = mask.gather(1, new_idx).any(-1)  # a group-limited router found no top-k with room
+            if bool(stuck.any()):  # these keep their choice, over capacity where it did not fit
+                keep = over[stuck]
+                load += torch.bincount(indices[keep][~placed[keep]], minlength=e)
+                placed[keep] = True
+                over, kept, mask = over[~stuck], kept[~stuck], mask[~stuck]
+                new_idx, new_w = new_idx[~stuck], new_w[~stuck]
+                if len(over) == 0:
+                    break
+            now = kept.gather(1, new_idx)
+            lost = kept & ~torch.zeros_like(kept).scatter_(1, new_idx, True)  # a placed choice it gave up
+            load -= lost.sum(0)
+            indices[over], weights[over], placed[over] = new_idx, new_w.to(weights.dtype), now
+            rerouted[over] = True
+            todo = over
+        return indices, weights, int(rerouted.sum())
 
     def quarantine(self, experts: list[str]) -> None:
         """Take the experts (ids `L.E`, checked by the operator against the model) out of their
@@ -325,8 +395,11 @@ class DenseModel:
 
     def pick(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router of a sparse layer on normed hidden states x: (indices, weights)."""
+        return self._pick(layer, x, self.excluded.get(layer))
+
+    def _pick(self, layer: int, x: torch.Tensor, excluded: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The family's router with `excluded` ((E,) or per token (N, E), True: not a candidate)."""
         cfg, w = self.cfg, self.layers[layer]
-        excluded = self.excluded.get(layer)
         if cfg.router == "topk_softmax":
             return route_topk_softmax(x, w["gate"], w["gate_bias"], cfg.top_k, excluded)
         if cfg.router == "sigmoid_group":

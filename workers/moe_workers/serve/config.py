@@ -253,10 +253,10 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
                       overrides: dict[str, dict] | None = None, prefetch_lookahead: int = 0,
                       shard_experts: dict[str, list[str]] | None = None,
                       api_key_digests: list[str] | None = None, quarantine: list[str] | None = None,
-                      anomaly: dict | None = None) -> dict:
+                      anomaly: dict | None = None, capacity_factor: float | None = None) -> dict:
     """One entry of a Serve config's `applications`. Placement, replicas, tier budgets, expert
-    overrides (hot-swaps: expert -> {"path", "sha256"}), prefetch and the quarantine (experts out of
-    their routers' candidates) are in-place options: Serve applies them through reconfigure() /
+    overrides (hot-swaps: expert -> {"path", "sha256"}), prefetch, the quarantine (experts out of
+    their routers' candidates) and the expert capacity are in-place options: Serve applies them through reconfigure() /
     num_replicas without restarting replicas.
 
     `placement` is what the ingress routes by; `shard_experts` (default: the placement) what each
@@ -280,6 +280,8 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
         ingress_config["quarantine"] = sorted(quarantine, key=expert_key)
     if anomaly:
         ingress_config["anomaly"] = dict(anomaly)
+    if capacity_factor is not None:
+        ingress_config["capacity_factor"] = capacity_factor
     ingress: dict = ({"autoscaling_config": autoscaling} if autoscaling is not None
                      else {"num_replicas": args.ingress_replicas})
     ingress["request_router_config"] = ingress_router_config(args.prefix_routing)

@@ -86,6 +86,7 @@ class Ingress:
                                      spin_s=self.args.exchange_spin_us / 1e6,
                                      wake_latency_us=self.args.wake_latency_us())
         self._group_tokens_exported: dict[str, int] = {}
+        self._rerouted_exported: dict[int, int] = {}  # per layer, capacity reroutes already counted
         # the expert exchange; its placement is set by reconfigure(), which Serve calls right after __init__
         self.dispatcher = ExpertDispatcher(self.channel, self.dense.pick, cfg.sparse_layers, cfg.num_experts)
         self.routing_stats = RoutingStats(cfg.num_layers, cfg.num_experts, self.args.max_batch_size)
@@ -118,8 +119,9 @@ class Ingress:
 
     def reconfigure(self, config: dict) -> None:
         """user_config {"placement": {group: [L.E, ...]}} re-points routing without a restart;
-        "quarantine" ([L.E, ...]) takes experts out of their routers' candidates (each layer's
-        router reads the new set from its next call on; the prefix cache is dropped);
+        "quarantine" ([L.E, ...]) takes experts out of their routers' candidates and
+        "capacity_factor" caps the choices an expert takes a call (each layer's router reads them
+        from its next call on; the prefix cache is dropped);
         "ingress_replicas" (how many Ingress replicas the app runs now) resizes the capacity this
         replica announces to the proxy's admission gate, so scaling the Ingress restarts nothing;
         "anomaly" sets the routing anomaly detector's thresholds (`serve.anomaly.Thresholds`)."""
@@ -135,9 +137,11 @@ class Ingress:
         self.dispatcher.configure(router, int(config.get("prefetch_lookahead", 0)))
         self.detector.configure(Thresholds.from_dict(config.get("anomaly")))  # ValueError naming a setting
         quarantine = list(config.get("quarantine") or [])
-        if quarantine != self.quarantined:
+        capacity = config.get("capacity_factor")
+        if quarantine != self.quarantined or capacity != self.dense.capacity_factor:
             self.dense.quarantine(quarantine)  # ValueError naming an expert this model does not route
             self.quarantined = quarantine
+            self.dense.capacity_factor = None if capacity is None else float(capacity)
             if getattr(self, "engine", None) is not None:
                 self.engine.reset_prefix_cache()  # what it holds was computed by the routers as they were
         count = config.get("ingress_replicas", self.args.ingress_replicas)
@@ -207,6 +211,9 @@ class Ingress:
                     for group, sent in list(router.sent.items()):
                         self.metrics.dispatched(group, sent - self._group_tokens_exported.get(group, 0))
                         self._group_tokens_exported[group] = sent
+                for layer, n in list(self.dense.rerouted.items()):
+                    self.metrics.rerouted(layer, n - self._rerouted_exported.get(layer, 0))
+                    self._rerouted_exported[layer] = n
             except Exception:  # metrics never break serving; the next round retries
                 pass
 
@@ -262,7 +269,8 @@ class Ingress:
                             "wake_latency": self.channel.wake.status(),
                             "realtime": self.engine.realtime.status()},
                 "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs(),
-                            "quarantined": list(self.quarantined), "anomalies": list(self.anomalies),
+                            "quarantined": list(self.quarantined), "capacity_factor": self.dense.capacity_factor,
+                            "capacity_rerouted": sum(self.dense.rerouted.values()), "anomalies": list(self.anomalies),
                             "detector": dict(self.detector_state)}}
 
     def tune_channel(self, local: bool | None = None, spin_us: int | None = None,

@@ -163,6 +163,9 @@ class IngressMetrics:
                                   "the rest as 'other').", tag_keys=tags + ("key",))
         self.group_tokens = Counter("moe_group_tokens", description="Expert-tokens the ingress sent to each shard group.",
                                     tag_keys=tags + ("group",))
+        self.capacity_rerouted = Counter("moe_capacity_rerouted_tokens", description="Tokens routed again because "
+                                         "an expert they chose was full (spec.routing.capacityFactor), per layer.",
+                                         tag_keys=tags + ("layer",))
 
     def export(self, window: dict) -> None:
         if not self.enabled:
@@ -256,6 +259,10 @@ class IngressMetrics:
 
     def _base(self) -> dict:
         return {"app": self.app, "replica": self.replica}
+
+    def rerouted(self, layer: int, tokens: int) -> None:
+        if self.enabled and tokens:
+            self.capacity_rerouted.inc(tokens, tags={"app": self.app, "replica": self.replica, "layer": str(layer)})
 
     def dispatched(self, group: str, tokens: int) -> None:
         if self.enabled and tokens:
