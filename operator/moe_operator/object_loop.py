@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import kopf
 
+from moe_operator import containment
 from moe_operator.api import conditions as cond
 from moe_operator.api.status import status_patch
 from moe_operator.api.validation import SpecError, parse_spec
@@ -92,12 +93,14 @@ def needs_pass(spec: dict, meta: dict, status: dict, first: bool) -> bool:
     """Whether this turn of the loop runs the whole pass (pure): always its first turn, a generation
     status has not observed, an object not Ready (the pass' retry already set the wait), one still
     Progressing (a change rolling out, a rebalance), ray.mode KubeRay (KubeRay changes the
-    RayService's status on its own). Otherwise the app serves what the spec asks for, and only its
+    RayService's status on its own), a surging expert spec.routing.autoQuarantine has not decided on
+    (`containment.pending`). Otherwise the app serves what the spec asks for, and only its
     live report is read (the whole pass still runs when that report cannot be read)."""
     conditions = status.get("conditions") or []
     return (first or status.get("observedGeneration") != meta.get("generation")
             or not cond.is_true(conditions, cond.READY) or cond.is_true(conditions, cond.PROGRESSING)
-            or kuberay_mode(spec) or (status.get("autoscaling") or {}).get("target") is not None)
+            or kuberay_mode(spec) or (status.get("autoscaling") or {}).get("target") is not None
+            or containment.pending(spec, status))
 
 
 def turn_body(body: dict, left: tuple[str | None, dict] | None) -> tuple[dict, str | None]:

@@ -13,6 +13,7 @@ from moe_operator.api import conditions as cond
 from moe_operator.api.models import KVCacheStatus, MoEDeploymentSpec, TierSummary
 
 MAX_SWAPS = 20
+MAX_ANOMALIES, ANOMALIES_NAMED = 20, 3  # alerts kept in status; named in the condition's message
 CHECKPOINT = "checkpoint"
 
 
@@ -134,12 +135,60 @@ def summarise(spec: MoEDeploymentSpec, report: dict, previous_status: dict) -> d
     kv = kv_summary(report.get("ingress") or {})
     if kv is not None:
         out["kvCache"] = kv
-    quarantined = (report.get("routing") or {}).get("quarantined")
+    routing = report.get("routing") or {}
+    quarantined = routing.get("quarantined")
     if quarantined is not None:  # an app that reports it: the experts its routers leave out now
         out["quarantinedExperts"] = list(quarantined)
-    if "capacity_factor" in (report.get("routing") or {}):  # the cap the routers apply now (None: exact)
-        out["capacityFactor"] = report["routing"]["capacity_factor"]
+    if "capacity_factor" in routing:  # the cap the routers apply now (None: exact)
+        out["capacityFactor"] = routing["capacity_factor"]
+    state, reason, message, records = routing_anomaly(routing)
+    out["routingAnomalies"] = records or None  # None: removed when there are none
+    out["conditions"] = cond.set_condition(previous_status.get("conditions") or [], cond.ROUTING_ANOMALY, state,
+                                           reason, message, previous_status.get("observedGeneration"))
     return out
+
+
+def routing_anomaly(routing: dict) -> tuple[str, str, str, list[dict]]:
+    """Condition RoutingAnomaly (status, reason, message) and status.routingAnomalies from the
+    Ingress' report `routing` (its "detector" and "anomalies"). The message names layer, expert and
+    key, and only what changes when the alerts change (the shares go into the Event), so a lasting
+    alert writes no status. Unknown when the report has no detector or it cannot read a window."""
+    detector = routing.get("detector")
+    if not isinstance(detector, dict):
+        return ("Unknown", cond.DETECTOR_UNAVAILABLE, "the app's status report has no routing.detector "
+                "(an app older than the detector, or one that routed nothing yet)", [])
+    if not detector.get("ok", False):
+        return "Unknown", cond.DETECTOR_UNAVAILABLE, f"the routing anomaly detector: {detector.get('reason') or 'unavailable'}", []
+    found = [a for a in routing.get("anomalies") or [] if isinstance(a, dict)]
+    if not found:
+        return "False", cond.NO_ANOMALY, detector.get("reason") or "no routing anomaly", []
+    records = [{"expert": f"{a['layer']}.{a['expert']}", "kind": a["kind"], "key": a.get("key") or "-",
+                "since": a.get("since")} for a in found[:MAX_ANOMALIES]]
+    reason = cond.EXPERT_SURGE if any(r["kind"] == "surge" for r in records) else cond.ENTROPY_DROP
+    named = [_alert(r) for r in records[:ANOMALIES_NAMED]]
+    more = f"; and {len(found) - ANOMALIES_NAMED} more (status.routingAnomalies)" if len(found) > ANOMALIES_NAMED else ""
+    return "True", reason, "; ".join(named) + more, records
+
+
+def _alert(r: dict) -> str:
+    layer, expert = r["expert"].split(".")
+    what = "share surged" if r["kind"] == "surge" else "routing entropy dropped (its most chosen expert)"
+    return f"layer {layer} expert {expert}: {what}, mostly from key {r['key']} (since {r.get('since') or '?'})"
+
+
+def anomaly_events(before: list[dict], after: list[dict], routing: dict) -> list[tuple[str, str, str]]:
+    """A Warning when RoutingAnomaly turns True or names other alerts (`before`, `after`: the
+    conditions), with each alert's share, baseline and key share from the report `routing`."""
+    now, was = cond.get_condition(after, cond.ROUTING_ANOMALY), cond.get_condition(before, cond.ROUTING_ANOMALY)
+    if now is None or now.get("status") != "True":
+        return []
+    if was is not None and was.get("status") == "True" and was.get("message") == now.get("message"):
+        return []
+    details = [f"layer {a['layer']} expert {a['expert']} {a['kind']}: share {a.get('share', 0):.3f} against a baseline "
+               f"of {a.get('baseline', 0):.3f}" + (f", entropy {a['entropy']:.3f}" if a.get("entropy") is not None else "")
+               + f", {100 * a.get('key_share', 0):.0f}% of its tokens from key {a.get('key') or '-'}"
+               for a in (routing.get("anomalies") or [])[:ANOMALIES_NAMED]]
+    return [(cond.WARNING, now["reason"], "; ".join(details) or now["message"])]
 
 
 def swaps_settled(status: dict) -> bool:

@@ -23,12 +23,14 @@ from moe_operator.backends.rest_backend import (  # noqa: F401 (re-exported)
     request_removal, same_config, start_retry_s)
 from moe_operator.backends.serve_backend import (  # noqa: F401 (re-exported)
     Backend, BackendError, ObjectRef, ServeBackend, ingress_placement, shard_experts)
-from moe_operator.observe import fetch_app_status, summarise, swap_transitions
+from moe_operator.observe import anomaly_events, fetch_app_status, summarise, swap_transitions
 from moe_operator.autoscaling import transition
+from moe_operator.containment import auto_quarantine
 from moe_operator.planner.initial import current_placement, placement_problem
 from moe_operator.names import app_name
 from moe_operator.render.serve_app import render_application
 from moe_operator.settings import Settings
+from moe_workers.expert_ids import expert_key
 from moe_workers.rfc3339 import parse_rfc3339
 
 if TYPE_CHECKING:
@@ -228,8 +230,10 @@ def run_pass(obj: ObjectRef, raw_spec: dict | None, status: dict, backend: Backe
         try:
             step = placement_step(facts, spec, status, ingress_now, shard_experts(deployed) if deployed else None,
                                   lambda: (fetch(base_url) or {}).get("replicas"), time.time())
+            auto_events = contain(spec, facts, status)
             ours = render_application(obj.namespace, obj.name, spec, step.ingress, allowed_roots,
-                                      shard_experts=step.shards, api_key_digests=backend.api_key_digests)
+                                      shard_experts=step.shards, api_key_digests=backend.api_key_digests,
+                                      auto_quarantine=status.get("autoQuarantined"))
         except UNRENDERABLE as err:
             return result(False, cond.INVALID_SPEC, f"cannot plan or render this spec: {err}", cond.WARNING)
         state = backend.apply(obj, spec, ours, result.conditions)
@@ -245,11 +249,32 @@ def run_pass(obj: ObjectRef, raw_spec: dict | None, status: dict, backend: Backe
                       retry=state.retry_s, placement=step.ingress,
                       progress=(state.reason, state.progress) if state.progress else None,
                       rolling_out=state.reason == cond.DEPLOYING)
-    events = record_step(status, step, ingress_now)
+    events = record_step(status, step, ingress_now) + auto_events
     live, swap_events = observe_live(spec, status, fetch)
     status.update(live)
     rollout = (state.reason, state.progress, state.retry_s) if state.progress else None  # serving while a change rolls out
     return result.serving(backend.serving_message(status["endpoint"], obj), step, swap_events + events, rollout)
+
+
+def contain(spec: MoEDeploymentSpec, facts, status: dict) -> list[tuple[str, str, str]]:
+    """status.autoQuarantined / autoQuarantineRefused for this pass (`containment`), and an Event
+    for each expert taken out, lifted or refused since the last pass."""
+    before, before_refused = set(status.get("autoQuarantined") or []), set(status.get("autoQuarantineRefused") or [])
+    auto, refused = auto_quarantine(spec, facts, status)
+    status["autoQuarantined"], status["autoQuarantineRefused"] = auto or None, refused or None
+    events = []
+    added, lifted = [e for e in auto if e not in before], sorted(before - set(auto), key=expert_key)
+    if added:
+        events.append((cond.WARNING, cond.AUTO_QUARANTINED, f"quarantined {', '.join(added)} on a routing surge "
+                       "(spec.routing.autoQuarantine); put them in spec.routing.quarantine to lift them by hand"))
+    if lifted:
+        events.append((cond.NORMAL, cond.AUTO_QUARANTINED, f"lifted the automatic quarantine of {', '.join(lifted)}"))
+    new_refused = [e for e in refused if e not in before_refused]
+    if new_refused:
+        events.append((cond.WARNING, cond.AUTO_QUARANTINE_REFUSED, f"{', '.join(new_refused)} surge but keep serving: "
+                       f"quarantining them would pass spec.routing.maxQuarantinedShare "
+                       f"({spec.routing.max_quarantined_share}) or leave a layer fewer than top-k candidates"))
+    return events
 
 
 def deploying(status: dict) -> bool:
@@ -264,8 +289,9 @@ def deploying(status: dict) -> bool:
 
 
 def observe_live(spec: MoEDeploymentSpec, status: dict, fetch=fetch_app_status) -> tuple[dict, list[tuple[str, str, str]]]:
-    """Status fields from the running app's own report (tiers, overridden experts, hot-swaps)
-    and the events for swaps that reached an outcome. ({}, []) when the app cannot be read now."""
+    """Status fields from the running app's own report (tiers, overridden experts, hot-swaps,
+    routing anomalies) and the events for swaps that reached an outcome and for a routing anomaly.
+    ({}, []) when the app cannot be read now."""
     endpoint = status.get("endpoint")
     if not endpoint:
         return {}, []
@@ -273,4 +299,5 @@ def observe_live(spec: MoEDeploymentSpec, status: dict, fetch=fetch_app_status) 
     if report is None:
         return {}, []
     fields = checked(summarise(spec, report, status))
-    return fields, swap_transitions(status.get("lastSwaps") or [], fields["lastSwaps"])
+    return fields, (swap_transitions(status.get("lastSwaps") or [], fields["lastSwaps"])
+                    + anomaly_events(status.get("conditions") or [], fields["conditions"], report.get("routing") or {}))

@@ -93,6 +93,18 @@ def test_namespaced_kuberay_ha_render(k8s):
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
 
 
+def test_routing_alerts_are_off_by_default_and_render_when_enabled(k8s):
+    assert not by_kind(render(k8s), "PrometheusRule")
+    [rule] = by_kind(render(k8s, "prometheusRule.enabled=true", "prometheusRule.entropyFloor=0.3",
+                            "prometheusRule.labels.release=kps"), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["labels"]["release"] == "kps"
+    rules = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert rules["MoERoutingAnomaly"]["expr"].endswith("(ray_moe_routing_anomaly) == 1")
+    assert rules["MoERoutingEntropyLow"]["expr"].endswith("(ray_moe_routing_entropy) < 0.3")
+    # Prometheus' own templates reach the rule as written, not expanded by helm
+    assert "{{ $labels.key }}" in rules["MoERoutingAnomaly"]["annotations"]["description"]
+
+
 def test_metrics_off_and_secret_reading_opt_in(k8s):
     docs = render(k8s, "metrics.enabled=false", "readTokenSecrets=true")
     assert not by_kind(docs, "Service")
@@ -107,6 +119,7 @@ def test_metrics_off_and_secret_reading_opt_in(k8s):
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
     ("metrics.port=80", "/metrics/port"),
     ("frobnicate=1", "frobnicate"),
+    ("prometheusRule.entropyFloor=2", "/prometheusRule/entropyFloor"),
 ])
 def test_bad_values_fail_with_a_message(k8s, value, needle):
     r = k8s.helm("template", "rel", CHART, "--set", value, check=False)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 from safetensors.torch import save_file
 
 from moe_operator.backends.ray_rest import RayServeClient
@@ -153,6 +154,52 @@ def _quarantine_through_moectl(k8s, endpoint, reference):
     assert r.returncode == 2 and "'1.x' is not an expert id" in r.stderr, r.stderr
 
 
+def _routing_anomaly_and_auto_quarantine(k8s, endpoint):
+    """spec.routing.anomaly thresholds and autoQuarantine: varied prompts give the detector its
+    baseline (RoutingAnomaly=False NoAnomaly); one key's prompts of one repeated token send every
+    token of a layer to the same two experts (of 4): RoutingAnomaly=True naming that key's id, a
+    Warning Event, and on a surge the expert quarantined automatically; autoQuarantine off lifts it."""
+    from moe_workers.serve.auth import key_id
+
+    def anomaly():
+        st = k8s.kubectl_json("get", "moed", "tiny").get("status") or {}
+        return st, next((c for c in st.get("conditions", []) if c["type"] == "RoutingAnomaly"), {})
+
+    routing = {"anomaly": {"warmupWindows": 1, "minTokens": 8, "entropyFloor": 0.6, "surgeFactor": 1.5,
+                           "minShareFactor": 1.0}, "autoQuarantine": True}
+    k8s.kubectl("patch", "moed", "tiny", "--type=merge", "-p", json.dumps({"spec": {"routing": routing}}))
+    g = torch.Generator().manual_seed(5)
+
+    def varied():
+        requests.post(endpoint + "/completions", json={"prompt": torch.randint(3, 120, (10,), generator=g).tolist(),
+                                                       "max_tokens": 3, "temperature": 0}, timeout=60)
+        return anomaly()[1].get("reason") == "NoAnomaly"
+
+    wait_for(varied, timeout_s=120, interval_s=0.2, what="RoutingAnomaly=False NoAnomaly on varied prompts")
+    attacker = key_id("Bearer sk-e2e-attacker")
+
+    def skewed():
+        requests.post(endpoint + "/completions", json={"prompt": [9] * 30, "max_tokens": 1, "temperature": 0},
+                      headers={"Authorization": "Bearer sk-e2e-attacker"}, timeout=60)
+        st, c = anomaly()
+        return c.get("status") == "True" and (st, c)
+
+    st, c = wait_for(skewed, timeout_s=120, interval_s=0.2, what="RoutingAnomaly=True on the skewed prompts")
+    assert c["reason"] in ("ExpertSurge", "EntropyDrop") and f"key {attacker}" in c["message"], c
+    assert all(r["key"] == attacker for r in st["routingAnomalies"]), st["routingAnomalies"]
+    events = k8s.kubectl_json("get", "events", "--field-selector", "involvedObject.name=tiny")["items"]
+    assert any(e["reason"] == c["reason"] and e["type"] == "Warning" for e in events)
+    surging = sorted({r["expert"] for r in st["routingAnomalies"] if r["kind"] == "surge"})
+    if surging:  # a surge is quarantined on the next pass, in place
+        st = wait_for(lambda: (s := anomaly()[0]).get("autoQuarantined") and set(s["autoQuarantined"]) <= set(
+            s.get("quarantinedExperts") or []) and s, timeout_s=120, what="the surging expert quarantined")
+        assert set(st["autoQuarantined"]) <= set(surging)
+    k8s.kubectl("patch", "moed", "tiny", "--type=merge", "-p", json.dumps({"spec": {"routing": {
+        "anomaly": None, "autoQuarantine": None}}}))
+    wait_for(lambda: not (s := anomaly()[0]).get("autoQuarantined") and not s.get("quarantinedExperts"),
+             timeout_s=120, what="the automatic quarantine lifted")
+
+
 def _capacity_through_the_spec(k8s, endpoint, reference):
     """spec.routing.capacityFactor on the real apiserver: applied in place (status.capacityFactor;
     a prompt's tokens follow the reference capped the same way), a factor below 1 refused by the
@@ -259,6 +306,7 @@ def test_operator_lifecycle(crd_installed, ray_head, tmp_path):
         _hot_swap_through_the_spec(k8s, model, endpoint, reference)
         _api_keys_from_a_secret(k8s, endpoint)
         _quarantine_through_moectl(k8s, endpoint, reference)
+        _routing_anomaly_and_auto_quarantine(k8s, endpoint)
         _capacity_through_the_spec(k8s, endpoint, reference)
 
         # the app removed from Ray behind the operator's back: a steady turn cannot read its report,

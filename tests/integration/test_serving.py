@@ -451,3 +451,37 @@ def test_every_shard_replica_is_on_the_expert_channel_at_rays_node_address(serve
     assert all(r["policy"]["name"] == "RankAware" for r in replicas), [r["policy"] for r in replicas]
     assert sum(r["store"]["ranked_calls"] for r in replicas) >= 3, [r["store"] for r in replicas]
 
+
+
+def test_a_routing_surge_is_detected_and_attributed_to_the_key_that_drove_it(served, ray_head):
+    """The anomaly detector on the real Ingress, thresholds as the operator renders them (user_config
+    "anomaly"): a window of varied prompts is the baseline; then one key's prompts of one repeated
+    token send every token to the same experts, and /moe/v1/status names the layer, the expert and
+    that key's id (never the key). Put back as it was after."""
+    from moe_workers.serve.auth import key_id
+    url = served[0]
+    args, placement = served[2]
+    status = lambda: requests.get(url + "/moe/v1/status", timeout=30).json()["routing"]  # noqa: E731
+    anomaly = {"warmupWindows": 1, "minTokens": 8}  # the default surge and entropy thresholds
+    deploy(ray_head, [serve_application("moe", "/", args, placement, anomaly=anomaly)])
+    g = torch.Generator().manual_seed(11)
+
+    def varied() -> bool:
+        _complete(url, prompt=torch.randint(3, 96, (12,), generator=g).tolist(), max_tokens=4, temperature=0)
+        r = status()
+        return r["detector"]["ok"] and r["detector"]["reason"] == "" and not r["anomalies"]
+
+    wait_for(varied, timeout_s=90, interval_s=0.2, what="a routing window of varied prompts as the baseline")
+    attacker = "sk-attacker-key"
+    headers = {"Authorization": f"Bearer {attacker}"}
+
+    def skewed() -> list:
+        requests.post(url + "/v1/completions", json={"prompt": [7] * 40, "max_tokens": 4, "temperature": 0},
+                      headers=headers, timeout=120)
+        return status()["anomalies"]
+
+    found = wait_for(skewed, timeout_s=90, interval_s=0.2, what="the detector to alert on the skewed prompts")
+    assert all(a["key"] == key_id(f"Bearer {attacker}") and a["key_share"] > 0.5 for a in found), found
+    assert attacker not in json.dumps(status())
+    assert {a["kind"] for a in found} <= {"surge", "entropy"} and all(0 <= a["layer"] < NUM_LAYERS for a in found)
+    deploy(ray_head, [serve_application("moe", "/", args, placement)])

@@ -289,3 +289,24 @@ def test_a_final_only_request_hands_over_its_end_not_each_token(tmp_path):
     items, streamed, whole = asyncio.run(main())
     assert items == [None] and whole.out.empty() and whole.finish_reason == "length"
     assert whole.produced == streamed == reference.generate([[5, 9, 11]], 6)[0]
+
+
+def test_routing_statistics_count_each_requests_expert_tokens_under_its_key(tmp_path):
+    """The API key id a request came with reaches the routing statistics with its chunks: what
+    the anomaly detector attributes a surge with."""
+    from moe_workers.serve.routing_stats import RoutingStats
+    make_mixtral(tmp_path, num_local_experts=4, num_hidden_layers=2)
+    stats = RoutingStats(2, 4, 4)
+
+    async def main():
+        engine = _engine(tmp_path, routing_stats=stats)
+        reqs = [engine.submit(GenerationRequest(prompt=[5, 6, 7], max_tokens=3, stop_at_eos=False, key="k1")),
+                engine.submit(GenerationRequest(prompt=[8, 9], max_tokens=2, stop_at_eos=False))]
+        await asyncio.gather(*(_collect(r) for r in reqs))
+
+    asyncio.run(main())
+    w = stats.take()
+    top_k = 2  # make_mixtral's routing
+    # k1: 3 prompt tokens and 2 fed back (the last produced is never fed); anonymous: 2 + 1
+    assert {k: sum(map(sum, v.values())) for k, v in w["keys"].items()} == {"k1": 5 * top_k * 2, "-": 3 * top_k * 2}
+    assert sum(map(sum, w["selected"].values())) == 8 * top_k * 2

@@ -93,3 +93,24 @@ def test_steps_counted_in_batches_count_what_step_by_step_counts(monkeypatch):
     assert one_by_one[0][0]["switching_rate"][1] is not None and one_by_one[0][0]["switching_rate"][2] is None
     assert run(8) == one_by_one
     assert run(64) == one_by_one
+
+
+def test_expert_tokens_per_layer_and_per_key_id():
+    s = RoutingStats(num_layers=2, num_experts=4, max_slots=4)
+    picks = torch.tensor([[[0, 1], [0, 2], [3, 1]], [[1, 2], [1, 3], [1, 0]]])  # (layers, tokens, k)
+    s.observe_step([0, 1], picks, [0, 1], [0, 0], [2, 1], keys=["k1", "k2"])
+    s.observe_step([0, 1], picks[:, :1], [1], [1], [1])  # a chunk without a key: "-"
+    w = s.take()
+    assert w["selected"] == {0: [3, 3, 1, 1], 1: [1, 4, 2, 1]}
+    assert w["keys"]["k1"] == {0: [2, 1, 1, 0], 1: [0, 2, 1, 1]}
+    assert w["keys"]["k2"] == {0: [0, 1, 0, 1], 1: [1, 1, 0, 0]}
+    assert w["keys"]["-"] == {0: [1, 1, 0, 0], 1: [0, 1, 1, 0]}
+    assert s.take()["keys"] == {}
+
+
+def test_keys_past_the_cap_are_counted_together(monkeypatch):
+    import moe_workers.serve.routing_stats as rs
+    monkeypatch.setattr(rs, "MAX_KEYS", 2)
+    s = RoutingStats(num_layers=1, num_experts=2, max_slots=4)
+    s.observe_step([0], torch.tensor([[[0, 1], [0, 1], [1, 0]]]), [0, 1, 2], [0, 0, 0], [1, 1, 1], keys=["a", "b", "c"])
+    assert sorted(s.take()["keys"]) == ["a", "b", rs.OTHER_KEYS]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from moe_workers.rfc3339 import format_rfc3339
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+ROUTING_ANOMALY = "RoutingAnomaly"  # the Ingress' routing anomaly detector alerts (observe.routing_anomaly)
 
 # reasons
 INVALID_SPEC = "InvalidSpec"
@@ -28,6 +29,11 @@ UPGRADING = "Upgrading"  # KubeRay is moving the app to a new Ray cluster
 UNHEALTHY = "Unhealthy"  # the application or one of its deployments is UNHEALTHY
 NO_SERVE_ENDPOINTS = "NoServeEndpoints"  # the app runs but KubeRay's Service has no endpoint
 DEPLOYMENT_UNHEALTHY = "DeploymentUnhealthy"  # Degraded: names the deployments
+# RoutingAnomaly
+EXPERT_SURGE = "ExpertSurge"  # True: an expert's share of its layer surged past surgeFactor x its baseline
+ENTROPY_DROP = "EntropyDrop"  # True: a layer's routing entropy fell under entropyFloor (no surge beside it)
+NO_ANOMALY = "NoAnomaly"  # False: the detector reads every window and alerts on none (or is warming up)
+DETECTOR_UNAVAILABLE = "DetectorUnavailable"  # Unknown: the app's report has no detector, or it cannot read a window
 
 # Event reasons beside the conditions' (an Event posted on a pass' outcome carries Ready's reason);
 # every Event is (type, reason, message), posted by one function per runner (the kopf handlers'
@@ -41,6 +47,9 @@ REBALANCE_RECOMMENDED = "RebalanceRecommended"  # autoscaling mode Recommend: wh
 REBALANCE_NOT_NEEDED = "RebalanceNotNeeded"  # a requested rebalance found nothing worth moving
 REBALANCED = "Rebalanced"  # the target placement serves (the make-before-break change is done)
 API_KEYS_CHANGED = "ApiKeysChanged"  # the API-key Secret changed; the keys apply in place
+# RoutingAnomaly turned True, or names other experts (a Warning with the shares; its reason the condition's)
+AUTO_QUARANTINED = "AutoQuarantined"  # spec.routing.autoQuarantine took a surging expert out (or lifted one)
+AUTO_QUARANTINE_REFUSED = "AutoQuarantineRefused"  # ... would pass maxQuarantinedShare: the expert keeps serving
 
 
 def now_rfc3339() -> str:

@@ -578,6 +578,35 @@ class ExpertsSpec(ApiModel):
 # spec.routing
 
 
+class AnomalySpec(ApiModel):
+    """When the Ingress' routing anomaly detector alerts (condition RoutingAnomaly, an Event, the
+    moe_routing_anomaly gauge). Per MoE layer it keeps each expert's baseline share of the layer's
+    expert-tokens, a moving mean over the routing windows (5 s) that saw traffic."""
+
+    entropy_floor: float = Field(
+        default=0.5, ge=0.0, le=1.0,
+        description="Alert when a layer's routing entropy, as a fraction of log(experts) (1.0: every expert used "
+        "alike, 0: one expert takes every token), falls below this.")
+    surge_factor: float = Field(
+        default=3.0, gt=1.0, le=1000.0,
+        description="Alert when an expert's share of its layer's expert-tokens exceeds this many times its baseline "
+        "share (3.0: a surge of more than 200%).")
+    min_share_factor: float = Field(
+        default=2.0, ge=1.0, le=1000.0,
+        description="A surge counts only when the expert's share is at least this many times the uniform share "
+        "1/experts (a rarely used expert going from 1 token to 3 does not alert).")
+    min_tokens: int = Field(
+        default=64, ge=1, le=1_000_000_000,
+        description="A layer's expert-tokens a window needs to be compared or learnt from.")
+    warmup_windows: int = Field(
+        default=3, ge=1, le=10_000,
+        description="Windows of baseline a layer needs before it may alert.")
+
+    def user_config(self) -> dict:
+        """The settings that differ from the defaults, as the Ingress' user_config "anomaly" spells them."""
+        return self.model_dump(by_alias=True, exclude_defaults=True)
+
+
 class RoutingSpec(ApiModel):
     """What the routers may choose: experts contained (quarantined) out of their layer's candidates,
     and an opt-in cap on the tokens an expert takes a step."""
@@ -591,6 +620,13 @@ class RoutingSpec(ApiModel):
     max_quarantined_share: float = Field(
         default=0.25, gt=0.0, le=0.5,
         description="The most of a layer's routed experts that may be quarantined at once.")
+    anomaly: AnomalySpec = Field(default_factory=AnomalySpec,
+                                 description="When the routing anomaly detector alerts (condition RoutingAnomaly).")
+    auto_quarantine: bool = Field(
+        default=False,
+        description="Quarantine the expert a RoutingAnomaly surge names, on top of spec.routing.quarantine "
+        "(status.autoQuarantined), never past maxQuarantinedShare of its layer. Lifted when this is turned off or "
+        "the expert is put in spec.routing.quarantine (then moectl quarantine --lift lifts it).")
     capacity_factor: float | None = Field(
         default=None, ge=1.0, le=16.0,
         description="Opt-in expert capacity: in each forward call (a step, or each micro-batch of a long one) "
@@ -789,6 +825,17 @@ class LayerImbalance(ApiModel):
     imbalance: float = Field(description="max/mean shard-group load of this layer.")
 
 
+class RoutingAnomalyRecord(ApiModel):
+    """One alert of the Ingress' routing anomaly detector."""
+
+    expert: ExpertIdStr = Field(description="LAYER.EXPERT: the surging expert, or (entropy) the layer's most chosen.")
+    kind: Literal["surge", "entropy"] = Field(description="surge: the expert's share over surgeFactor x its baseline; "
+                                              "entropy: the layer's routing entropy under entropyFloor.")
+    key: str = Field(description="Id of the API key with the most of the expert's tokens (the first 8 hex of its "
+                     "SHA-256; '-' for requests without a key).")
+    since: str | None = Field(default=None, description="When the detector first saw it.")
+
+
 class AutoscalingStatus(ApiModel):
     """The autoscaler's last decision, the placement it is applying, and its own memory (so a
     restarted operator keeps the stabilization window and cooldown)."""
@@ -867,6 +914,16 @@ class MoEDeploymentStatus(ApiModel):
     quarantined_experts: list[ExpertIdStr] | None = Field(
         default=None, max_length=4096,
         description="Experts the Ingress' routers leave out now (spec.routing.quarantine once applied).")
+    routing_anomalies: list[RoutingAnomalyRecord] | None = Field(
+        default=None, max_length=20, description="The routing anomaly detector's alerts now (condition RoutingAnomaly).")
+    auto_quarantined: list[ExpertIdStr] | None = Field(
+        default=None, max_length=4096,
+        description="Experts quarantined on a routing anomaly (spec.routing.autoQuarantine), on top of "
+        "spec.routing.quarantine.")
+    auto_quarantine_refused: list[ExpertIdStr] | None = Field(
+        default=None, max_length=4096,
+        description="Surging experts spec.routing.autoQuarantine left serving: quarantining them would pass "
+        "maxQuarantinedShare or leave a layer too few candidates.")
     capacity_factor: float | None = Field(
         default=None, description="The expert capacity the Ingress' routers apply now (spec.routing.capacityFactor "
                                   "once applied; unset: exact routing). Tokens routed to their next choice are "

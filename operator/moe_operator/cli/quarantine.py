@@ -30,7 +30,9 @@ def applied(doc: dict, wanted: list[str]) -> Optional[str]:
     ready = cond.get_condition(status.get("conditions") or [], cond.READY) or {}
     if ready.get("status") == "False" and ready.get("reason") == cond.INVALID_SPEC:
         return ready.get("message") or cond.INVALID_SPEC
-    return "" if sorted(status.get("quarantinedExperts") or [], key=expert_key) == wanted else None
+    auto = set(status.get("autoQuarantined") or []) - set(wanted)  # spec.routing.autoQuarantine's, on top
+    applied = [e for e in status.get("quarantinedExperts") or [] if e not in auto]
+    return "" if sorted(applied, key=expert_key) == wanted else None
 
 
 @app.command()

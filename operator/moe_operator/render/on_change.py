@@ -111,6 +111,12 @@ PROBES: dict[str, object] = {
     "autoscaling.metrics.scrapeIntervalSeconds": 30,
     "routing.quarantine": ["1.3"],
     "routing.maxQuarantinedShare": 0.5,
+    "routing.anomaly.entropyFloor": 0.2,
+    "routing.anomaly.surgeFactor": 5.0,
+    "routing.anomaly.minShareFactor": 3.0,
+    "routing.anomaly.minTokens": 256,
+    "routing.anomaly.warmupWindows": 6,
+    "routing.autoQuarantine": True,
     "routing.capacityFactor": 1.25,
 }
 

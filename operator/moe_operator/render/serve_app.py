@@ -80,12 +80,14 @@ def app_args(name: str, spec: MoEDeploymentSpec, allowed_roots: list[str] | None
 def render_application(namespace: str, name: str, spec: MoEDeploymentSpec, placement: dict[str, list[str]],
                        allowed_roots: list[str] | None = None,
                        shard_experts: dict[str, list[str]] | None = None,
-                       api_key_digests: list[str] | None = None) -> dict:
+                       api_key_digests: list[str] | None = None,
+                       auto_quarantine: list[str] | None = None) -> dict:
     """One entry of the Serve config's `applications` for this MoEDeployment. Tiers, overrides,
-    prefetch and the quarantine go into user_config (applied in place); allowed roots into the
+    prefetch, the quarantine and the anomaly thresholds go into user_config (applied in place); allowed roots into the
     static args.
     `shard_experts`: what the groups host when it differs from the routing placement (a
-    make-before-break rebalance in progress)."""
+    make-before-break rebalance in progress). `auto_quarantine`: experts quarantined on a routing
+    anomaly (`containment`), on top of the spec's."""
     prefetch = spec.experts.tiers.prefetch
     return serve_application(app_name(namespace, name), spec.ingress.route_prefix,
                              app_args(name, spec, allowed_roots), placement,
@@ -93,7 +95,8 @@ def render_application(namespace: str, name: str, spec: MoEDeploymentSpec, place
                              tiers=tier_config(spec), overrides=overrides_config(spec),
                              prefetch_lookahead=prefetch.lookahead_layers if prefetch.enabled else 0,
                              shard_experts=shard_experts, api_key_digests=api_key_digests,
-                             quarantine=spec.routing.quarantine, capacity_factor=spec.routing.capacity_factor)
+                             quarantine=list(spec.routing.quarantine) + list(auto_quarantine or []),
+                             anomaly=spec.routing.anomaly.user_config(), capacity_factor=spec.routing.capacity_factor)
 
 
 def merge_applications(current: list[dict], ours: dict) -> list[dict]:

@@ -75,6 +75,7 @@ class GenerationRequest:
     # None and the tokens stay in `produced`, so the event loop is not woken for every token
     final_only: bool = False
     constraint: "Constraint | None" = None  # the response format's grammar state (structured output)
+    key: str = "-"  # the API key id it came with (serve.auth.key_id): routing statistics per key
 
     # -- what it got (written by the engine thread; read by the caller once `out` gave None) ---
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then None

@@ -158,7 +158,7 @@ class ModelRunner:
         if self.routing_stats is not None and picks:  # once per step, all layers at once
             self.routing_stats.observe_step(sparse, torch.stack(picks).cpu(),
                                             [c.slot for c in batch.chunks], [c.start for c in batch.chunks],
-                                            [len(c.tokens) for c in batch.chunks])
+                                            [len(c.tokens) for c in batch.chunks], [c.key for c in batch.chunks])
         return logits.cpu()  # sampling runs on the host, with each request's own generator
 
 

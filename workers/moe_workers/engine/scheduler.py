@@ -79,7 +79,7 @@ class StepPlan:
 
     def chunks(self) -> list[Chunk]:
         """The step as the model sees it: each sequence's slot, first position and tokens."""
-        return [Chunk(s.request.slot, s.start, s.request.tokens(s.start, s.start + s.num_tokens))
+        return [Chunk(s.request.slot, s.start, s.request.tokens(s.start, s.start + s.num_tokens), s.request.key)
                 for s in self.scheduled]
 
     def sampled_rows(self) -> list[int]:

@@ -30,11 +30,13 @@ from .layers import (apply_rope, attention_mscale, linear, mlp, rms_norm, rope_c
 @dataclass
 class Chunk:
     """Tokens of one sequence in a step: positions start .. start+len(tokens)-1. `slot`: the
-    sequence's id in the KV cache (its block tables)."""
+    sequence's id in the KV cache (its block tables); `key`: the API key id of its request
+    (`serve.auth.key_id`), which routing statistics count expert-tokens by."""
 
     slot: int
     start: int
     tokens: list[int]
+    key: str = "-"
 
 
 @dataclass

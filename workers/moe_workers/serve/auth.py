@@ -16,6 +16,17 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+ANONYMOUS = "-"  # the key id of a request that sent no key
+
+
+def key_id(authorization: str | None) -> str:
+    """A short id for the key an Authorization header carries (the first 8 hex of its digest, which
+    the operator's Secret digests begin with too; never the key), ANONYMOUS without one: what
+    routing statistics and anomaly alerts attribute expert-tokens to."""
+    scheme, _, key = (authorization or "").partition(" ")
+    return key_digest(key.strip())[:8] if scheme.lower() == "bearer" and key.strip() else ANONYMOUS
+
+
 def parse_keys(text: str) -> list[str]:
     """Keys from a file or a Secret value: one per line; blank lines and `#` comments skipped."""
     keys = [line.strip() for line in text.splitlines()]

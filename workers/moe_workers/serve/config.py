@@ -253,7 +253,7 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
                       overrides: dict[str, dict] | None = None, prefetch_lookahead: int = 0,
                       shard_experts: dict[str, list[str]] | None = None,
                       api_key_digests: list[str] | None = None, quarantine: list[str] | None = None,
-                      capacity_factor: float | None = None) -> dict:
+                      anomaly: dict | None = None, capacity_factor: float | None = None) -> dict:
     """One entry of a Serve config's `applications`. Placement, replicas, tier budgets, expert
     overrides (hot-swaps: expert -> {"path", "sha256"}), prefetch, the quarantine (experts out of
     their routers' candidates) and the expert capacity are in-place options: Serve applies them through reconfigure() /
@@ -261,7 +261,8 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
 
     `placement` is what the ingress routes by; `shard_experts` (default: the placement) what each
     group hosts, a superset while a new placement is applied make-before-break.
-    `api_key_digests`: SHA-256 digests of the API keys /v1/* requires (none: open)."""
+    `api_key_digests`: SHA-256 digests of the API keys /v1/* requires (none: open).
+    `anomaly`: the routing anomaly detector's thresholds that differ from its defaults (in place too)."""
     # placement and the Ingress' replica count are in-place options below, not static args
     static = args.model_copy(update={"placement": None}).model_dump(exclude_none=True, exclude=NOT_STATIC)
     hosts = shard_experts if shard_experts is not None else placement
@@ -277,6 +278,8 @@ def serve_application(name: str, route_prefix: str, args: AppArgs, placement: di
         ingress_config["api_keys_sha256"] = sorted(api_key_digests)
     if quarantine:
         ingress_config["quarantine"] = sorted(quarantine, key=expert_key)
+    if anomaly:
+        ingress_config["anomaly"] = dict(anomaly)
     if capacity_factor is not None:
         ingress_config["capacity_factor"] = capacity_factor
     ingress: dict = ({"autoscaling_config": autoscaling} if autoscaling is not None

@@ -43,6 +43,8 @@ from moe_workers.serve.openai.serving import OpenAIServing
 from moe_workers.serve.openai.structured import Grammars
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.serve.routing_stats import RoutingStats
+from moe_workers.serve.anomaly import Detector, Thresholds
+from moe_workers.rfc3339 import format_rfc3339
 from moe_workers.serve.node import ray_placement
 from moe_workers.transport import ExpertChannel
 from moe_workers.transport.realtime import Realtime
@@ -89,6 +91,9 @@ class Ingress:
         self.dispatcher = ExpertDispatcher(self.channel, self.dense.pick, cfg.sparse_layers, cfg.num_experts)
         self.routing_stats = RoutingStats(cfg.num_layers, cfg.num_experts, self.args.max_batch_size)
         self.routing_window: dict = {}
+        self.detector = Detector()  # its thresholds from user_config "anomaly" (reconfigure)
+        self.anomalies: list[dict] = []  # the detector's alerts after the last window
+        self.detector_state: dict = {"ok": True, "reason": self.detector.status()}
         self.metrics = IngressMetrics(ctx.replica_id.deployment_id.app_name, self.replica)
         self.engine = Engine(self.dense, self.cache, self.dispatcher, self.args.max_batch_size,
                              engine_queue_limit(self.args), self.args.micro_batches,
@@ -118,7 +123,8 @@ class Ingress:
         "capacity_factor" caps the choices an expert takes a call (each layer's router reads them
         from its next call on; the prefix cache is dropped);
         "ingress_replicas" (how many Ingress replicas the app runs now) resizes the capacity this
-        replica announces to the proxy's admission gate, so scaling the Ingress restarts nothing."""
+        replica announces to the proxy's admission gate, so scaling the Ingress restarts nothing;
+        "anomaly" sets the routing anomaly detector's thresholds (`serve.anomaly.Thresholds`)."""
         placement = config.get("placement") or {}
         unknown = sorted(set(placement) - set(self.shards))
         if unknown:
@@ -129,6 +135,7 @@ class Ingress:
             raise ValueError(f"placement hosts no copy of experts {', '.join(missing[:10])}"
                              + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
         self.dispatcher.configure(router, int(config.get("prefetch_lookahead", 0)))
+        self.detector.configure(Thresholds.from_dict(config.get("anomaly")))  # ValueError naming a setting
         quarantine = list(config.get("quarantine") or [])
         capacity = config.get("capacity_factor")
         if quarantine != self.quarantined or capacity != self.dense.capacity_factor:
@@ -195,10 +202,10 @@ class Ingress:
             last = time.monotonic()
             try:
                 self.metrics.load(self.engine_stats())
-                window = self.routing_stats.take()
-                if any(t for t in window["tokens"]):
+                window = self._routing_window()
+                if window.get("tokens") and any(window["tokens"]):
                     self.routing_window = window  # status shows the last window that saw traffic
-                self.metrics.export(window)
+                self.metrics.export(window)  # {} when it could not be read: nothing set
                 router = self.dispatcher.router
                 if router is not None:
                     for group, sent in list(router.sent.items()):
@@ -209,6 +216,24 @@ class Ingress:
                     self._rerouted_exported[layer] = n
             except Exception:  # metrics never break serving; the next round retries
                 pass
+
+    def _routing_window(self) -> dict:
+        """The routing window just ended (its per-expert and per-key counts left out), after the
+        anomaly detector looked at it (on the metrics thread, never the step's path). What the
+        detector cannot do is said in status ("detector": ok false and why), not skipped: the
+        alerts it had stay until a window can be read again."""
+        try:
+            window = self.routing_stats.take()
+            keys = window.pop("keys")
+            found = self.detector.observe(window.pop("selected"), keys, format_rfc3339())
+        except Exception as err:  # noqa: BLE001 - reported; the next window tries again
+            self.detector_state = {"ok": False, "reason": f"cannot read the routing window: {type(err).__name__}: {err}"}
+            return {}
+        self.anomalies = [a.as_dict() for a in found]
+        self.detector_state = {"ok": True, "reason": self.detector.status()}
+        self.metrics.anomalies(self.anomalies)
+        self.metrics.keys({key: sum(map(sum, layers.values())) for key, layers in keys.items()})
+        return window
 
     # -- HTTP -----------------------------------------------------------------------------------
 
@@ -245,7 +270,8 @@ class Ingress:
                             "realtime": self.engine.realtime.status()},
                 "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs(),
                             "quarantined": list(self.quarantined), "capacity_factor": self.dense.capacity_factor,
-                            "capacity_rerouted": sum(self.dense.rerouted.values())}}
+                            "capacity_rerouted": sum(self.dense.rerouted.values()), "anomalies": list(self.anomalies),
+                            "detector": dict(self.detector_state)}}
 
     def tune_channel(self, local: bool | None = None, spin_us: int | None = None,
                      wake_latency_us: int | None | str = "keep", realtime_priority: int | None = None) -> None:

@@ -154,6 +154,13 @@ class IngressMetrics:
                                 "(share of expert parameters touched per step).", tag_keys=tags)
         self.switching = Gauge("moe_expert_switch_rate", description="Share of consecutive tokens of a sequence whose "
                                "top-1 expert changes, per layer.", tag_keys=tags + ("layer",))
+        self.anomaly = Gauge("moe_routing_anomaly", description="1 while the routing anomaly detector alerts on a "
+                             "layer's expert (kind surge or entropy), 0 once it cleared.",
+                             tag_keys=tags + ("layer", "expert", "kind", "key"))
+        self._anomalies: set[tuple[str, str, str, str]] = set()  # the alerts set to 1 last time
+        self.key_tokens = Counter("moe_key_expert_tokens", description="Expert-tokens routed for each API key id "
+                                  "(first 8 hex of the key's SHA-256; '-' without a key; at most 32 ids a window apart, "
+                                  "the rest as 'other').", tag_keys=tags + ("key",))
         self.group_tokens = Counter("moe_group_tokens", description="Expert-tokens the ingress sent to each shard group.",
                                     tag_keys=tags + ("group",))
         self.capacity_rerouted = Counter("moe_capacity_rerouted_tokens", description="Tokens routed again because "
@@ -172,6 +179,25 @@ class IngressMetrics:
                 self.switching.set(v, tags={**base, "layer": str(layer)})
         if window.get("activation_rate") is not None:
             self.activation.set(window["activation_rate"], tags=base)
+
+    def anomalies(self, active: list[dict]) -> None:
+        """moe_routing_anomaly: 1 for each alert now, 0 for those that cleared since the last call
+        (the key's id is a label: at most one series per alert, so the cardinality stays that of
+        the alerts)."""
+        if not self.enabled:
+            return
+        now = {(str(a["layer"]), str(a["expert"]), a["kind"], a["key"]) for a in active}
+        for labels in self._anomalies | now:
+            tags = {**self._base(), **dict(zip(("layer", "expert", "kind", "key"), labels))}
+            self.anomaly.set(1 if labels in now else 0, tags=tags)
+        self._anomalies = now
+
+    def keys(self, tokens: dict[str, int]) -> None:
+        """moe_key_expert_tokens by each key id's expert-tokens in the window."""
+        if self.enabled:
+            for key, n in tokens.items():
+                if n:
+                    self.key_tokens.inc(n, tags={**self._base(), "key": key})
 
     # -- the engine's Observer ----------------------------------------------------------------
     # A Ray metric's record costs 50-175 us (its C++ side, under the GIL): one per token on the

@@ -7,7 +7,10 @@
 - switching rate per layer: how often a sequence's top-1 expert differs from its previous token's
   (Mixtral's paper: ~75% in middle layers against 87.5% at random for 8 experts);
 - co-selection: how often two experts of a layer are picked for the same token (the planner keeps
-  such pairs in one group: one call per token instead of two).
+  such pairs in one group: one call per token instead of two);
+- expert-tokens per (layer, expert), and per API key (its short id, `auth.key_id`; "-" without
+  one) for up to MAX_KEYS keys a window (the rest counted as OTHER_KEYS): what the anomaly detector
+  (`serve/anomaly.py`) compares with its baseline and attributes a surge with.
 
 Counts accumulate between `take()` calls, which return the window's figures and start anew.
 """
@@ -20,6 +23,7 @@ import threading
 import torch
 
 FLUSH_STEPS = 64  # steps kept before they are counted (at once)
+MAX_KEYS, OTHER_KEYS = 32, "other"  # API keys counted apart in a window; the rest together
 
 
 class RoutingStats:
@@ -37,6 +41,7 @@ class RoutingStats:
         self.activated_steps = 0
         self.switches = torch.zeros(self.num_layers, dtype=torch.long)
         self.transitions = torch.zeros(self.num_layers, dtype=torch.long)
+        self.key_selected: dict[str, torch.Tensor] = {}  # key id -> (layers, experts) expert-tokens
 
     def observe(self, layer: int, indices: torch.Tensor, slots: list[int], starts: list[int], lengths: list[int]) -> None:
         """`indices` (tokens, top_k) of one layer for a step whose chunks are (slot, start, length)
@@ -44,14 +49,16 @@ class RoutingStats:
         self.observe_step([layer], indices[None], slots, starts, lengths)
 
     def observe_step(self, layers: list[int], indices: torch.Tensor, slots: list[int], starts: list[int],
-                     lengths: list[int]) -> None:
-        """`indices` (len(layers), tokens, top_k): a step's router picks for these layers. Kept
+                     lengths: list[int], keys: list[str] | None = None) -> None:
+        """`indices` (len(layers), tokens, top_k): a step's router picks for these layers; `keys`:
+        each chunk's API key id (None: all anonymous). Kept
         as they are and counted `FLUSH_STEPS` steps at a time, in one set of tensor ops (about 40
         ops, 0.4-0.5 ms a call on this project's CPUs: counted every step, they cost a 4-layer
         model's batch-1 decode as much as a layer's expert exchange); `take()` and
         `co_selected_pairs()` count what is pending first."""
         with self.lock:
-            self._pending.append((tuple(layers), indices, list(slots), list(starts), list(lengths)))
+            self._pending.append((tuple(layers), indices, list(slots), list(starts), list(lengths),
+                                  list(keys) if keys is not None else None))
             if len(self._pending) >= FLUSH_STEPS:
                 self._flush()
 
@@ -85,7 +92,10 @@ class RoutingStats:
         slots, continuing, first_rows, before = [], [], [], []
         latest: dict[int, int] = {}
         row = 0
-        for _, _, step_slots, starts, lengths in steps:
+        row_keys: list[str] = []
+        for _, _, step_slots, starts, lengths, keys in steps:
+            for i, length in enumerate(lengths):
+                row_keys += [keys[i] if keys is not None else "-"] * length
             for slot, start, length in zip(step_slots, starts, lengths):
                 slots.append(slot)
                 continuing.append(start > 0)
@@ -123,12 +133,33 @@ class RoutingStats:
         self.transitions.index_add_(0, layer_t, transitions)
         if pairs is not None:
             self.co_selection += pairs
+        self._count_keys(layer_t, indices, row_keys)
+
+    def _count_keys(self, layer_t: torch.Tensor, indices: torch.Tensor, row_keys: list[str]) -> None:
+        """Expert-tokens per key id of these rows (one bincount over (key, layer, expert))."""
+        room, kept = MAX_KEYS - len(self.key_selected), set(self.key_selected)
+        for name in dict.fromkeys(row_keys):
+            if name not in kept and room > 0:
+                kept.add(name)
+                room -= 1
+        row_keys = [r if r in kept else OTHER_KEYS for r in row_keys]
+        names = list(dict.fromkeys(row_keys))
+        nl, e = indices.shape[0], self.num_experts
+        of = {n: i for i, n in enumerate(names)}
+        key_t = torch.tensor([of[r] for r in row_keys], dtype=torch.long)
+        counts = torch.bincount(((key_t[None, :, None] * nl + torch.arange(nl)[:, None, None]) * e + indices).reshape(-1),
+                                minlength=len(names) * nl * e).view(len(names), nl, e)
+        for i, name in enumerate(names):
+            if name not in self.key_selected:
+                self.key_selected[name] = torch.zeros(self.num_layers, e, dtype=torch.long)
+            self.key_selected[name].index_add_(0, layer_t, counts[i])
 
     def take(self) -> dict:
         """The window's figures (None where nothing was routed), and a new window."""
         with self.lock:
             self._flush()
             selected, switches, transitions = self.selected, self.switches, self.transitions
+            key_selected = self.key_selected
             activation = self.activated / self.num_experts / self.activated_steps if self.activated_steps else None
             self._reset()
         entropy = []
@@ -141,8 +172,13 @@ class RoutingStats:
             h = float(-(p[p > 0] * p[p > 0].log()).sum())
             entropy.append(h / math.log(self.num_experts))
         switching = [int(s) / int(t) if int(t) else None for s, t in zip(switches, transitions)]
+        used = [layer for layer in range(self.num_layers) if int(selected[layer].sum())]
         return {"entropy": entropy, "activation_rate": activation, "switching_rate": switching,
-                "tokens": [int(selected[layer].sum()) for layer in range(self.num_layers)]}
+                "tokens": [int(selected[layer].sum()) for layer in range(self.num_layers)],
+                # layers with tokens only: layer -> each expert's expert-tokens, overall and per key id
+                "selected": {layer: selected[layer].tolist() for layer in used},
+                "keys": {name: {layer: c[layer].tolist() for layer in used if int(c[layer].sum())}
+                         for name, c in key_selected.items()}}
 
     def co_selected_pairs(self, limit: int = 256) -> list[tuple[str, str, int]]:
         """The most frequent pairs since start: (L.a, L.b, tokens), most first."""

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from moe_workers.engine import Engine, FinishReason, GenerationRequest, Overloaded, ending_ids
+from moe_workers.serve.auth import ANONYMOUS, key_id
 from moe_workers.serve.config import AppArgs
 from moe_workers.serve.http_gate import read_body
 from moe_workers.serve.openai.chat import ChatTemplate
@@ -64,7 +65,8 @@ class OpenAIServing:
         self._check_model(req.model)
         ids = self._prompt_ids(req.prompt)
         return await self._respond(req, ids, req.new_tokens, req.logprobs, chat=False,
-                                   resume=self._resume(request, req, req.new_tokens))
+                                   resume=self._resume(request, req, req.new_tokens),
+                                   key=key_id(request.headers.get("authorization")))
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse_chat(decode_body(await self._body(request)))
@@ -80,7 +82,8 @@ class OpenAIServing:
         ids = self._prompt_ids(text, param="messages", special_tokens=False)
         new_tokens = req.new_tokens if req.new_tokens is not None else self.max_len - len(ids)
         return await self._respond(req, ids, new_tokens, req.top_k_logprobs, chat=True,
-                                   resume=self._resume(request, req, new_tokens))
+                                   resume=self._resume(request, req, new_tokens),
+                                   key=key_id(request.headers.get("authorization")))
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.args.max_request_bytes, self.args.request_body_timeout_s)
@@ -134,9 +137,10 @@ class OpenAIServing:
                                param="model", err_type="model_not_found")
 
     async def _respond(self, req, ids: list[int], new_tokens: int, logprobs: int | None, chat: bool,
-                       resume: Resume | None = None) -> Response:
+                       resume: Resume | None = None, key: str = ANONYMOUS) -> Response:
         """Submit the request's n choices and answer them (whole, or as server-sent events); a
-        resumed stream goes on after the tokens its client has, under its first response's id."""
+        resumed stream goes on after the tokens its client has, under its first response's id.
+        `key`: the API key id its expert-tokens are counted under (routing statistics)."""
         param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         check_context(len(ids), new_tokens, self.max_len, self.engine.max_sequence_tokens(),
                       "messages" if chat else "prompt", param)
@@ -155,7 +159,7 @@ class OpenAIServing:
         if finish is None and (forced or (req.response_format is not None and req.response_format.type != "text")):
             constraints = await asyncio.to_thread(self._constraints, req, forced, prefix)
         gens = [GenerationRequest(prompt=ids + prefix, max_tokens=new_tokens - len(prefix), sampling=sampling,
-                                  constraint=constraints[i],
+                                  constraint=constraints[i], key=key,
                                   seed=None if req.seed is None else req.seed + i, logprobs=logprobs,
                                   stop_at_eos=not req.ignore_eos, stop_token_ids=frozenset(req.stop_token_ids or ()),
                                   resumed=len(prefix),  # final_only: _collect reads `produced` at the end
