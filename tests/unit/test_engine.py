@@ -289,3 +289,23 @@ def test_a_final_only_request_hands_over_its_end_not_each_token(tmp_path):
     items, streamed, whole = asyncio.run(main())
     assert items == [None] and whole.out.empty() and whole.finish_reason == "length"
     assert whole.produced == streamed == reference.generate([[5, 9, 11]], 6)[0]
+
+
+def test_step_phases_add_up_within_the_forward_time(tmp_path):
+    """The profile's phases (`StepTimings.profile`) are each measured and together no more than
+    the forward passes plus sampling (what `moectl profile` draws)."""
+    make_mixtral(tmp_path, num_local_experts=4, num_hidden_layers=2)
+
+    async def main():
+        engine = _engine(tmp_path, slots=2)
+        reqs = [engine.submit(GenerationRequest(prompt=[3, 4, 5], max_tokens=4, stop_at_eos=False)) for _ in range(2)]
+        await asyncio.gather(*(_collect(r) for r in reqs))
+        return engine
+
+    profile = asyncio.run(main()).stats()["profile"]
+    phases = profile["phases"]
+    assert list(phases) == ["embed", "attention", "router", "local", "exchange", "logits", "sampling"]
+    assert profile["steps"] >= 4 and profile["tokens"] >= 8
+    assert all(phases[p] > 0 for p in ("embed", "attention", "router", "exchange", "logits", "sampling"))
+    assert sum(v for p, v in phases.items() if p != "sampling") <= profile["forward_s"]
+    assert sum(phases.values()) <= profile["step_s"]

@@ -257,8 +257,11 @@ class Ingress:
 
     def engine_stats(self) -> dict:
         """The engine's figures (`Engine.stats()`) and this replica's process: CPU time, peak RSS,
-        the dense part's bytes, the grammar cache, and the expert versions the prefix cache holds."""
+        the dense part's bytes, the grammar cache, and the expert versions the prefix cache holds.
+        "profile": the step's phases (seconds since start), the exchange's parts as
+        "exchange.<part>" (`dispatch.ExchangeTimes`): what `moectl profile` diffs."""
         stats = self.engine.stats()
+        stats["profile"]["phases"].update({f"exchange.{p}": s for p, s in self.dispatcher.times.as_dict().items()})
         usage = resource.getrusage(resource.RUSAGE_SELF)
         stats["kv"]["weights"] = self._weights
         return {**stats, "cpu_s": usage.ru_utime + usage.ru_stime, "pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes(),
