@@ -45,6 +45,9 @@ class ShardMetrics:
                                    description="Share of recent prefetch hints the layer's next call used.",
                                    tag_keys=tags)
         self.swaps = Counter("moe_hotswaps", description="Hot-swaps by outcome.", tag_keys=tags + ("outcome",))
+        self.latency_p95 = Gauge("moe_expert_latency_p95_seconds", description="An expert's compute time on this "
+                                 "replica, 95th percentile of its last 64 sampled calls (one call in 16 is timed an "
+                                 "expert at a time).", tag_keys=("layer", "expert", "group", "app"))
         self.swap_seconds = Histogram("moe_hotswap_seconds", description="Hot-swap duration, request to serving.",
                                       boundaries=[0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30], tag_keys=tags)
 
@@ -57,6 +60,15 @@ class ShardMetrics:
         for e, n in zip(experts, counts):
             self.expert_tokens.inc(n, tags={"layer": str(layer), "expert": str(e), "group": self.group, "app": self.app})
         self.replica_tokens.inc(sum(counts), tags=self._tags())
+
+    def latency(self, p95: dict[tuple[int, int], float]) -> None:
+        """Each sampled expert's p95 compute seconds (`ExpertHealth.fresh_p95_seconds`), on the
+        export thread."""
+        if not self.enabled:
+            return
+        for (layer, e), seconds in p95.items():
+            self.latency_p95.set(seconds, tags={"layer": str(layer), "expert": str(e), "group": self.group,
+                                                "app": self.app})
 
     def on_move(self, src: str, dst: str, seconds: float, nbytes: int) -> None:
         if not self.enabled:
