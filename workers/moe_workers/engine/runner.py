@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from moe_workers.step_profile import PHASES
 from moe_workers.engine.scheduler import Sampled, StepPlan
 from moe_workers.model.dense import Chunk, DenseModel, StepBatch
 from moe_workers.model.kv_cache import PagedKVCache
@@ -25,11 +26,6 @@ from moe_workers.model.sampling import sample_batch
 from moe_workers.transport.realtime import Realtime
 
 Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # runs in a step thread
-
-
-# the phases of a step `StepTimings` sums (seconds, in the order a step runs them): what
-# `moectl profile` draws; the expert exchange's own parts come from its dispatcher
-PHASES = ("embed", "attention", "router", "local", "exchange", "logits", "sampling")
 
 
 @dataclass
@@ -40,7 +36,7 @@ class StepTimings:
     the dense phases are the host's time to issue the kernels; the device's time shows where the
     host next waits for it (the exchange's plan reads the routing to the host).
 
-    Phases (`PHASES`): embed; attention; router (the gate and top-k); local (a dense layer's
+    Phases (`step_profile.PHASES`): embed; attention; router (the gate and top-k); local (a dense layer's
     MLP, shared experts); exchange (the routed experts: the dispatcher's call, `experts` too);
     logits (final norm, lm_head and the copy to the host); sampling (tokens and logprobs)."""
 

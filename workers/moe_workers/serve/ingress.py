@@ -184,6 +184,7 @@ class Ingress:
             time.sleep(latencies_every_s)
             try:
                 self.metrics.flush()
+                self.metrics.phases(self.profile())
             except Exception:  # metrics never break serving
                 pass
             if time.monotonic() - last < every_s:
@@ -255,13 +256,19 @@ class Ingress:
         if realtime_priority is not None:
             self.engine.realtime.set_priority(realtime_priority)
 
+    def profile(self) -> dict:
+        """The step's phases since start (`StepTimings.profile`), with the exchange's parts as
+        "exchange.<part>" (`dispatch.ExchangeTimes`)."""
+        profile = self.engine.timings.profile()
+        profile["phases"].update({f"exchange.{p}": s for p, s in self.dispatcher.times.as_dict().items()})
+        return profile
+
     def engine_stats(self) -> dict:
         """The engine's figures (`Engine.stats()`) and this replica's process: CPU time, peak RSS,
         the dense part's bytes, the grammar cache, and the expert versions the prefix cache holds.
-        "profile": the step's phases (seconds since start), the exchange's parts as
-        "exchange.<part>" (`dispatch.ExchangeTimes`): what `moectl profile` diffs."""
+        "profile": the step's phases (`profile()`): what `moectl profile` diffs."""
         stats = self.engine.stats()
-        stats["profile"]["phases"].update({f"exchange.{p}": s for p, s in self.dispatcher.times.as_dict().items()})
+        stats["profile"] = self.profile()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         stats["kv"]["weights"] = self._weights
         return {**stats, "cpu_s": usage.ru_utime + usage.ru_stime, "pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes(),

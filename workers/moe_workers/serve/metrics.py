@@ -7,6 +7,7 @@ import threading
 import time
 from collections import deque
 
+from moe_workers.step_profile import per_step
 from moe_workers.store.store import TIERS
 
 
@@ -112,6 +113,7 @@ class ShardMetrics:
         self._last[name] = total
 
 
+PHASE_BOUNDS = [0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1]
 LATENCY_BOUNDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 
 
@@ -166,6 +168,11 @@ class IngressMetrics:
                                 "(share of expert parameters touched per step).", tag_keys=tags)
         self.switching = Gauge("moe_expert_switch_rate", description="Share of consecutive tokens of a sequence whose "
                                "top-1 expert changes, per layer.", tag_keys=tags + ("layer",))
+        self.step_phase = Histogram("moe_step_phase_seconds", description="A step's time in each phase (attention, "
+                                    "router, exchange, exchange.wait, ...): each second, the mean a step over that "
+                                    "second's steps (one observation a second, not one a step).",
+                                    boundaries=PHASE_BOUNDS, tag_keys=tags + ("phase",))
+        self._profile: dict | None = None
         self.group_tokens = Counter("moe_group_tokens", description="Expert-tokens the ingress sent to each shard group.",
                                     tag_keys=tags + ("group",))
 
@@ -235,6 +242,16 @@ class IngressMetrics:
             if delta > 0:
                 counter.inc(delta, tags=base)
             self._last[name] = kv[name]
+
+    def phases(self, profile: dict) -> None:
+        """Each phase's mean seconds a step since the last call (`step_profile.per_step`), one
+        observation a phase: on the metrics thread each second, never on the step's path."""
+        if not self.enabled:
+            return
+        steps, means = per_step(self._profile, profile)
+        self._profile = profile
+        for phase, seconds in means.items():
+            self.step_phase.observe(seconds, tags={**self._base(), "phase": phase})
 
     def reject(self, code: int) -> None:
         if self.enabled:
