@@ -40,18 +40,18 @@ def compute_call(store: TieredExpertStore, cfg, keys: list[Key], counts: list[in
             if prefetch:
                 store.prefetch(prefetch)
             for i in waves[0]:
-                expert_rows(weights, keys[i], starts[i], counts[i], x, out, cfg, timer)
+                compute_expert(weights, keys[i], starts[i], counts[i], x, out, cfg, timer)
         return
     store.tell(keys, first)
     for wave in waves:
         with store.use([keys[i] for i in wave], None) as weights:
             for i in wave:
-                expert_rows(weights, keys[i], starts[i], counts[i], x, out, cfg, timer)
+                compute_expert(weights, keys[i], starts[i], counts[i], x, out, cfg, timer)
     if prefetch:
         store.prefetch(prefetch)
 
 
-def expert_rows(weights: dict, key: Key, start: int, n: int, x: torch.Tensor, out: torch.Tensor, cfg,
+def compute_expert(weights: dict, key: Key, start: int, n: int, x: torch.Tensor, out: torch.Tensor, cfg,
                 timer: Timer | None = None) -> None:
     """One expert's `n` rows from `start`, in place; timed when `timer` is given (on a GPU up to
     the kernels' end: the timed call waits for the device)."""

@@ -33,6 +33,7 @@ from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.serve.dispatch import BoardMembership, ExpertDispatcher
 from moe_workers.serve.config import AUTO, AppArgs, admission_capacity, engine_queue_limit
 from moe_workers.serve.ingress_scaling import KV_METRIC
+from moe_workers.serve.load_baseline import LoadBaseline
 from moe_workers.engine import Engine
 from moe_workers.serve.memory import peak_rss_bytes
 from moe_workers.serve.metrics import IngressMetrics
@@ -88,6 +89,7 @@ class Ingress:
         self.dispatcher = ExpertDispatcher(self.channel, self.dense.pick, cfg.sparse_layers, cfg.num_experts)
         self.routing_stats = RoutingStats(cfg.num_layers, cfg.num_experts, self.args.max_batch_size)
         self.routing_window: dict = {}
+        self.load_baseline = LoadBaseline()  # each expert's share of its layer against its moving average
         self.metrics = IngressMetrics(ctx.replica_id.deployment_id.app_name, self.replica)
         self.engine = Engine(self.dense, self.cache, self.dispatcher, self.args.max_batch_size,
                              engine_queue_limit(self.args), self.args.micro_batches,
@@ -193,8 +195,10 @@ class Ingress:
             try:
                 self.metrics.load(self.engine_stats())
                 window = self.routing_stats.take()
+                selected = window.pop("selected")
                 if any(t for t in window["tokens"]):
                     self.routing_window = window  # status shows the last window that saw traffic
+                    self.load_baseline.update(selected)
                 self.metrics.export(window)
                 router = self.dispatcher.router
                 if router is not None:
@@ -238,7 +242,7 @@ class Ingress:
                             "wake_latency": self.channel.wake.status(),
                             "realtime": self.engine.realtime.status()},
                 "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs(),
-                            "quarantined": list(self.quarantined)}}
+                            "quarantined": list(self.quarantined), "load": self.load_baseline.report()}}
 
     def tune_channel(self, local: bool | None = None, spin_us: int | None = None,
                      wake_latency_us: int | None | str = "keep", realtime_priority: int | None = None) -> None:

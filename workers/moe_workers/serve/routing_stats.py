@@ -125,7 +125,8 @@ class RoutingStats:
             self.co_selection += pairs
 
     def take(self) -> dict:
-        """The window's figures (None where nothing was routed), and a new window."""
+        """The window's figures (None where nothing was routed), and a new window. "selected":
+        the window's tokens per layer and expert (`load_baseline.LoadBaseline`)."""
         with self.lock:
             self._flush()
             selected, switches, transitions = self.selected, self.switches, self.transitions
@@ -142,7 +143,8 @@ class RoutingStats:
             entropy.append(h / math.log(self.num_experts))
         switching = [int(s) / int(t) if int(t) else None for s, t in zip(switches, transitions)]
         return {"entropy": entropy, "activation_rate": activation, "switching_rate": switching,
-                "tokens": [int(selected[layer].sum()) for layer in range(self.num_layers)]}
+                "tokens": [int(selected[layer].sum()) for layer in range(self.num_layers)],
+                "selected": selected.tolist()}
 
     def co_selected_pairs(self, limit: int = 256) -> list[tuple[str, str, int]]:
         """The most frequent pairs since start: (L.a, L.b, tokens), most first."""
