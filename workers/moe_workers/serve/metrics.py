@@ -49,6 +49,10 @@ class ShardMetrics:
         self.latency_p95 = Gauge("moe_expert_latency_p95_seconds", description="An expert's compute time on this "
                                  "replica, 95th percentile of its last 64 sampled calls (one call in 16 is timed an "
                                  "expert at a time).", tag_keys=("layer", "expert", "group", "app"))
+        self.expert_misses = Counter("moe_expert_misses", description="Calls that found an expert out of the hot "
+                                     "tier and waited for its promotion, per expert.",
+                                     tag_keys=("layer", "expert", "group", "app"))
+        self._exported_misses: dict[tuple[int, int], int] = {}
         self.swap_seconds = Histogram("moe_hotswap_seconds", description="Hot-swap duration, request to serving.",
                                       boundaries=[0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30], tag_keys=tags)
 
@@ -105,6 +109,12 @@ class ShardMetrics:
                 self._inc(self.misses, f"miss.{tier}", st.misses[tier], tier=tier)
             self._inc(self.prefetch_issued, "pf.issued", st.prefetch_issued)
             self._inc(self.prefetch_used, "pf.used", st.prefetch_used)
+            for (layer, e), n in store.misses_by_key().items():  # by their increase: only experts that missed
+                delta = n - self._exported_misses.get((layer, e), 0)
+                if delta > 0:
+                    self.expert_misses.inc(delta, tags={"layer": str(layer), "expert": str(e), "group": self.group,
+                                                        "app": self.app})
+                self._exported_misses[(layer, e)] = n
 
     def _inc(self, counter, name: str, total: float, **tags) -> None:
         delta = total - self._last.get(name, 0)
