@@ -100,11 +100,11 @@ def profile_tree(diff: dict, title: str = "step") -> Tree:
     and slowest experts (pure)."""
     about = (f"{diff['steps']} steps, {diff['tokens_per_step']:g} tokens a step"
              + (f", over {diff['seconds']:g} s" if diff.get("seconds") else ""))
-    tree = Tree(f"[bold]{_line(title, diff['step_ms'], 1.0)}[/]  ({about})")
+    tree = Tree(f"[bold]{_line(title, diff['step_ms'], 1.0, 26)}[/]  ({about})")  # (the columns line up)
     for phase in diff["phases"]:
         node = tree.add(_line(phase["name"], phase["ms"], phase["share"]))
         for part in phase["parts"]:
-            sub = node.add(_line(part["name"], part["ms"], part["share"], 19))
+            sub = node.add(_line(part["name"], part["ms"], part["share"], 18))
             if phase["name"] == "exchange" and part["name"] == "wait":
                 for g in diff["groups"]:
                     sub.add(group_line(g))
