@@ -309,3 +309,24 @@ def test_step_phases_add_up_within_the_forward_time(tmp_path):
     assert all(phases[p] > 0 for p in ("embed", "attention", "router", "exchange", "logits", "sampling"))
     assert sum(v for p, v in phases.items() if p != "sampling") <= profile["forward_s"]
     assert sum(phases.values()) <= profile["step_s"]
+
+
+def test_ingress_metrics_observe_each_phases_mean_a_step_once_a_read():
+    """`IngressMetrics.phases` (the metrics thread, once a second): one observation a phase, the
+    mean a step since the last read; none while no step ran."""
+    import types
+
+    from moe_workers.serve.metrics import IngressMetrics
+
+    m = IngressMetrics("app", "r1")
+    seen = []
+    m.enabled, m._profile = True, None
+    m.step_phase = types.SimpleNamespace(observe=lambda v, tags: seen.append((tags["phase"], v)))
+    m.phases({"steps": 10, "phases": {"attention": 0.02, "exchange": 0.05, "exchange.wait": 0.04}})
+    assert seen == [("attention", 0.002), ("exchange", 0.005), ("exchange.wait", 0.004)]
+    seen.clear()
+    m.phases({"steps": 10, "phases": {"attention": 0.02, "exchange": 0.05, "exchange.wait": 0.04}})
+    assert seen == []  # an idle second
+    m.phases({"steps": 14, "phases": {"attention": 0.03, "exchange": 0.07, "exchange.wait": 0.05}})
+    assert seen == [("attention", pytest.approx(0.0025)), ("exchange", pytest.approx(0.005)),
+                    ("exchange.wait", pytest.approx(0.0025))]
