@@ -36,9 +36,10 @@ class StepTimings:
     the dense phases are the host's time to issue the kernels; the device's time shows where the
     host next waits for it (the exchange's plan reads the routing to the host).
 
-    Phases (`step_profile.PHASES`): embed; attention; router (the gate and top-k); local (a dense layer's
-    MLP, shared experts); exchange (the routed experts: the dispatcher's call, `experts` too);
-    logits (final norm, lm_head and the copy to the host); sampling (tokens and logprobs)."""
+    Phases (`step_profile.PHASES`): embed; attention; router (the gate and top-k); local (a
+    dense layer's MLP, shared experts); exchange (the routed experts: the dispatcher's call,
+    `experts` too); logits (final norm, lm_head and the copy to the host); sampling (tokens and
+    logprobs)."""
 
     dense: float = 0.0
     dense_cpu: float = 0.0  # CPU of the calling thread only: with several torch threads, a share
@@ -200,18 +201,15 @@ class ModelRunner:
                 moe = self.dispatch(layer, x, indices, weights)
                 timings.experts += time.perf_counter() - t1
             h = dense.residual(h, moe, local)
-        logits = timed("logits", _logits_on_host, dense, h, batch.last_rows)
+        logits = timed("logits", dense.logits, h, batch.last_rows)
         if self.routing_stats is not None and picks:  # once per step, all layers at once
             self.routing_stats.observe_step(sparse, torch.stack(picks).cpu(),
                                             [c.slot for c in batch.chunks], [c.start for c in batch.chunks],
                                             [len(c.tokens) for c in batch.chunks])
+        t0 = time.perf_counter()
+        logits = logits.cpu()  # sampling runs on the host, with each request's own generator
+        timings.logits += time.perf_counter() - t0  # (on a GPU: the wait for the step's last kernels)
         return logits
-
-
-def _logits_on_host(dense: DenseModel, h: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
-    """The last rows' logits, copied to the host (sampling runs there, with each request's own
-    generator): on a GPU the copy is where the host waits for the step's last kernels."""
-    return dense.logits(h, last_rows).cpu()
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
