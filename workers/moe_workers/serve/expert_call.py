@@ -52,11 +52,11 @@ def compute_call(store: TieredExpertStore, cfg, keys: list[Key], counts: list[in
 
 
 def compute_expert(weights: dict, key: Key, start: int, n: int, x: torch.Tensor, out: torch.Tensor, cfg,
-                timer: Timer | None = None) -> None:
-    """One expert's `n` rows from `start`, in place; timed when `timer` is given (on a GPU up to
-    the kernels' end: the timed call waits for the device)."""
+                   timer: Timer | None = None) -> None:
+    """One expert's `n` rows from `start`, in place; timed when `timer` is given and it has rows
+    (on a GPU up to the kernels' end: the timed call waits for the device)."""
     rows = slice(start, start + n)
-    if timer is None:
+    if timer is None or n == 0:
         compute_rows(weights, [key], [n], x[rows], out[rows], cfg)
         return
     t0 = time.perf_counter()
