@@ -63,3 +63,46 @@ def test_the_tree_shows_phases_parts_and_groups_under_the_wait():
     assert "(slowest p95: 0.2 1.500 ms, 0.1 0.500 ms)" in lines[wait + 1]
     assert "ExpertShard-1 compute 2.500 ms" in lines[wait + 2]
     assert lines[-1].startswith("└── other")
+
+
+def test_the_command_reads_the_app_twice_and_prints_the_window(monkeypatch):
+    """`moectl profile NAME --endpoint URL` against a real HTTP server answering the two reads
+    (a later read reaching another Ingress replica is read again); -o json is the diff."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from typer.testing import CliRunner
+
+    from moe_operator.cli.main import app
+
+    answers = [status(100, 1.0), status(900, 9.0, pid=8), status(300, 3.0)]  # the middle one: another replica
+    served = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(answers[min(len(served), len(answers) - 1)]).encode()
+            served.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        done = CliRunner().invoke(app, ["profile", "m", "--endpoint", url, "--seconds", "0.2", "-o", "json"])
+        assert done.exit_code == 0, done.output
+        diff = json.loads(done.output)
+        assert served == ["/moe/v1/status"] * 3 and diff["steps"] == 200 and diff["seconds"] == 0.2
+        served.clear()
+        answers[:] = [status(100, 1.0)]  # nothing ran in the window
+        done = CliRunner().invoke(app, ["profile", "m", "--endpoint", url, "--seconds", "0.2"])
+        assert done.exit_code == 1 and "no step ran in the window" in done.output
+    finally:
+        server.shutdown()
