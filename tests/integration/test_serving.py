@@ -155,10 +155,13 @@ def test_status_profiles_the_step_and_each_experts_health(served):
         codes = list(pool.map(lambda i: _complete(url, prompt=[3 + i, 4, 5], max_tokens=24).status_code, range(8)))
     assert codes == [200] * 8
 
+    calls_before = {r["replica"]: r.get("calls", 0) for r in before["replicas"] if r.get("group")}
+
     def sampled():  # every replica's report since the traffic (the board relays one every 2 s)
         report = requests.get(url + "/moe/v1/status", timeout=30).json()
         shards = [r for r in report["replicas"] if r.get("group")]
-        return shards and all(any(h["samples"] for h in (r.get("health") or {}).values()) for r in shards) and report
+        return shards and all(r.get("calls", 0) > calls_before.get(r["replica"], 0)
+                              and any(h["samples"] for h in (r.get("health") or {}).values()) for r in shards) and report
 
     after = wait_for(sampled, timeout_s=30, what="sampled expert latencies of every replica relayed by the board")
     profile = after["ingress"]["profile"]
