@@ -18,6 +18,7 @@ COMMANDS = {
     "rebalance": ["rebalance", "{name}"],
     "experts": ["experts", "{name}"],
     "top": ["top", "{name}", "--once"],
+    "profile": ["profile", "{name}", "--seconds", "0.2"],
     "bench": ["bench", "{name}", "--duration", "1"],
 }
 

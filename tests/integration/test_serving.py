@@ -141,6 +141,46 @@ def test_expert_load_recorded_per_group(served):
             assert expert % 4 == g or (g == 1 and expert == 0), f"{eid} computed by group {g}"
 
 
+def test_status_profiles_the_step_and_each_experts_health(served):
+    """/moe/v1/status after some decode steps: the Ingress' phases are measured and add up within
+    its forward time, the exchange's parts within the exchange; the shard replicas (relayed by
+    the StatusBoard) report sampled p95s per expert; moectl profile's diff and tree take it."""
+    from rich.console import Console
+
+    from moe_operator.cli.profile_view import profile_diff, profile_tree
+
+    url = served[0]
+    before = requests.get(url + "/moe/v1/status", timeout=30).json()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # enough calls that every group samples some
+        codes = list(pool.map(lambda i: _complete(url, prompt=[3 + i, 4, 5], max_tokens=24).status_code, range(8)))
+    assert codes == [200] * 8
+
+    calls_before = {r["replica"]: r.get("calls", 0) for r in before["replicas"] if r.get("group")}
+
+    def sampled():  # every replica's report since the traffic (the board relays one every 2 s)
+        report = requests.get(url + "/moe/v1/status", timeout=30).json()
+        shards = [r for r in report["replicas"] if r.get("group")]
+        return shards and all(r.get("calls", 0) > calls_before.get(r["replica"], 0)
+                              and any(h["samples"] for h in (r.get("health") or {}).values()) for r in shards) and report
+
+    after = wait_for(sampled, timeout_s=30, what="sampled expert latencies of every replica relayed by the board")
+    profile = after["ingress"]["profile"]
+    phases = profile["phases"]
+    assert all(phases[p] > 0 for p in ("attention", "router", "exchange", "logits", "sampling", "exchange.plan",
+                                       "exchange.gather", "exchange.wait", "exchange.combine"))
+    top = sum(v for p, v in phases.items() if "." not in p and p != "sampling")
+    assert top <= profile["forward_s"] <= profile["step_s"]
+    assert sum(v for p, v in phases.items() if p.startswith("exchange.")) <= phases["exchange"]
+    health = [h for r in after["replicas"] for h in (r.get("health") or {}).values() if h["samples"]]
+    assert all(h["p95_ms"] > 0 and h["errors"] == 0 for h in health)
+    diff = profile_diff(before, after)
+    assert diff["steps"] >= 24 and {g["group"] for g in diff["groups"]} == {f"ExpertShard-{g}" for g in range(4)}
+    assert all(g["compute_ms"] > 0 for g in diff["groups"])
+    console = Console(width=160, record=True)
+    console.print(profile_tree(diff))
+    print(console.export_text())
+
+
 def test_overload_gets_503_with_retry_after_and_others_succeed(served):
     """48 requests while none can finish (shards stopped): the admission gate in Serve's proxy
     lets through what the Ingress holds (its batch and wait queue) and refuses the rest with 503 +

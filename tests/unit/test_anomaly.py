@@ -119,3 +119,16 @@ def test_an_alert_keeps_naming_its_expert_while_it_still_qualifies():
     swapped[2], swapped[6] = both[6], both[2]  # the other one leads now: the alert still names the first
     [again] = [a for a in d.observe({0: swapped}, {}, "b") if a.kind == SURGE]
     assert (again.expert, again.since) == (first.expert, "a")
+
+
+def test_the_load_report_sets_each_window_against_the_baseline_before_it():
+    """Expert health's VS BASE (`Detector.load_report`): the last window's shares beside the
+    baseline before it; the first window is its own baseline; a window under min_tokens or a layer
+    without traffic leaves the report as it was; an alerting layer's baseline stays frozen."""
+    d = Detector(Thresholds(min_tokens=4, warmup_windows=1, baseline_weight=0.5))
+    d.observe({0: [30, 10]}, None, "t0")
+    assert d.load_report() == {"0": {"share": [0.75, 0.25], "baseline": [0.75, 0.25]}}
+    d.observe({0: [10, 30], 1: [1, 1]}, None, "t1")  # layer 1: too few tokens to count
+    assert d.load_report() == {"0": {"share": [0.25, 0.75], "baseline": [0.75, 0.25]}}
+    d.observe({0: [20, 20]}, None, "t2")
+    assert d.load_report()["0"] == {"share": [0.5, 0.5], "baseline": pytest.approx([0.5, 0.5])}

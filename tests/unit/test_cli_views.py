@@ -123,3 +123,33 @@ def test_moectl_experts_at_deepseek_scale_summarises_layers_and_filters_experts(
 def test_a_bad_layer_selection_names_the_part(text):
     with pytest.raises(ValueError, match="is not a layer or a range of layers"):
         parse_layers(text)
+
+
+def health_report():
+    rep = report()
+    rep["replicas"][0]["health"] = {"0.0": {"p95_ms": 0.4, "samples": 5, "misses": 2, "errors": 0},
+                                    "1.0": {"p95_ms": None, "samples": 0, "misses": 1, "errors": 1}}
+    rep["replicas"][1]["health"] = {"0.0": {"p95_ms": 0.9, "samples": 3, "misses": 0, "errors": 0}}
+    rep["routing"] = {"load": {"0": {"share": [0.7, 0.3], "baseline": [0.5, 0.5]},
+                               "1": {"share": [0.9, 0.1], "baseline": [0.9, 0.0]}}}
+    return rep
+
+
+def test_expert_rows_carry_health_over_replicas_and_load_against_its_baseline():
+    from moe_operator.cli.views import load_vs_baseline
+
+    rows = {r["expert"]: r for r in expert_rows(health_report())}
+    assert (rows["0.0"]["p95_ms"], rows["0.0"]["samples"], rows["0.0"]["misses"]) == (0.9, 8, 2)  # slowest replica
+    assert (rows["1.0"]["p95_ms"], rows["1.0"]["misses"], rows["1.0"]["errors"]) == (None, 1, 1)
+    assert rows["0.1"]["p95_ms"] is None and rows["0.1"]["misses"] == 0  # a replica with no health yet
+    assert [load_vs_baseline(rows[e]) for e in ("0.0", "0.1", "1.0", "1.1")] == ["1.40x", "0.60x", "1.00x", "new"]
+    assert load_vs_baseline(expert_rows(report())[0]) == "-"  # no routing window yet
+
+
+def test_tail_lists_the_least_loaded_first_then_the_slowest():
+    rows = expert_rows(health_report())
+    assert [r["expert"] for r in select_rows(rows, tail=3)] == ["1.1", "0.1", "0.0"]
+    assert [r["expert"] for r in select_rows(rows, layers={0}, tail=5)] == ["0.1", "0.0"]
+    # equal shares: the slower p95, then more misses, first
+    same = [{**r, "share": 0.5} for r in rows]
+    assert [r["expert"] for r in select_rows(same, tail=2)] == ["1.1", "1.0"]  # fewest tokens first

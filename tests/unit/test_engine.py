@@ -310,3 +310,44 @@ def test_routing_statistics_count_each_requests_expert_tokens_under_its_key(tmp_
     # k1: 3 prompt tokens and 2 fed back (the last produced is never fed); anonymous: 2 + 1
     assert {k: sum(map(sum, v.values())) for k, v in w["keys"].items()} == {"k1": 5 * top_k * 2, "-": 3 * top_k * 2}
     assert sum(map(sum, w["selected"].values())) == 8 * top_k * 2
+
+
+def test_step_phases_add_up_within_the_forward_time(tmp_path):
+    """The profile's phases (`StepTimings.profile`) are each measured and together no more than
+    the forward passes plus sampling (what `moectl profile` draws)."""
+    make_mixtral(tmp_path, num_local_experts=4, num_hidden_layers=2)
+
+    async def main():
+        engine = _engine(tmp_path, slots=2)
+        reqs = [engine.submit(GenerationRequest(prompt=[3, 4, 5], max_tokens=4, stop_at_eos=False)) for _ in range(2)]
+        await asyncio.gather(*(_collect(r) for r in reqs))
+        return engine
+
+    profile = asyncio.run(main()).stats()["profile"]
+    phases = profile["phases"]
+    assert list(phases) == ["embed", "attention", "router", "local", "exchange", "logits", "sampling"]
+    assert profile["steps"] >= 4 and profile["tokens"] >= 8
+    assert all(phases[p] > 0 for p in ("embed", "attention", "router", "exchange", "logits", "sampling"))
+    assert sum(v for p, v in phases.items() if p != "sampling") <= profile["forward_s"]
+    assert sum(phases.values()) <= profile["step_s"]
+
+
+def test_ingress_metrics_observe_each_phases_mean_a_step_once_a_read():
+    """`IngressMetrics.phases` (the metrics thread, once a second): one observation a phase, the
+    mean a step since the last read; none while no step ran."""
+    import types
+
+    from moe_workers.serve.metrics import IngressMetrics
+
+    m = IngressMetrics("app", "r1")
+    seen = []
+    m.enabled, m._profile = True, None
+    m.step_phase = types.SimpleNamespace(observe=lambda v, tags: seen.append((tags["phase"], v)))
+    m.phases({"steps": 10, "phases": {"attention": 0.02, "exchange": 0.05, "exchange.wait": 0.04}})
+    assert seen == [("attention", 0.002), ("exchange", 0.005), ("exchange.wait", 0.004)]
+    seen.clear()
+    m.phases({"steps": 10, "phases": {"attention": 0.02, "exchange": 0.05, "exchange.wait": 0.04}})
+    assert seen == []  # an idle second
+    m.phases({"steps": 14, "phases": {"attention": 0.03, "exchange": 0.07, "exchange.wait": 0.05}})
+    assert seen == [("attention", pytest.approx(0.0025)), ("exchange", pytest.approx(0.005)),
+                    ("exchange.wait", pytest.approx(0.0025))]

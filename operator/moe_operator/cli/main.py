@@ -13,10 +13,11 @@ from . import hot_swap  # hot-swap
 from . import rebalance  # rebalance
 from . import quarantine  # quarantine
 from . import experts  # experts, top
+from . import profile  # profile
 from . import bench  # bench
 from .console import app
 
-COMMANDS = (init_model, up, get, hot_swap, rebalance, quarantine, experts, bench)
+COMMANDS = (init_model, up, get, hot_swap, rebalance, quarantine, experts, profile, bench)
 
 
 def main() -> None:

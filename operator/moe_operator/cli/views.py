@@ -33,38 +33,74 @@ def replica_progress(report: dict, expert: str, path: Optional[str]) -> list[tup
 
 
 def expert_rows(report: dict) -> list[dict]:
-    """Per expert across replicas: hosting groups, replicas, tiers, version, tokens (pure)."""
+    """Per expert across replicas: hosting groups, replicas, tiers, version, tokens, and its
+    health (pure): "p95_ms" (the slowest replica's sampled p95; None before a sample),
+    "samples", "misses" (hot-tier misses) and "errors" (calls that raised) summed over replicas,
+    "share" of its layer's tokens in the Ingress' last routing window against "baseline" (its
+    moving average; both None before a window with tokens)."""
     rows: dict[str, dict] = {}
     for r in report.get("replicas") or []:
+        health = r.get("health") or {}
         for eid, v in (r.get("versions") or {}).items():
             row = rows.setdefault(eid, {"expert": eid, "groups": set(), "replicas": 0, "tiers": {}, "digests": set(),
-                                        "sources": set(), "tokens": 0})
+                                        "sources": set(), "tokens": 0, "p95_ms": None, "samples": 0, "misses": 0,
+                                        "errors": 0})
             row["groups"].add(r.get("group", "?"))
             row["replicas"] += 1
             row["tiers"][v.get("tier", "?")] = row["tiers"].get(v.get("tier", "?"), 0) + 1
             row["digests"].add(v.get("digest", ""))
             row["sources"].add(v.get("source", ""))
             row["tokens"] += int(v.get("tokens", 0))
+            h = health.get(eid) or {}
+            if h.get("p95_ms") is not None:
+                row["p95_ms"] = max(row["p95_ms"] or 0.0, h["p95_ms"])
+            for k in ("samples", "misses", "errors"):
+                row[k] += int(h.get(k, 0))
+    load = (report.get("routing") or {}).get("load") or {}
     out = []
     for eid in sorted(rows, key=expert_key):
         row = rows[eid]
         digest = row["digests"].pop() if len(row["digests"]) == 1 else "mixed"
+        layer, expert = expert_key(eid)
+        figures = load.get(str(layer)) or {}
+        share, baseline = (figures.get(k) or [] for k in ("share", "baseline"))
         out.append({"expert": eid, "groups": sorted(row["groups"]), "replicas": row["replicas"],
                     "tiers": dict(sorted(row["tiers"].items())), "version": digest,
-                    "override": any(src != "checkpoint" for src in row["sources"]), "tokens": row["tokens"]})
+                    "override": any(src != "checkpoint" for src in row["sources"]), "tokens": row["tokens"],
+                    "p95_ms": row["p95_ms"], "samples": row["samples"], "misses": row["misses"],
+                    "errors": row["errors"], "share": share[expert] if expert < len(share) else None,
+                    "baseline": baseline[expert] if expert < len(baseline) else None})
     return out
 
 
+def health_order(row: dict) -> tuple:
+    """The long tail first: the least loaded experts (share of the last window, else tokens
+    since start), then the slowest p95 and the most misses among equals (a sort key, pure)."""
+    share = row.get("share")
+    return (share if share is not None else float("inf"), row["tokens"], -(row.get("p95_ms") or 0.0),
+            -row.get("misses", 0), expert_key(row["expert"]))
+
+
+def load_vs_baseline(row: dict) -> str:
+    """'0.42x' (the last window's share over its moving baseline), '-' before a window."""
+    share, baseline = row.get("share"), row.get("baseline")
+    if share is None or baseline is None:
+        return "-"
+    return f"{share / baseline:.2f}x" if baseline > 0 else ("new" if share > 0 else "-")
+
+
 def select_rows(rows: list[dict], layers: set[int] | None = None, group: str | None = None,
-                top: int | None = None) -> list[dict]:
+                top: int | None = None, tail: int | None = None) -> list[dict]:
     """The expert rows of these layers and this group (a name, or its number), the `top` most
-    loaded first when given (pure)."""
+    loaded first when given, or the `tail` least loaded first (`health_order`) (pure)."""
     if group is not None and group.isdigit():
         group = f"ExpertShard-{group}"
     out = [r for r in rows if (layers is None or expert_key(r["expert"])[0] in layers)
            and (group is None or group in r["groups"])]
     if top is not None:
         out = sorted(out, key=lambda r: (-r["tokens"], expert_key(r["expert"])))[:top]
+    if tail is not None:
+        out = sorted(out, key=health_order)[:tail]
     return out
 
 

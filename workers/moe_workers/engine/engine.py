@@ -62,12 +62,12 @@ class Engine:
 
     def stats(self) -> dict:
         """What the engine reports (the Ingress' status and metrics read it, nothing inside):
-        step timings, the queue, and its paged KV cache: blocks (used / total, bytes), prefix cache
+        step timings (and their phases: `StepTimings.profile`), the queue, and its paged KV cache: blocks (used / total, bytes), prefix cache
         hits, preemptions, chunked prefills (counts since start) and the path decode attention runs."""
         t, s, cache = self.timings, self.scheduler, self.cache
         m, kv = cache.manager, s.kv
         return {"steps": t.steps, "tokens": t.tokens, "dense_s": t.dense, "dense_cpu_s": t.dense_cpu,
-                "experts_s": t.experts, "forward_s": t.forward, "step_s": t.step,
+                "experts_s": t.experts, "forward_s": t.forward, "step_s": t.step, "profile": t.profile(),
                 "running": len(s.running), "waiting": len(s.waiting),
                 "kv": {"block_size": m.block_size, "blocks_total": m.pool.usable, "blocks_used": m.num_used,
                        "bytes": cache.nbytes, "block_bytes": cache.nbytes // max(cache.num_blocks, 1),

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from moe_workers.step_profile import PHASES
 from moe_workers.engine.scheduler import Sampled, StepPlan
 from moe_workers.model.dense import Chunk, DenseModel, StepBatch
 from moe_workers.model.kv_cache import PagedKVCache
@@ -30,7 +31,15 @@ Dispatcher = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
 @dataclass
 class StepTimings:
     """Where a step's time goes, summed over steps and micro-batches (seconds): dense compute in
-    the ingress, and waiting on expert calls."""
+    the ingress, and waiting on expert calls. Cumulative counters only, a few `perf_counter`
+    reads a layer (no metric is recorded on the step's path): readers diff two reads. On a GPU
+    the dense phases are the host's time to issue the kernels; the device's time shows where the
+    host next waits for it (the exchange's plan reads the routing to the host).
+
+    Phases (`step_profile.PHASES`): embed; attention; router (the gate and top-k); local (a
+    dense layer's MLP, shared experts); exchange (the routed experts: the dispatcher's call,
+    `experts` too); logits (final norm, lm_head and the copy to the host); sampling (tokens and
+    logprobs)."""
 
     dense: float = 0.0
     dense_cpu: float = 0.0  # CPU of the calling thread only: with several torch threads, a share
@@ -40,6 +49,20 @@ class StepTimings:
     steps: int = 0
     tokens: int = 0  # sequences stepped, summed over steps
     computed_tokens: int = 0  # tokens run through the model (prefill chunks and decode tokens)
+    embed: float = 0.0
+    attention: float = 0.0
+    router: float = 0.0
+    local: float = 0.0
+    logits: float = 0.0
+    sampling: float = 0.0
+
+    def profile(self) -> dict:
+        """The phases as `Engine.stats()` reports them: {"steps", "tokens", "forward_s", "step_s",
+        "phases": {name: seconds}} (cumulative)."""
+        phases = {p: getattr(self, p) for p in PHASES if p != "exchange"}
+        phases["exchange"] = self.experts
+        return {"steps": self.steps, "tokens": self.tokens, "forward_s": self.forward, "step_s": self.step,
+                "phases": {p: phases[p] for p in PHASES}}
 
 
 class ModelRunner:
@@ -70,12 +93,15 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> list[Sampled]:
         """The plan's tokens through the model; a token for each of `plan.sampled_rows()`."""
         logits = self.logits(plan.chunks())
+        t0 = time.perf_counter()
         rows = plan.sampled_rows()
         reqs = [plan.scheduled[row].request for row in rows]
         toks = self._sample(logits, rows, reqs)
-        return [Sampled(tok, token_logprobs(logits[row], tok, req.logprobs)
-                        if req.logprobs is not None and not isinstance(tok, Exception) else None)
-                for row, req, tok in zip(rows, reqs, toks)]
+        out = [Sampled(tok, token_logprobs(logits[row], tok, req.logprobs)
+                       if req.logprobs is not None and not isinstance(tok, Exception) else None)
+               for row, req, tok in zip(rows, reqs, toks)]
+        self.timings.sampling += time.perf_counter() - t0
+        return out
 
     def logits(self, chunks: list[Chunk]) -> torch.Tensor:
         """Each chunk's last row's logits, on the host; micro-batches when the step is large."""
@@ -133,19 +159,40 @@ class ModelRunner:
         """The layers of one (micro-)batch; the caller holds inference mode."""
         dense, timings = self.dense, self.timings
 
-        def timed(fn, *args):
+        def timed(phase, fn, *args):
             with self._dense:
                 t0, c0 = time.perf_counter(), time.thread_time()
                 result = fn(*args)
-                timings.dense += time.perf_counter() - t0
+                spent = time.perf_counter() - t0
+                timings.dense += spent
                 timings.dense_cpu += time.thread_time() - c0
+                setattr(timings, phase, getattr(timings, phase) + spent)
                 return result
 
-        h = timed(dense.embed, batch)
+        def attend_and_route(layer, h):
+            """(h after attention, the MLP input, top-k indices, weights, what the ingress
+            computes itself): one layer up to the experts, each part timed. A dense layer has no
+            indices; its MLP is `local`; shared experts are `local` beside the routed ones."""
+            with self._dense:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                h = dense.attention(layer, h, batch, self.cache)
+                t1 = time.perf_counter()
+                x, indices, weights = dense.route(layer, h)
+                t2 = time.perf_counter()
+                local = dense.local(layer, x)
+                t3 = time.perf_counter()
+                timings.attention += t1 - t0
+                timings.router += t2 - t1
+                timings.local += t3 - t2
+                timings.dense += t3 - t0
+                timings.dense_cpu += time.thread_time() - c0
+                return h, x, indices, weights, local
+
+        h = timed("embed", dense.embed, batch)
         picks = []
         sparse = []
         for layer in range(dense.cfg.num_layers):
-            h, x, indices, weights, local = timed(_attend_and_route, dense, layer, h, batch, self.cache)
+            h, x, indices, weights, local = attend_and_route(layer, h)
             moe = None
             if indices is not None:
                 picks.append(indices)
@@ -154,21 +201,15 @@ class ModelRunner:
                 moe = self.dispatch(layer, x, indices, weights)
                 timings.experts += time.perf_counter() - t1
             h = dense.residual(h, moe, local)
-        logits = timed(dense.logits, h, batch.last_rows)
+        logits = timed("logits", dense.logits, h, batch.last_rows)
         if self.routing_stats is not None and picks:  # once per step, all layers at once
             self.routing_stats.observe_step(sparse, torch.stack(picks).cpu(),
                                             [c.slot for c in batch.chunks], [c.start for c in batch.chunks],
                                             [len(c.tokens) for c in batch.chunks], [c.key for c in batch.chunks])
-        return logits.cpu()  # sampling runs on the host, with each request's own generator
-
-
-def _attend_and_route(dense: DenseModel, layer: int, h: torch.Tensor, batch: StepBatch, cache: PagedKVCache):
-    """(h after attention, the MLP input, top-k indices, weights, what the ingress computes
-    itself): one layer up to the experts (in the step's inference mode). A dense layer has no
-    indices; its MLP is `local`; shared experts are `local` beside the routed ones."""
-    h = dense.attention(layer, h, batch, cache)
-    x, indices, weights = dense.route(layer, h)
-    return h, x, indices, weights, dense.local(layer, x)
+        t0 = time.perf_counter()
+        logits = logits.cpu()  # sampling runs on the host, with each request's own generator
+        timings.logits += time.perf_counter() - t0  # (on a GPU: the wait for the step's last kernels)
+        return logits
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:

@@ -91,6 +91,8 @@ class Detector:
         self.baseline: dict[int, list[float]] = {}  # layer -> each expert's share
         self.windows: dict[int, int] = {}  # layer -> windows in its baseline
         self.active: dict[tuple[int, str], Anomaly] = {}  # (layer, kind) -> the alert
+        # layer -> (each expert's share in the last window that counted, the baseline before it)
+        self.last: dict[int, tuple[list[float], list[float]]] = {}
 
     def configure(self, thresholds: Thresholds) -> None:
         """New thresholds; the baselines are kept (they measure traffic, not the settings)."""
@@ -117,6 +119,7 @@ class Detector:
             if total < th.min_tokens or len(counts) < 2:
                 continue  # too little traffic to say anything: alerts and baseline stay as they are
             shares = [c / total for c in counts]
+            self.last[layer] = (shares, list(self.baseline.get(layer) or shares))
             h = entropy(counts)
             warm = self.windows.get(layer, 0) >= th.warmup_windows
             found: dict[str, Anomaly] = {}
@@ -137,6 +140,15 @@ class Detector:
             if not found:  # a layer that alerts keeps its baseline as it was
                 self._learn(layer, shares)
         return [self.active[k] for k in sorted(self.active)]
+
+    def load_report(self) -> dict[str, dict[str, list[float]]]:
+        """Each expert's load against its own baseline, for expert health (`moectl experts`' VS
+        BASE): {layer: {"share": its share of the layer's expert-tokens in the last window that
+        counted, "baseline": the baseline share before that window}} (layers as strings, for
+        JSON). One baseline for both uses: the one the alerts compare with (frozen while the layer
+        alerts)."""
+        return {str(layer): {"share": [round(v, 6) for v in share], "baseline": [round(v, 6) for v in base]}
+                for layer, (share, base) in sorted(self.last.items())}
 
     def _named(self, layer: int, kind: str, candidates, rank) -> int:
         """The expert an alert names: the one it named already while that one still qualifies (an

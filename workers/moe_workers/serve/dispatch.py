@@ -11,11 +11,16 @@ rows on the expert channel, all groups at once, and combines what comes back in 
 order. A decode step (up to `routes.SMALL` routed rows) plans with Python ints (`routes`); a
 larger one keeps the rows' order on the device and reads counts only.
 
+The dispatcher times its own parts (`ExchangeTimes`: plan, gather, wait, combine; cumulative, a
+few `perf_counter` reads a layer), which `moectl profile` draws under the step's exchange.
+
 Who is on the channel comes from the StatusBoard (`BoardMembership`), polled by the channel's
 thread, so Serve's replica changes reach the exchange without a restart.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -24,6 +29,22 @@ from moe_workers.model.grouped import sort_rows
 from moe_workers.model.layers import combine
 from moe_workers.serve.routing import ExpertRouter
 from moe_workers.transport import Member, Part
+
+
+class ExchangeTimes:
+    """Where the exchange's time goes, summed over layers and steps (seconds): `plan` (the
+    routing read to the host, the copies picked), `gather` (each group's rows gathered, on the
+    host), `wait` (the channel: rows sent, until every group answered: the slowest group's
+    compute and the wire), `combine` (the answers weighted back into the layer's output)."""
+
+    PARTS = ("plan", "gather", "wait", "combine")
+    __slots__ = PARTS
+
+    def __init__(self):
+        self.plan = self.gather = self.wait = self.combine = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {p: getattr(self, p) for p in self.PARTS}
 
 
 class ExpertDispatcher:
@@ -35,6 +56,7 @@ class ExpertDispatcher:
         self.sparse_layers, self.num_experts = list(sparse_layers), num_experts
         self.router: ExpertRouter | None = None  # set by configure() (the Ingress' reconfigure)
         self.prefetch_lookahead = 0
+        self.times = ExchangeTimes()
 
     def configure(self, router: ExpertRouter, prefetch_lookahead: int = 0) -> None:
         self.router, self.prefetch_lookahead = router, prefetch_lookahead
@@ -43,8 +65,10 @@ class ExpertDispatcher:
         router = self.router
         if router is None:
             raise RuntimeError("no expert placement configured (user_config.placement)")
+        times, t0 = self.times, time.perf_counter()
         plan = self.plan(layer, x, indices, weights)
         assignment = router.assign(layer, plan.counts)
+        t1 = time.perf_counter()
         parts: dict[str, Part] = {}
         for group, experts in assignment.items():
             payload = plan.rows(x, experts)
@@ -54,12 +78,19 @@ class ExpertDispatcher:
             parts[group] = Part(experts, part_counts, payload, plan.hints.get(group, []),
                                 [plan.first.get(e, 0) for e in experts])
             router.begin(group, sum(part_counts))
+        t2 = time.perf_counter()
         try:
             results = self.channel.exchange(layer, parts)
         finally:
             for group, part in parts.items():
                 router.end(group, sum(part.counts))
-        return plan.combine(parts, results, x, weights)
+        t3 = time.perf_counter()
+        out = plan.combine(parts, results, x, weights)
+        times.plan += t1 - t0
+        times.gather += t2 - t1
+        times.wait += t3 - t2
+        times.combine += time.perf_counter() - t3
+        return out
 
     def plan(self, layer: int, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> "Plan":
         """The layer's routing on the host, from one read of the device."""

@@ -195,6 +195,7 @@ class Ingress:
             time.sleep(latencies_every_s)
             try:
                 self.metrics.flush()
+                self.metrics.phases(self.profile())
             except Exception:  # metrics never break serving
                 pass
             if time.monotonic() - last < every_s:
@@ -271,7 +272,8 @@ class Ingress:
                 "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs(),
                             "quarantined": list(self.quarantined), "capacity_factor": self.dense.capacity_factor,
                             "capacity_rerouted": sum(self.dense.rerouted.values()), "anomalies": list(self.anomalies),
-                            "detector": dict(self.detector_state)}}
+                            "detector": dict(self.detector_state),
+                            "load": self.detector.load_report()}}
 
     def tune_channel(self, local: bool | None = None, spin_us: int | None = None,
                      wake_latency_us: int | None | str = "keep", realtime_priority: int | None = None) -> None:
@@ -289,10 +291,19 @@ class Ingress:
         if realtime_priority is not None:
             self.engine.realtime.set_priority(realtime_priority)
 
+    def profile(self) -> dict:
+        """The step's phases since start (`StepTimings.profile`), with the exchange's parts as
+        "exchange.<part>" (`dispatch.ExchangeTimes`)."""
+        profile = self.engine.timings.profile()
+        profile["phases"].update({f"exchange.{p}": s for p, s in self.dispatcher.times.as_dict().items()})
+        return profile
+
     def engine_stats(self) -> dict:
         """The engine's figures (`Engine.stats()`) and this replica's process: CPU time, peak RSS,
-        the dense part's bytes, the grammar cache, and the expert versions the prefix cache holds."""
+        the dense part's bytes, the grammar cache, and the expert versions the prefix cache holds.
+        "profile": the step's phases (`profile()`): what `moectl profile` diffs."""
         stats = self.engine.stats()
+        stats["profile"] = self.profile()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         stats["kv"]["weights"] = self._weights
         return {**stats, "cpu_s": usage.ru_utime + usage.ru_stime, "pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes(),

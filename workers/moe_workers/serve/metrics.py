@@ -7,6 +7,7 @@ import threading
 import time
 from collections import deque
 
+from moe_workers.step_profile import per_step
 from moe_workers.store.store import TIERS
 
 
@@ -45,6 +46,13 @@ class ShardMetrics:
                                    description="Share of recent prefetch hints the layer's next call used.",
                                    tag_keys=tags)
         self.swaps = Counter("moe_hotswaps", description="Hot-swaps by outcome.", tag_keys=tags + ("outcome",))
+        self.latency_p95 = Gauge("moe_expert_latency_p95_seconds", description="An expert's compute time on this "
+                                 "replica, 95th percentile of its last 64 sampled calls (one call in 16 is timed an "
+                                 "expert at a time).", tag_keys=("layer", "expert", "group", "app"))
+        self.expert_misses = Counter("moe_expert_misses", description="Calls that found an expert out of the hot "
+                                     "tier and waited for its promotion, per expert.",
+                                     tag_keys=("layer", "expert", "group", "app"))
+        self._exported_misses: dict[tuple[int, int], int] = {}
         self.swap_seconds = Histogram("moe_hotswap_seconds", description="Hot-swap duration, request to serving.",
                                       boundaries=[0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30], tag_keys=tags)
 
@@ -57,6 +65,15 @@ class ShardMetrics:
         for e, n in zip(experts, counts):
             self.expert_tokens.inc(n, tags={"layer": str(layer), "expert": str(e), "group": self.group, "app": self.app})
         self.replica_tokens.inc(sum(counts), tags=self._tags())
+
+    def latency(self, p95: dict[tuple[int, int], float]) -> None:
+        """Each sampled expert's p95 compute seconds (`ExpertHealth.fresh_p95_seconds`), on the
+        export thread."""
+        if not self.enabled:
+            return
+        for (layer, e), seconds in p95.items():
+            self.latency_p95.set(seconds, tags={"layer": str(layer), "expert": str(e), "group": self.group,
+                                                "app": self.app})
 
     def on_move(self, src: str, dst: str, seconds: float, nbytes: int) -> None:
         if not self.enabled:
@@ -92,6 +109,12 @@ class ShardMetrics:
                 self._inc(self.misses, f"miss.{tier}", st.misses[tier], tier=tier)
             self._inc(self.prefetch_issued, "pf.issued", st.prefetch_issued)
             self._inc(self.prefetch_used, "pf.used", st.prefetch_used)
+            for (layer, e), n in store.misses_by_key().items():  # by their increase: only experts that missed
+                delta = n - self._exported_misses.get((layer, e), 0)
+                if delta > 0:
+                    self.expert_misses.inc(delta, tags={"layer": str(layer), "expert": str(e), "group": self.group,
+                                                        "app": self.app})
+                self._exported_misses[(layer, e)] = n
 
     def _inc(self, counter, name: str, total: float, **tags) -> None:
         delta = total - self._last.get(name, 0)
@@ -100,6 +123,7 @@ class ShardMetrics:
         self._last[name] = total
 
 
+PHASE_BOUNDS = [0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1]
 LATENCY_BOUNDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 
 
@@ -161,6 +185,11 @@ class IngressMetrics:
         self.key_tokens = Counter("moe_key_expert_tokens", description="Expert-tokens routed for each API key id "
                                   "(first 8 hex of the key's SHA-256; '-' without a key; at most 32 ids a window apart, "
                                   "the rest as 'other').", tag_keys=tags + ("key",))
+        self.step_phase = Histogram("moe_step_phase_seconds", description="A step's time in each phase (attention, "
+                                    "router, exchange, exchange.wait, ...): each second, the mean a step over that "
+                                    "second's steps (one observation a second, not one a step).",
+                                    boundaries=PHASE_BOUNDS, tag_keys=tags + ("phase",))
+        self._profile: dict | None = None
         self.group_tokens = Counter("moe_group_tokens", description="Expert-tokens the ingress sent to each shard group.",
                                     tag_keys=tags + ("group",))
         self.capacity_rerouted = Counter("moe_capacity_rerouted_tokens", description="Tokens routed again because "
@@ -252,6 +281,16 @@ class IngressMetrics:
             if delta > 0:
                 counter.inc(delta, tags=base)
             self._last[name] = kv[name]
+
+    def phases(self, profile: dict) -> None:
+        """Each phase's mean seconds a step since the last call (`step_profile.per_step`), one
+        observation a phase: on the metrics thread each second, never on the step's path."""
+        if not self.enabled:
+            return
+        steps, means = per_step(self._profile, profile)
+        self._profile = profile
+        for phase, seconds in means.items():
+            self.step_phase.observe(seconds, tags={**self._base(), "phase": phase})
 
     def reject(self, code: int) -> None:
         if self.enabled:

@@ -155,7 +155,9 @@ class RoutingStats:
             self.key_selected[name].index_add_(0, layer_t, counts[i])
 
     def take(self) -> dict:
-        """The window's figures (None where nothing was routed), and a new window."""
+        """The window's figures (None where nothing was routed), and a new window. "selected" and
+        "keys": the window's expert-tokens per layer and expert, overall and per key id (what the
+        anomaly detector and the load report read, `serve.anomaly.Detector`)."""
         with self.lock:
             self._flush()
             selected, switches, transitions = self.selected, self.switches, self.transitions

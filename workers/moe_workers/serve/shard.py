@@ -19,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from moe_workers.device import replica_device
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.serve.expert_call import compute_call
+from moe_workers.serve.expert_health import ExpertHealth
 from moe_workers.serve.cpus import CpuClaim
 from moe_workers.expert_ids import expert_key
 from moe_workers.rfc3339 import format_rfc3339
@@ -67,6 +68,7 @@ class ExpertShard:
         self.compute_s = 0.0
         self.compute_cpu_s = 0.0  # CPU time of the calls themselves (compute_s is wall, time-sliced)
         self.calls = 0
+        self.health = ExpertHealth()  # sampled compute latency and errors per expert
         self._config_lock = threading.Lock()
         self._stop = threading.Event()
         self.board = board
@@ -161,7 +163,12 @@ class ExpertShard:
         t0, c0 = time.perf_counter(), time.thread_time()
         keys = [(layer, e) for e in experts]
         first = [k for k, n in zip(keys, top1) if n] if top1 is not None else ()
-        compute_call(self.store, self.cfg, keys, counts, first, prefetch, x, out)
+        timer = self.health.record if self.health.sample_next() else None
+        try:
+            compute_call(self.store, self.cfg, keys, counts, first, prefetch, x, out, timer)
+        except BaseException:
+            self.health.failed(keys)
+            raise
         with self._load_lock:
             for key, n in zip(keys, counts):
                 self.load[key] += n
@@ -194,6 +201,7 @@ class ExpertShard:
                 self.store.demote_idle()
                 self._export_load()
                 self.metrics.export(self.store)
+                self.metrics.latency(self.health.fresh_p95_seconds())
                 if self.board is not None and (asked or time.monotonic() - last_report >= 2.0):
                     token = self.board.report.remote(self.status()).result(timeout_s=10)
                     if token not in self._tokens:
@@ -203,6 +211,9 @@ class ExpertShard:
                 pass
 
     def status(self) -> dict:
+        """What the StatusBoard relays into /moe/v1/status "replicas": experts (versions, tiers,
+        tokens), per expert health (`ExpertHealth.report`: sampled p95, hot misses, errors),
+        the store's figures (promotion waits included), compute and channel totals."""
         versions = self.store.experts()
         with self._load_lock:
             load = dict(self.load)
@@ -228,6 +239,7 @@ class ExpertShard:
             "store": self.store.stats.as_dict(),
             "policy": self.store.policy_report(),
             "swaps": dict(self.swaps),
+            "health": self.health.report([expert_key(eid) for eid in versions], self.store.misses_by_key()),
             "compute_s": self.compute_s,
             "compute_cpu_s": self.compute_cpu_s,
             "calls": self.calls,

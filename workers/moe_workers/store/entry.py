@@ -58,6 +58,9 @@ class StoreStats:
     cold_reads: dict[str, int] = field(default_factory=lambda: {"cache": 0, "disk": 0})  # where cold files' bytes were
     ranked_calls: int = 0  # calls that said which of their experts tokens chose first (the router's ranking)
     waved_calls: int = 0  # calls with more experts than the hot tier holds, computed in waves
+    promotion_waits: int = 0  # calls that waited for some of their experts to be promoted (a hot miss)
+    promotion_wait_s: float = 0.0  # ... and how long, summed (wall)
+    key_misses: dict = field(default_factory=dict)  # (layer, expert) -> hot misses (not in as_dict: status per expert)
 
     def as_dict(self) -> dict:
         acc = self.prefetch_used / self.prefetch_issued if self.prefetch_issued else None
@@ -67,7 +70,8 @@ class StoreStats:
                 "prefetch_skipped": self.prefetch_skipped, "prefetch_accuracy": acc,
                 "hint_accuracy": self.hint_accuracy,
                 "cold_reads": dict(self.cold_reads), "ranked_calls": self.ranked_calls,
-                "waved_calls": self.waved_calls}
+                "waved_calls": self.waved_calls, "promotion_waits": self.promotion_waits,
+                "promotion_wait_s": self.promotion_wait_s}
 
 
 MoveHook = Callable[[str, str, float, int], None]  # (from tier, to tier, seconds, bytes)

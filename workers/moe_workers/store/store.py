@@ -405,8 +405,14 @@ class TieredExpertStore:
                     if e.prefetched:
                         self.stats.prefetch_used += 1
                         e.prefetched = False
-        if entries is None:
-            return self._begin_admitted(keys, deadline, top1)
+        if entries is None:  # some must be promoted first: the call waits for them
+            t0 = time.perf_counter()
+            try:
+                return self._begin_admitted(keys, deadline, top1)
+            finally:
+                with self.cv:
+                    self.stats.promotion_waits += 1
+                    self.stats.promotion_wait_s += time.perf_counter() - t0
         self._after_copies(entries)
         return entries, {e.key: e.tensors for e in entries}
 
@@ -624,6 +630,7 @@ class TieredExpertStore:
 
     def _count_miss(self, e: Entry) -> None:
         self.stats.misses[HOT] += 1
+        self.stats.key_misses[e.key] = self.stats.key_misses.get(e.key, 0) + 1
         if e.tier == WARM:
             self.stats.hits[WARM] += 1
             return
@@ -786,6 +793,12 @@ class TieredExpertStore:
                 tier = e.tier if e.tier != COLD or self._has_cold(e) else SOURCE
                 out[f"{l}.{ex}"] = {"digest": e.version.digest, "source": e.version.source, "tier": tier}
             return out
+
+    def misses_by_key(self) -> dict[Key, int]:
+        """Hot misses per expert since start (a batch that had to promote it): the expert's
+        share of `stats.misses["hot"]`, for its health in the shard's status."""
+        with self.cv:
+            return dict(self.stats.key_misses)
 
     def policy_report(self) -> dict:
         """The eviction policy's name and, for RankAware, the temporal locality it has learnt."""
