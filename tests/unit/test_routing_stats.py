@@ -114,3 +114,21 @@ def test_keys_past_the_cap_are_counted_together(monkeypatch):
     s = RoutingStats(num_layers=1, num_experts=2, max_slots=4)
     s.observe_step([0], torch.tensor([[[0, 1], [0, 1], [1, 0]]]), [0, 1, 2], [0, 0, 0], [1, 1, 1], keys=["a", "b", "c"])
     assert sorted(s.take()["keys"]) == ["a", "b", rs.OTHER_KEYS]
+
+
+def test_steps_flushed_in_the_step_threads_inference_mode_are_counted_on_by_take():
+    """The engine observes inside its step's inference mode and a full buffer is counted there; a
+    key's counts first made then must still take the metrics thread's later counts (an inference
+    tensor cannot be updated in place outside inference mode: every window after it failed)."""
+    from moe_workers.serve.routing_stats import FLUSH_STEPS
+
+    stats = RoutingStats(2, 4, 4)
+    picks = torch.tensor([[[0, 1]], [[2, 3]]])
+    with torch.inference_mode():
+        for _ in range(FLUSH_STEPS):  # the last one counts the buffer, in inference mode
+            stats.observe_step([0, 1], picks.clone(), [0], [0], [1], ["k1"])
+    with torch.inference_mode():
+        stats.observe_step([0, 1], picks.clone(), [0], [1], [1], ["k1"])  # pending, counted by take()
+    w = stats.take()
+    assert w["keys"]["k1"] == {0: [65, 65, 0, 0], 1: [0, 0, 65, 65]}
+    assert w["selected"] == {0: [65, 65, 0, 0], 1: [0, 0, 65, 65]}

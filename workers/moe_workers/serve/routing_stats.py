@@ -63,15 +63,18 @@ class RoutingStats:
                 self._flush()
 
     def _flush(self) -> None:
-        """Count the pending steps (under the lock): runs of steps over the same layers at once."""
+        """Count the pending steps (under the lock): runs of steps over the same layers at once.
+        Outside inference mode whoever calls (the step thread is in it): a tensor made here in it
+        (a key's first counts) could not be added to later by `take()` on the metrics thread."""
         pending, self._pending = self._pending, []
         i = 0
-        while i < len(pending):
-            j = i + 1
-            while j < len(pending) and pending[j][0] == pending[i][0]:
-                j += 1
-            self._count(pending[i:j])
-            i = j
+        with torch.inference_mode(False):
+            while i < len(pending):
+                j = i + 1
+                while j < len(pending) and pending[j][0] == pending[i][0]:
+                    j += 1
+                self._count(pending[i:j])
+                i = j
 
     def _count(self, steps: list[tuple]) -> None:
         """Steps over the same layers, in order: their tokens side by side, as one batch whose
