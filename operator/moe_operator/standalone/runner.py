@@ -17,6 +17,7 @@ from typing import Callable
 
 import yaml
 
+from moe_operator import containment
 from moe_operator.api import conditions as cond
 from moe_operator.api.models import API_VERSION, KIND, MoEDeploymentSpec
 from moe_operator.api.pruning import prune, spec_schema, type_problems
@@ -294,6 +295,8 @@ class StandaloneRunner:
             self._write_status(m)
         for _, reason, message in events:
             self.log(f"{reason}: {message}")
+        if containment.pending(m.raw_spec or {}, self.status):  # autoQuarantine to decide: the whole pass
+            self.reconcile(new_generation=False)
 
     def watch(self, stop: Callable[[], bool], poll_s: float = 1.0, observe_every_s: float = 2.0) -> None:
         last_observe = 0.0
