@@ -104,11 +104,18 @@ def test_moectl_up_serves_reconciles_and_stops(tmp_path):
 
         # the live views: experts table, heatmap frame, load generator
         table = _moectl("experts", "tiny", "--local", env=env).stdout.splitlines()
-        assert table[0].split() == ["EXPERT", "GROUPS", "REPLICAS", "TIER", "VERSION", "LOAD"] and len(table) == 1 + 8
+        assert table[0].split() == ["EXPERT", "GROUPS", "REPLICAS", "TIER", "VERSION", "LOAD", "VS", "BASE", "P95",
+                                    "MISSES", "ERRORS"] and len(table) == 1 + 8
         rows = json.loads(_moectl("experts", "tiny", "--local", "-o", "json", env=env).stdout)["experts"]
         assert [r["expert"] for r in rows] == [f"{l}.{e}" for l in range(2) for e in range(4)]
         assert all(r["version"].startswith("sha256:") and r["replicas"] == 1 for r in rows)
         assert sum(r["tokens"] for r in rows) > 0
+        # expert health from the shards: one call in 16 timed an expert at a time, no call failed
+        assert sum(r["samples"] for r in rows) > 0 and all(r["errors"] == 0 for r in rows)
+        assert all(r["p95_ms"] is None or r["p95_ms"] > 0 for r in rows)
+        tail = json.loads(_moectl("experts", "tiny", "--local", "--tail", "3", "-o", "json", env=env).stdout)["experts"]
+        load = lambda r: (r["share"] if r.get("share") is not None else float("inf"), r["tokens"])  # noqa: E731
+        assert [load(r) for r in tail] == sorted(load(r) for r in rows)[:3]  # the least loaded first
         picked = json.loads(_moectl("experts", "tiny", "--local", "--layer", "1", "--top", "2", "-o", "json",
                                     env=env).stdout)["experts"]
         assert [r["expert"] for r in picked] == [r["expert"] for r in sorted(
