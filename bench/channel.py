@@ -15,10 +15,14 @@ Pod) against the raw TCP round trip between the same namespaces. Figures:
 Peers are separate processes. Ours: `ExpertChannel.exchange` to `ExchangeServer`s whose compute
 copies the rows back (transport only: framing, routing to replicas, tensors in and out), over TCP
 with blocking reads, and as the app sets it up with its peers on one node ("as app": their Unix
-sockets, and the poll for a small exchange's replies). The
-reference: the same bytes with an 8-byte length prefix, echoed by a minimal server over a plain
-TCP socket (the floor for a Python process on this machine). Both send to every peer first,
-then read every reply, as one exchange per layer does. Ends with `figure: value` lines.
+sockets, and the poll for a small exchange's replies), and as the app now runs it ("shm": the
+frames through a shared-memory segment set up over the Unix socket). The references: the same
+bytes with an 8-byte length prefix, echoed by a minimal server over a plain TCP socket (the floor
+for a Python process on this machine); and for shm, the same bytes through raw shared-memory
+mailboxes (copy in, post, the peer copies them to its reply area and posts; no framing, no
+channel), waiting as the ingress does. All send to every peer first, then read every reply, as
+one exchange per layer does. Figures: `channel-shm-ms-batch{1,64}-{2,4}-peers` and
+`channel-shm-over-raw-shm-...` besides the socket ones. Ends with `figure: value` lines.
 """
 
 from __future__ import annotations
@@ -165,6 +169,55 @@ class Namespace:
         return procs, ports
 
 
+def _shm_echo(ready, fd_out, nbytes):
+    """The floor of a shared-memory exchange: a peer that waits on its mailbox (polling as the
+    ingress does, then a futex), copies the request area's bytes to the reply area, and posts."""
+    from moe_workers.transport import shm
+
+    seg = shm.Segment.attach(fd_out)
+    ready.set()
+    req, rep_ = seg.request_view, seg.reply_view
+    while True:
+        if seg.request_box.wait(0.0005, 1.0) is None:
+            continue
+        rep_[:nbytes] = req[:nbytes]
+        seg.reply_box.post()
+
+
+def raw_shm_round_trip(peers: int, nbytes: int, iters: int, spin_s: float) -> float:
+    """The same bytes to `peers` processes through raw shared-memory mailboxes (no framing, no
+    channel): post to every peer, then wait for every reply, as one exchange per layer does."""
+    from moe_workers.transport import shm
+
+    ctx = mp.get_context("fork")  # the segment's fd is inherited
+    segs, procs = [], []
+    try:
+        for _ in range(peers):
+            seg, fd = shm.Segment.create(max(nbytes, shm.MIN_AREA))
+            ready = ctx.Event()
+            p = ctx.Process(target=_shm_echo, args=(ready, fd, nbytes), daemon=True)
+            p.start()
+            os.close(fd)
+            ready.wait(60)
+            segs.append(seg)
+            procs.append(p)
+        payload = bytes(nbytes)
+
+        def once():
+            for seg in segs:
+                seg.request_view[:nbytes] = payload
+                seg.request_box.post()
+            for seg in segs:
+                while seg.reply_box.wait(spin_s, 1.0) is None:
+                    pass
+                bytes(seg.reply_view[:nbytes])
+
+        return _time(once, iters)
+    finally:
+        for p in procs:
+            p.kill()
+
+
 def _time(fn, iters: int) -> float:
     for _ in range(max(10, iters // 20)):
         fn()
@@ -206,10 +259,11 @@ def raw_round_trip(peers: int, nbytes: int, iters: int, ns: Namespace | None = N
 
 
 def channel_round_trip(peers: int, rows: int, hidden: int, iters: int, as_app: bool = False,
-                       ns: Namespace | None = None) -> float:
+                       ns: Namespace | None = None, shared_memory: bool = False) -> float:
     """as_app: the channel as the app sets it up with its peers on one node (their Unix sockets,
-    the default poll for a small exchange's replies); else TCP, blocking reads. `ns`: the peers in
-    that namespace (another node: TCP across the veth, with the app's poll)."""
+    the default poll for a small exchange's replies), with the frames on the socket, or through
+    shared memory (`shared_memory`, the app's default); else TCP, blocking reads. `ns`: the peers
+    in that namespace (another node: TCP across the veth, with the app's poll)."""
     import torch
 
     from moe_workers.serve.config import EXCHANGE_SPIN_US
@@ -222,7 +276,7 @@ def channel_round_trip(peers: int, rows: int, hidden: int, iters: int, as_app: b
         (procs, ports), names, host, node = ns.start("channel", peers), [""] * peers, ns.remote, "other"
     try:
         if as_app or ns is not None:
-            ch = ExpertChannel(node="bench", spin_s=EXCHANGE_SPIN_US / 1e6)
+            ch = ExpertChannel(node="bench", spin_s=EXCHANGE_SPIN_US / 1e6, shared_memory=shared_memory)
         else:
             ch = ExpertChannel()
         ch.update([Member(f"g{i}", f"r{i}", f"{host}:{port}", local_endpoint=name, node=node)
@@ -231,6 +285,8 @@ def channel_round_trip(peers: int, rows: int, hidden: int, iters: int, as_app: b
         parts = {f"g{i}": Part([i], [rows], x) for i in range(peers)}
         out = ch.exchange(0, parts)
         assert all(torch.equal(v, x) for v in out.values())
+        if shared_memory:
+            assert ch.stats["shm_connections"] == peers, (ch.stats, ch.shm_error)
         t = _time(lambda: ch.exchange(0, parts), iters)
         ch.close()
         return t
@@ -248,18 +304,27 @@ def main() -> int:
     peer_counts = [int(p) for p in a.peers.split(",")]
     iters = 200 if a.quick else a.iters
     rows_out, figures = [], {}
+    from moe_workers.serve.config import EXCHANGE_SPIN_US
+
     print(f"{'batch':>5} {'peers':>5} {'payload':>9} {'raw socket ms':>14} {'channel ms':>11} {'ratio':>6} "
-          f"{'as app ms':>10} {'ratio':>6}")
+          f"{'as app ms':>10} {'ratio':>6} {'raw shm ms':>11} {'shm ms':>7} {'ratio':>6}")
     for b in batches:
         for n in peer_counts:
             nbytes = b * a.hidden * 4
             raw = raw_round_trip(n, nbytes, iters)
             ours = channel_round_trip(n, b, a.hidden, iters)
             app = channel_round_trip(n, b, a.hidden, iters, as_app=True)
+            raw_shm = raw_shm_round_trip(n, nbytes, iters, EXCHANGE_SPIN_US / 1e6)
+            shared = channel_round_trip(n, b, a.hidden, iters, as_app=True, shared_memory=True)
             rows_out.append({"batch": b, "peers": n, "bytes": nbytes, "raw_ms": raw * 1e3, "channel_ms": ours * 1e3,
-                             "channel_as_app_ms": app * 1e3})
+                             "channel_as_app_ms": app * 1e3, "raw_shm_ms": raw_shm * 1e3,
+                             "channel_shm_ms": shared * 1e3})
             print(f"{b:5} {n:5} {nbytes / 1024:7.0f} K {raw * 1e3:14.3f} {ours * 1e3:11.3f} {ours / raw:6.2f} "
-                  f"{app * 1e3:10.3f} {app / raw:6.2f}")
+                  f"{app * 1e3:10.3f} {app / raw:6.2f} {raw_shm * 1e3:11.3f} {shared * 1e3:7.3f} "
+                  f"{shared / raw_shm:6.2f}")
+            figures[f"channel-shm-ms-batch{b}-{n}-peers"] = shared * 1e3
+            figures[f"raw-shm-ms-batch{b}-{n}-peers"] = raw_shm * 1e3
+            figures[f"channel-shm-over-raw-shm-batch{b}-{n}-peers"] = shared / raw_shm
             figures[f"channel-ms-batch{b}-{n}-peers"] = ours * 1e3
             figures[f"channel-over-raw-batch{b}-{n}-peers"] = ours / raw
             figures[f"channel-as-app-over-raw-batch{b}-{n}-peers"] = app / raw

@@ -58,9 +58,10 @@ def parse_args():
                    help="depth sweep: torch threads in-process and of the served ingress (1: the app's default, and "
                         "the faster setting for batch-1 decode on both sides)")
     p.add_argument("--deep-rounds", type=int, default=5, help="depth sweep: interleaved rounds per depth")
-    p.add_argument("--deep-channels", default="unix,unix-fair,tcp",
+    p.add_argument("--deep-channels", default="shm,unix,tcp",
                    help="depth sweep: how the ingress reaches its shard replicas (all on one node), each measured "
-                        "in every round; the first one gives the main figures. unix, tcp: with the app's defaults "
+                        "in every round; the first one gives the main figures. shm: frames through shared memory "
+                        "set up over the Unix socket (the app's default); unix, tcp: the frames on that socket; all with the app's defaults "
                         "(poll for replies: exchange_spin_us; CPU wake-up latency asked for: cpu_wake_latency_us; small steps "
                         "under SCHED_RR: realtime_priority); "
                         "-sleep: without the poll; -idle: without the wake-up latency request; -fair: the step "
@@ -393,8 +394,8 @@ def deep_point(a, n: int) -> dict:
             spin = 0 if "sleep" in mods else EXCHANGE_SPIN_US
             wake = None if "idle" in mods else CPU_WAKE_LATENCY_US
             rt = 0 if "fair" in mods else REALTIME_PRIORITY
-            ingress.tune_channel.remote(local=way == "unix", spin_us=spin, wake_latency_us=wake,
-                                        realtime_priority=rt).result()
+            ingress.tune_channel.remote(local=way in ("unix", "shm"), spin_us=spin, wake_latency_us=wake,
+                                        realtime_priority=rt, shared_memory=way == "shm").result()
             for h in shard_handles:
                 h.tune_channel.remote(wake, rt).result()
             for shard in stats()[1]:  # -float: undo the pinning from here, for this round

@@ -70,18 +70,19 @@ def _compiler() -> str | None:
     return shutil.which(cc)
 
 
-def _build(cc: str, d: Path) -> Path:
-    """The library for this source, compiler and CPU: cached in `d`, else compiled into it."""
+def _build(cc: str, d: Path, sources: tuple[Path, ...] = SOURCES, flags: tuple[str, ...] = FLAGS,
+           stem: str = "moe_decode") -> Path:
+    """The library for these sources, compiler and CPU: cached in `d`, else compiled into it."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    texts = [src.read_text() for src in SOURCES]
-    key = hashlib.sha256(b"\0".join(s.encode() for s in (*texts, cc, version, _cpu_id(), " ".join(FLAGS))))
-    lib = d / f"moe_decode-{key.hexdigest()[:16]}.so"
+    texts = [src.read_text() for src in sources]
+    key = hashlib.sha256(b"\0".join(s.encode() for s in (*texts, cc, version, _cpu_id(), " ".join(flags))))
+    lib = d / f"{stem}-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     fd, tmp = tempfile.mkstemp(dir=d, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True,
                               timeout=120)
         if done.returncode:
             raise RuntimeError(f"{cc} failed: {(done.stderr or done.stdout).strip()[-400:]}")
@@ -93,7 +94,11 @@ def _build(cc: str, d: Path) -> Path:
     return lib
 
 
-def _load() -> tuple[ctypes.CDLL | None, str]:
+def build_library(sources: tuple[Path, ...], flags: tuple[str, ...], stem: str) -> tuple[ctypes.CDLL | None, str]:
+    """Compile `sources` for this machine (once: cached per source, compiler and CPU in the
+    private cache directory) and load them: (library, "") or (None, why not). MOE_NATIVE=0 and a
+    missing compiler say None too. The C kernels and the channel's mailboxes (transport/shm.py)
+    are built so."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return None, f"{ENV_SWITCH}=0"
     cc = _compiler()
@@ -102,9 +107,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     try:
         d = _cache_dir()
         _private(d)
-        lib = ctypes.CDLL(str(_build(cc, d)))
+        return ctypes.CDLL(str(_build(cc, d, sources, flags, stem))), ""
     except (OSError, RuntimeError, subprocess.SubprocessError, PermissionError) as e:
         return None, f"build failed: {e}"
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    lib, why = build_library(SOURCES, FLAGS, "moe_decode")
+    if lib is None:
+        return None, why
     p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     for name, args in (("moe_fp8_par", [p, p, n, n, n, n, p, i, i]), ("moe_mxfp4_par", [p, p, n, p, i, i]),
                        ("moe_swiglu_up_par", [p, p, p, p, n, n, n, p, p, p, i]),

@@ -129,6 +129,11 @@ class AppArgs(BaseModel):
                                    "or RLIMIT_RTPRIO, else nothing changes and status says why). 0: never ask.")
     local_channel: bool = Field(default=True, description="Reach shard replicas on the ingress' own node over a "
                                 "Unix socket (Linux's abstract namespace) instead of TCP loopback; TCP when that fails.")
+    shared_memory_channel: bool = Field(default=True, description="Exchange frames with shard replicas reached "
+                                        "on their Unix socket through a segment of shared memory (a sealed memfd "
+                                        "passed over that socket after the token check) instead of the socket; "
+                                        "where one cannot be made, the socket, with a log line and "
+                                        "moe_channel_shm_fallbacks counting it.")
     max_request_bytes: int = Field(default=4 * 2**20, ge=1024, description="Largest HTTP request body; a larger "
                                    "one gets 413 before it is read.")
     request_body_timeout_s: float = Field(default=30.0, gt=0, description="How long a request body may take "

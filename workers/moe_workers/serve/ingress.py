@@ -84,7 +84,8 @@ class Ingress:
                                      on_refused=membership.forget if membership is not None else None,
                                      node=ray_placement()[0] or "", local_sockets=self.args.local_channel,
                                      spin_s=self.args.exchange_spin_us / 1e6,
-                                     wake_latency_us=self.args.wake_latency_us())
+                                     wake_latency_us=self.args.wake_latency_us(),
+                                     shared_memory=self.args.shared_memory_channel)
         self._group_tokens_exported: dict[str, int] = {}
         self._rerouted_exported: dict[int, int] = {}  # per layer, capacity reroutes already counted
         # the expert exchange; its placement is set by reconfigure(), which Serve calls right after __init__
@@ -267,6 +268,7 @@ class Ingress:
                 "spares": spares,
                 "channel": {"members": self.channel.members(), **self.channel.stats,
                             "last_membership_error": self.channel.last_membership_error,
+                            "shared_memory": self.channel.shared_memory, "shm_error": self.channel.shm_error,
                             "wake_latency": self.channel.wake.status(),
                             "realtime": self.engine.realtime.status()},
                 "routing": {**self.routing_window, "co_selected": self.routing_stats.co_selected_pairs(),
@@ -276,14 +278,16 @@ class Ingress:
                             "load": self.detector.load_report()}}
 
     def tune_channel(self, local: bool | None = None, spin_us: int | None = None,
-                     wake_latency_us: int | None | str = "keep", realtime_priority: int | None = None) -> None:
-        """Reach shard replicas on this node on their Unix sockets (local=True) or over TCP, from
-        the next connection on; poll for small exchanges' replies for spin_us (0: sleep at once);
+                     wake_latency_us: int | None | str = "keep", realtime_priority: int | None = None,
+                     shared_memory: bool | None = None) -> None:
+        """Reach shard replicas on this node on their Unix sockets (local=True) or over TCP, and
+        through shared memory over those sockets or not (shared_memory), from the next connection
+        on; poll for small exchanges' replies for spin_us (0: sleep at once);
         ask for this CPU wake-up latency while exchanges run (None: never); run small steps at
         this real-time priority (0: the fair class). bench/serving.py compares the ways in one
         window."""
-        if local is not None:
-            self.channel.use_local_sockets(local)
+        if local is not None or shared_memory is not None:
+            self.channel.use_local_sockets(self.channel.local_sockets if local is None else local, shared_memory)
         if spin_us is not None:
             self.channel.spin_s = max(0, spin_us) / 1e6
         if wake_latency_us != "keep":

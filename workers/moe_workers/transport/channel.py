@@ -36,6 +36,7 @@ reply arrives (read and dropped in the background, then the replica is back); a 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import select
 import socket
@@ -49,10 +50,12 @@ import torch
 
 from moe_workers.expert_ids import expert_key
 
-from . import wire
+from . import shm, wire
 from .link import LinkError, LinkOffer, PairLink
 from .server import _recv_at_least, readable_poller, recv_bytes, recv_exact, send_all, tune
 from .wakeup import WakeLatency
+
+log = logging.getLogger(__name__)
 
 
 class ExpertsUnavailable(RuntimeError):
@@ -99,14 +102,39 @@ SPIN_MAX_ROWS = wire.SMALL_ROWS  # a larger exchange never polls
 
 class _Conn:
     """A connection to a replica, with the buffer its small replies are read into, and its
-    device link when the channel has one."""
+    device link or its shared-memory segment when it has one."""
 
-    def __init__(self, sock: socket.socket, link: PairLink | None = None):
+    def __init__(self, sock: socket.socket, link: PairLink | None = None, seg: shm.Segment | None = None):
         self.sock = sock
         self.link = link
+        self.seg = seg
+        self.in_area = False  # the request in flight went through the segment (its reply comes there)
+        self.arrived = False  # ... and its reply was seen posted (by `ready`)
+        self.peer_closed = False  # ... or the peer closed the socket meanwhile
         self.view = memoryview(bytearray(1 << 16))
         self.poller = readable_poller(sock)  # the reply (or the peer's close) arrived
         self.wait_s = 0.0  # the kernel's limit on one send or receive (SO_SNDTIMEO / SO_RCVTIMEO); 0: none
+
+    def ready(self, until: float, spin: bool = False) -> bool:
+        """Whether the reply (or the peer's close) arrives before `until` (monotonic); `spin`:
+        poll without sleeping meanwhile."""
+        if not self.in_area:
+            if spin:
+                return _spin_until_readable(self, until)
+            try:
+                return bool(self.poller.poll(max(0.0, until - time.monotonic()) * 1000.0))
+            except OSError:
+                return True  # the receive finds out what is wrong
+        if self.arrived or self.peer_closed:
+            return True
+        try:
+            where = shm.wait_for(self.seg.reply_box, self.sock, until,  # type: ignore[union-attr]
+                                 max(0.0, until - time.monotonic()) if spin else 0.0)
+        except (ConnectionError, OSError):
+            self.peer_closed = True
+            return True
+        self.arrived = where is not None
+        return self.arrived
 
     def set_wait(self, seconds: float) -> None:
         """Bound each send and receive in the kernel. The socket stays blocking: a Python
@@ -125,6 +153,9 @@ class _Conn:
         except OSError:
             pass
         self.link = None  # the process group goes with its last reference
+        if self.seg is not None:
+            self.seg.close()  # the segment's memory goes back once the peer unmaps it too
+            self.seg = None
 
 
 def cpu_quota(cpu_max: str | None = None, cfs_quota_us: str | None = None, cfs_period_us: str | None = None) -> float | None:
@@ -194,7 +225,8 @@ class ExpertChannel:
                  link_host: str = "127.0.0.1", on_refused: Callable[[Member], None] | None = None,
                  hedge_after_s: float = 0.25, hedge_factor: float = 4.0, node: str = "", local_sockets: bool = True,
                  spin_s: float = 0.0, spin_max_rows: int = SPIN_MAX_ROWS, cpus: int | None = None,
-                 wake_latency_us: int | None = None):
+                 wake_latency_us: int | None = None, shared_memory: bool = False,
+                 shm_area_bytes: int = shm.AREA_BYTES):
         """`device_link`: None (tensor bytes on the socket), or a backend ("nccl" for CUDA rows,
         "gloo") for a device link per connection, its store on `link_host` (this side's address).
         `on_refused(member)`: called from the membership thread for a replica whose port refused
@@ -208,8 +240,14 @@ class ExpertChannel:
         an exchange of at most `spin_max_rows` rows before blocking (0: block at once), while the
         parts still awaited from this node's replicas are fewer than `cpus` (default: this
         process' CPUs, capped by its cgroup's quota). `wake_latency_us`: the CPU wake-up latency
-        to ask the kernel for while exchanges run (`WakeLatency`; None: never ask)."""
+        to ask the kernel for while exchanges run (`WakeLatency`; None: never ask).
+        `shared_memory`: frames to a replica reached on its Unix socket travel through a segment
+        of shared memory (shm.py) with areas of `shm_area_bytes` each way; where one cannot be
+        made the connection stays on the socket, counted in stats["shm_fallbacks"]."""
         self.wake = WakeLatency(wake_latency_us)
+        self.shared_memory = shared_memory
+        self.shm_area_bytes = shm_area_bytes
+        self.shm_error = ""  # why the last segment could not be used ("" when none failed)
         self.node = node
         self.local_sockets = local_sockets
         self.cpus = cpus or available_cpus()
@@ -235,7 +273,7 @@ class ExpertChannel:
         self._nudge = threading.Event()
         self._stop = threading.Event()
         self.stats = {"exchanges": 0, "retries": 0, "unavailable": 0, "failed": 0, "membership_errors": 0,
-                      "hedged": 0, "exchange_s": 0.0}
+                      "hedged": 0, "exchange_s": 0.0, "shm_connections": 0, "shm_fallbacks": 0}
         self.last_membership_error = ""
         if source is not None:
             self._refresh_s = refresh_s
@@ -265,11 +303,14 @@ class ExpertChannel:
             self._group_sizes = sizes
             self._changed.notify_all()
 
-    def use_local_sockets(self, on: bool) -> None:
-        """Reach this node's replicas on their Unix sockets (True) or over TCP from now on; idle
-        connections close, so the next exchanges connect the new way."""
+    def use_local_sockets(self, on: bool, shared_memory: bool | None = None) -> None:
+        """Reach this node's replicas on their Unix sockets (True) or over TCP from now on, and
+        through shared memory over the Unix socket or not (None: as before); idle connections
+        close, so the next exchanges connect the new way."""
         with self._lock:
             self.local_sockets = on
+            if shared_memory is not None:
+                self.shared_memory = shared_memory
             for p in self._peers.values():
                 p.close_idle()
 
@@ -360,8 +401,8 @@ class ExpertChannel:
                 here = [bool(self.node) and peer.member.node == self.node for _, peer, *_ in sent]
             for i, (group, peer, conn, seq) in enumerate(sent):
                 if spin_until and sum(here[i:]) < self.cpus:  # the parts still awaited here leave a CPU
-                    _spin_until_readable(conn, spin_until)
-                if hedge_at and self._group_sizes.get(group, 0) > 1 and not self._ready(conn, hedge_at):
+                    conn.ready(spin_until, spin=True)
+                if hedge_at and self._group_sizes.get(group, 0) > 1 and not conn.ready(hedge_at):
                     peer, conn, seq = self._hedge(layer, group, pending[group], peer, conn, seq, failed[group],
                                                   deadline)
                 outcome = self._receive(conn, seq, deadline)
@@ -389,14 +430,6 @@ class ExpertChannel:
                 self._wait_for_members(min(deadline, time.monotonic() + 0.1))
         return results
 
-    @staticmethod
-    def _ready(conn: _Conn, until: float) -> bool:
-        """Whether the connection turns readable (a reply, or the peer's close) before `until`."""
-        try:
-            return bool(conn.poller.poll(max(0.0, until - time.monotonic()) * 1000.0))
-        except OSError:
-            return True  # let the receive find out what is wrong
-
     def _hedge(self, layer: int, group: str, part: Part, peer: _Peer, conn: _Conn, seq: int, exclude: set[str],
                deadline: float) -> tuple[_Peer, _Conn, int]:
         """No reply from `peer` within the hedge delay: send the part to another live replica of
@@ -415,14 +448,22 @@ class ExpertChannel:
         self.stats["hedged"] += 1
         with self._lock:
             peer.down_until = max(peer.down_until, deadline)  # no new work until its late reply arrives
-        poller = select.poll()
-        poller.register(conn.sock, select.POLLIN)
-        poller.register(conn2.sock, select.POLLIN)
-        try:
-            ready = {fd for fd, _ in poller.poll(max(0.0, deadline - time.monotonic()) * 1000.0)}
-        except OSError:
-            ready = set()
-        if conn.sock.fileno() in ready and conn2.sock.fileno() not in ready:
+        if conn.in_area or conn2.in_area:  # a reply in shared memory: no fd says it came; ask each in turn
+            while not conn.ready(min(deadline, time.monotonic() + 0.0005)) and not conn2.ready(time.monotonic()) \
+                    and time.monotonic() < deadline:
+                pass
+            first_ready = (conn.arrived or conn.peer_closed) if conn.in_area else conn.ready(time.monotonic())
+            ready_two = (conn2.arrived or conn2.peer_closed) if conn2.in_area else conn2.ready(time.monotonic())
+        else:
+            poller = select.poll()
+            poller.register(conn.sock, select.POLLIN)
+            poller.register(conn2.sock, select.POLLIN)
+            try:
+                ready = {fd for fd, _ in poller.poll(max(0.0, deadline - time.monotonic()) * 1000.0)}
+            except OSError:
+                ready = set()
+            first_ready, ready_two = conn.sock.fileno() in ready, conn2.sock.fileno() in ready
+        if first_ready and not ready_two:
             first, late = (peer, conn, seq), (peer2, conn2, seq2)
             with self._lock:
                 peer.down_until = 0.0  # it answered after all
@@ -441,7 +482,22 @@ class ExpertChannel:
         self._checkin(peer, conn, ok=ok)
 
     def _send(self, conn: _Conn, seq: int, layer: int, part: Part) -> None:
-        if conn.link is not None:
+        conn.in_area = conn.arrived = conn.peer_closed = False
+        if conn.seg is not None:
+            frame = wire.encode_request(seq, layer, part.x.shape[0], part.x.shape[1], part.x.dtype, part.experts,
+                                        part.counts, part.prefetch, top1=part.top1)
+            rows = wire.as_bytes(part.x)
+            end = len(frame) + len(rows)
+            if end <= conn.seg.area and shm.REPLY_TENSOR_AT + len(rows) <= conn.seg.area:
+                view = conn.seg.request_view
+                view[:len(frame)] = frame
+                view[len(frame):end] = rows
+                conn.in_area = True
+                conn.seg.request_box.post()
+            else:  # too large for the segment: on the socket, once the mailbox said so (the replica
+                conn.seg.request_box.post(shm.ON_SOCKET)  # reads as it arrives: a full socket waits for it)
+                send_all(conn.sock, [frame, rows])
+        elif conn.link is not None:
             conn.sock.sendall(wire.encode_request(seq, layer, part.x.shape[0], part.x.shape[1], part.x.dtype,
                                                   part.experts, part.counts, part.prefetch, wire.LINKED, part.top1))
             conn.link.send(part.x.to(conn.link.device))
@@ -512,6 +568,7 @@ class ExpertChannel:
     def _connect(self, peer: _Peer, token: str) -> _Conn:
         member = peer.member
         sock = self._open(peer)
+        seg = None
         try:
             tune(sock)
             link = None
@@ -519,19 +576,47 @@ class ExpertChannel:
                 store, port = PairLink.host_store(self.link_host, self.timeout_s)
                 sock.sendall(wire.encode_hello(token, LinkOffer(self.device_link, self.link_host, port).as_dict()))
                 link = PairLink(self.device_link, 0, store, self.timeout_s)  # meets the replica's rank 1
+            elif self.shared_memory and sock.family == socket.AF_UNIX:
+                try:
+                    seg, fd = shm.Segment.create(self.shm_area_bytes)
+                except shm.ShmUnavailable as err:
+                    self._shm_fallback(str(err))
+                    sock.sendall(wire.encode_hello(token))
+                else:
+                    try:
+                        shm.send_hello(sock, wire.encode_hello(token, {shm.OFFER: seg.size}), fd)
+                    finally:
+                        os.close(fd)  # the mapping holds the memory; the replica got its own fd
             else:
                 sock.sendall(wire.encode_hello(token))
             status, n = wire.decode_ack_header(recv_bytes(sock, wire.ACK_HEADER.size))
             message = recv_bytes(sock, n).decode(errors="replace")
             if status != wire.OK:
                 raise wire.ProtocolError(f"{member.endpoint} refused the channel: {message}")
+            if seg is not None and message != shm.ACCEPTED:
+                self._shm_fallback(f"replica {member.replica}: {message or 'did not take the segment'}")
+                seg.close()
+                seg = None
             sock.settimeout(None)
-            conn = _Conn(sock, link)
+            conn = _Conn(sock, link, seg)
             conn.set_wait(self.timeout_s)
+            if seg is not None:
+                peer.via = "shm"
+                self.stats["shm_connections"] += 1
             return conn
         except BaseException:
             sock.close()
+            if seg is not None:
+                seg.close()
             raise
+
+    def _shm_fallback(self, why: str) -> None:
+        """A connection that could have used shared memory stays on its socket: counted, and
+        logged once per reason."""
+        self.stats["shm_fallbacks"] += 1
+        if why != self.shm_error:
+            log.warning("expert channel: shared memory not used, the Unix socket carries the frames: %s", why)
+        self.shm_error = why
 
     def _checkin(self, peer: _Peer, conn: _Conn, ok: bool) -> None:
         with self._lock:
@@ -550,6 +635,8 @@ class ExpertChannel:
         a timeout (the exchange's deadline) or a draining replica. A small reply is one recv into
         the connection's buffer; a large one goes straight into the output tensor."""
         sock, view, head = conn.sock, conn.view, wire.REPLY_HEADER.size
+        if conn.in_area:
+            return self._receive_shared(conn, seq, deadline)
         try:
             left = deadline - time.monotonic()
             if abs(conn.wait_s - left) > min(0.05, self.timeout_s / 10):  # a retry pass, or a long step
@@ -580,6 +667,29 @@ class ExpertChannel:
                 recv_exact(sock, raw[got - head:])
             return out
         except (OSError, ConnectionError, wire.ProtocolError, RuntimeError):  # RuntimeError: the link broke
+            return None
+
+    @staticmethod
+    def _receive_shared(conn: _Conn, seq: int, deadline: float) -> torch.Tensor | str | None:
+        """`_receive` for a request sent through the segment: its reply is in the reply area."""
+        if not conn.ready(deadline) or conn.peer_closed:
+            return None
+        conn.in_area = conn.arrived = False
+        area = conn.seg.reply_view  # type: ignore[union-attr]
+        try:
+            reply, n = wire.decode_reply_header(area[shm.REPLY_AT:])
+            if reply.seq != seq:
+                raise wire.ProtocolError(f"reply {reply.seq} to request {seq}")
+            if reply.status != wire.OK:
+                message = bytes(area[shm.REPLY_TENSOR_AT:shm.REPLY_TENSOR_AT + n]).decode(errors="replace")
+                return (message or "error") if reply.status == wire.ERROR else None
+            out, raw = wire.empty_rows(reply.rows, reply.hidden, reply.dtype)
+            if shm.REPLY_TENSOR_AT + len(raw) > len(area):
+                raise wire.ProtocolError("reply larger than the segment")
+            raw[:] = area[shm.REPLY_TENSOR_AT:shm.REPLY_TENSOR_AT + len(raw)]
+            return out
+        except wire.ProtocolError:
+            conn.peer_closed = True  # not ours: the connection is dropped
             return None
 
     def _wait_for_members(self, until: float) -> None:

@@ -17,6 +17,7 @@ DRAINING without computing, and the ingress sends them elsewhere.
 from __future__ import annotations
 
 import hmac
+import os
 import secrets
 import select
 import socket
@@ -28,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import wire
+from . import shm, wire
 from .link import LinkError, LinkOffer, PairLink
 from .realtime import Realtime
 from .wakeup import WakeLatency
@@ -87,14 +88,15 @@ def tune(sock: socket.socket) -> None:
 class ExchangeServer:
     def __init__(self, compute: Compute, tokens: Callable[[], list[str]], host: str = "127.0.0.1", port: int = 0,
                  hello_timeout_s: float = 10.0, torch_threads: int | None = None, local: bool = True,
-                 wake_latency_us: int | None = None, realtime_priority: int = 0):
+                 wake_latency_us: int | None = None, realtime_priority: int = 0, shm_spin_s: float = 0.0):
         """`tokens()`: the channel tokens accepted now (the current one, and the previous one for
         a while after it changes). `torch_threads`: intra-op threads of the connection threads
         (torch's setting is per thread under OpenMP: a new thread would otherwise use every core).
         `local`: listen on an abstract Unix socket too (Linux only). `wake_latency_us`: the CPU
         wake-up latency to ask the kernel for while requests come (`WakeLatency`; None: never ask).
         `realtime_priority`: the SCHED_RR priority connection threads compute small requests at
-        (`Realtime`; 0: never ask)."""
+        (`Realtime`; 0: never ask). `shm_spin_s`: on a connection with a shared-memory segment
+        (shm.py), how long a connection thread polls for the next request before it sleeps."""
         self.wake = WakeLatency(wake_latency_us)
         self.realtime = Realtime(realtime_priority, torch_threads=torch_threads or torch.get_num_threads())
         self.compute = compute
@@ -102,6 +104,9 @@ class ExchangeServer:
         self.tokens = tokens
         self.hello_timeout_s = hello_timeout_s
         self.draining = False
+        self.shm_spin_s = shm_spin_s
+        self.shm_connections = 0  # connections that took a segment
+        self.shm_refused = ""  # why the last offered segment was not taken
         self.requests = 0
         self.errors = 0
         self.busy = 0  # requests being computed now
@@ -180,16 +185,19 @@ class ExchangeServer:
     def _serve(self, conn: socket.socket) -> None:
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
+        seg = None
         try:
-            ok, link = self._hello(conn)
+            ok, link, seg = self._hello(conn)
             if ok:
-                self._loop(conn, link)
+                self._loop(conn, link, seg)
         except (OSError, ConnectionError, wire.ProtocolError):
             pass  # a broken or foreign peer: drop the connection, keep serving the others
         except Exception as err:  # noqa: BLE001 - a bug must not take the other connections down
             self.last_error = f"{type(err).__name__}: {err}"
         finally:
             self.realtime.leave()
+            if seg is not None:
+                seg.close()
             with self._lock:
                 self._conns.discard(conn)
             try:
@@ -197,42 +205,65 @@ class ExchangeServer:
             except OSError:
                 pass
 
-    def _hello(self, conn: socket.socket) -> tuple[bool, PairLink | None]:
-        """Check the token; join the device link the ingress offers, if any."""
+    def _hello(self, conn: socket.socket) -> tuple[bool, PairLink | None, shm.Segment | None]:
+        """Check the token; join the device link the ingress offers, or map the shared-memory
+        segment whose fd came with the hello (only once the token is right; an fd not taken is
+        closed unmapped)."""
         conn.settimeout(self.hello_timeout_s)  # a silent connection does not keep a thread forever
-        n, m = wire.decode_hello_header(recv_bytes(conn, wire.HELLO_HEADER.size))
-        token = recv_bytes(conn, n)
-        offer = wire.decode_link_offer(recv_bytes(conn, m))
-        accepted = [t.encode() for t in self.tokens() if t]
-        if not any(hmac.compare_digest(token, t) for t in accepted):
-            conn.sendall(wire.encode_ack(wire.DENIED, "wrong channel token"))
-            return False, None
-        link = None
-        if offer is not None:
-            try:
-                parsed = LinkOffer.from_dict(offer)
-                link = PairLink(parsed.backend, 1, PairLink.join_store(parsed, self.hello_timeout_s),
-                                self.hello_timeout_s)
-            except (LinkError, RuntimeError, KeyError, ValueError) as err:
-                conn.sendall(wire.encode_ack(wire.ERROR, f"device link refused: {err}"))
-                return False, None
-        conn.sendall(wire.encode_ack(wire.OK))
-        conn.settimeout(None)
-        return True, link
+        head, fds = shm.receive_hello_header(conn)
+        try:
+            n, m = wire.decode_hello_header(head + recv_bytes(conn, wire.HELLO_HEADER.size - len(head)))
+            token = recv_bytes(conn, n)
+            offer = wire.decode_link_offer(recv_bytes(conn, m))
+            accepted = [t.encode() for t in self.tokens() if t]
+            if not any(hmac.compare_digest(token, t) for t in accepted):
+                conn.sendall(wire.encode_ack(wire.DENIED, "wrong channel token"))
+                return False, None, None
+            link, seg, note = None, None, ""
+            if offer is not None and shm.OFFER in offer:
+                try:
+                    if not fds:
+                        raise shm.ShmUnavailable("no segment came with the hello")
+                    seg = shm.Segment.attach(fds[0])
+                    note = shm.ACCEPTED
+                    self.shm_connections += 1
+                except shm.ShmUnavailable as err:
+                    note = self.shm_refused = f"shared memory refused: {err}"
+            elif offer is not None:
+                try:
+                    parsed = LinkOffer.from_dict(offer)
+                    link = PairLink(parsed.backend, 1, PairLink.join_store(parsed, self.hello_timeout_s),
+                                    self.hello_timeout_s)
+                except (LinkError, RuntimeError, KeyError, ValueError) as err:
+                    conn.sendall(wire.encode_ack(wire.ERROR, f"device link refused: {err}"))
+                    return False, None, None
+            conn.sendall(wire.encode_ack(wire.OK, note))
+            conn.settimeout(None)
+            return True, link, seg
+        finally:
+            for fd in fds:
+                os.close(fd)  # a mapped segment needs no fd
 
-    def _loop(self, conn: socket.socket, link: PairLink | None = None) -> None:
+    def _loop(self, conn: socket.socket, link: PairLink | None = None, seg: shm.Segment | None = None) -> None:
         """Requests one at a time (the ingress never pipelines on a connection). Each read takes
         what has arrived into one reused buffer: a small request is one recv, not four. The rows
         are computed where they arrived and the outputs written to a reused buffer (numpy views:
-        a torch view costs several microseconds, a numpy one a fraction of that)."""
+        a torch view costs several microseconds, a numpy one a fraction of that). With a segment,
+        requests arrive in it (`_shared_frame`) unless its mailbox says the socket has this one."""
         head = wire.REQUEST_HEADER.size
         buf = np.empty(1 << 16, dtype=np.uint8)
         view = memoryview(buf)
         outbuf = np.empty(1 << 16, dtype=np.uint8)
         view_shape = None  # (offset, rows, hidden, dtype) of the tensor views x and out over buf and outbuf
+        shared: dict = {}  # the tensor views over the segment, by shape
         poller = readable_poller(conn)
         while True:
-            poller.poll()  # the next request (not the ingress reading the last reply: readable_poller)
+            if seg is not None:
+                if self._next_shared(conn, seg) == shm.IN_AREA:
+                    self._shared_frame(seg, shared)
+                    continue
+            else:
+                poller.poll()  # the next request (not the ingress reading the last reply: readable_poller)
             got = _recv_at_least(conn, view, 0, head)
             seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size, flags = wire.decode_request_header(view)
             linked = bool(flags & wire.LINKED)
@@ -284,6 +315,59 @@ class ExchangeServer:
             else:
                 send_all(conn, [wire.encode_reply(seq, wire.OK, rows, hidden, dtype), memoryview(outbuf[:nbytes])])
             self.handle_s += time.perf_counter() - t0
+
+
+    def _next_shared(self, conn: socket.socket, seg: shm.Segment) -> int:
+        """Where the next request is (shm.IN_AREA or ON_SOCKET); ConnectionError once the ingress
+        closed the connection or the server closes."""
+        while True:
+            where = shm.wait_for(seg.request_box, conn, time.monotonic() + 1.0, self.shm_spin_s)
+            if where is not None:
+                return where
+            if self._closed.is_set():
+                raise ConnectionError("server closed")
+
+    def _shared_frame(self, seg: shm.Segment, views: dict) -> None:
+        """Compute the request in the segment's request area into its reply area, and post the
+        reply. A frame that breaks the segment's bounds drops the connection (ProtocolError)."""
+        head = wire.REQUEST_HEADER.size
+        seq, layer, rows, hidden, dtype, n_experts, n_prefetch, size, flags = wire.decode_request_header(
+            seg.request_view)
+        nbytes = rows * hidden * dtype.itemsize
+        if flags & wire.LINKED or head + size + nbytes > seg.area or shm.REPLY_TENSOR_AT + nbytes > seg.area:
+            raise wire.ProtocolError(f"a {rows} x {hidden} frame does not fit the segment's {seg.area} bytes")
+        t0 = time.perf_counter()
+        self.wake.touch()
+        self.realtime.enter(rows)
+        experts, counts, prefetch, top1 = wire.decode_request_body(seg.request_view, head, n_experts, n_prefetch,
+                                                                   rows, flags)
+        if self.draining:
+            self._shared_reply(seg, wire.encode_reply(seq, wire.DRAINING, message="replica is stopping"))
+            return
+        shape = (head + size, rows, hidden, dtype)
+        if views.get("shape") != shape:  # decode steps repeat one shape
+            views.update(shape=shape, x=wire.tensor_view(seg.request, head + size, rows, hidden, dtype),
+                         out=wire.tensor_view(seg.reply, shm.REPLY_TENSOR_AT, rows, hidden, dtype))
+        with self._lock:
+            self.busy += 1
+        try:
+            self.compute(layer, views["x"], experts, counts, prefetch, views["out"], top1)
+        except Exception as err:  # noqa: BLE001 - the ingress decides; this replica keeps serving
+            self.errors += 1
+            self._shared_reply(seg, wire.encode_reply(seq, wire.ERROR, message=f"{type(err).__name__}: {err}"))
+            return
+        finally:
+            with self._lock:
+                self.busy -= 1
+        self.requests += 1
+        self._shared_reply(seg, wire.encode_reply(seq, wire.OK, rows, hidden, dtype))
+        self.handle_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _shared_reply(seg: shm.Segment, frame: bytes) -> None:
+        """A reply frame placed so that its rows (already computed in place) follow its header."""
+        seg.reply_view[shm.REPLY_AT:shm.REPLY_AT + len(frame)] = frame
+        seg.reply_box.post()
 
 
 def readable_poller(sock: socket.socket) -> select.poll:
