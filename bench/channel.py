@@ -86,7 +86,7 @@ def _channel_server(ready, port_out, name_out, host="127.0.0.1"):
     def compute(layer, x, experts, counts, prefetch, out, top1=None):
         out.copy_(x)
 
-    server = ExchangeServer(compute, lambda: ["bench"], host=host)
+    server = ExchangeServer(compute, lambda: ["bench"], host=host, shm_spin_s=float(os.environ.get("SHM_SPIN", "0")))
     port_out.value = server.port
     name_out.value = (server.local_endpoint or "").encode()
     ready.set()

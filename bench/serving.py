@@ -64,7 +64,8 @@ def parse_args():
                         "set up over the Unix socket (the app's default); unix, tcp: the frames on that socket; all with the app's defaults "
                         "(poll for replies: exchange_spin_us; CPU wake-up latency asked for: cpu_wake_latency_us; small steps "
                         "under SCHED_RR: realtime_priority); "
-                        "-sleep: without the poll; -idle: without the wake-up latency request; -fair: the step "
+                        "-spinN: shard replicas poll a shared-memory connection N us (default 200) for the "
+                        "next request before sleeping; -sleep: without the poll; -idle: without the wake-up latency request; -fair: the step "
                         "threads in the fair class (realtime_priority 0) instead of SCHED_RR; -float: the shard "
                         "replicas' threads on every CPU (the kernel places them) instead of the CPUs each took "
                         "(pin_shard_cpus) (modifiers combine: unix-sleep-idle)")
@@ -396,8 +397,9 @@ def deep_point(a, n: int) -> dict:
             rt = 0 if "fair" in mods else REALTIME_PRIORITY
             ingress.tune_channel.remote(local=way in ("unix", "shm"), spin_us=spin, wake_latency_us=wake,
                                         realtime_priority=rt, shared_memory=way == "shm").result()
+            shard_spin = next((int(m[len("spin"):] or 200) for m in mods if m.startswith("spin")), 0)
             for h in shard_handles:
-                h.tune_channel.remote(wake, rt).result()
+                h.tune_channel.remote(wake, rt, shard_spin).result()
             for shard in stats()[1]:  # -float: undo the pinning from here, for this round
                 pin_process(shard["cpu_affinity"]["cpus"] if "float" not in mods and shard["cpu_affinity"]["cpus"]
                             else sorted(os.sched_getaffinity(0)), shard["pid"])

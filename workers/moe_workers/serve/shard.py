@@ -98,13 +98,17 @@ class ExpertShard:
                     self._swap(eid, o)
         self._report_now.set()
 
-    def tune_channel(self, wake_latency_us: int | None, realtime_priority: int | None = None) -> None:
-        """Ask for this CPU wake-up latency while requests come (None: never), and run small
-        requests at this real-time priority (0: the fair class; None: keep); bench/serving.py
-        compares the ways in one window."""
+    def tune_channel(self, wake_latency_us: int | None, realtime_priority: int | None = None,
+                     shm_spin_us: int | None = None) -> None:
+        """Ask for this CPU wake-up latency while requests come (None: never), run small
+        requests at this real-time priority (0: the fair class; None: keep), and poll a shared-
+        memory connection for its next request this long before sleeping (None: keep);
+        bench/serving.py compares the ways in one window."""
         self.channel.wake.set_limit(wake_latency_us)
         if realtime_priority is not None:
             self.channel.realtime.set_priority(realtime_priority)
+        if shm_spin_us is not None:
+            self.channel.shm_spin_s = max(0, shm_spin_us) / 1e6
 
     def check_health(self) -> None:
         """Serve restarts a replica whose channel stopped accepting connections."""
