@@ -16,7 +16,9 @@ Peers are separate processes. Ours: `ExpertChannel.exchange` to `ExchangeServer`
 copies the rows back (transport only: framing, routing to replicas, tensors in and out), over TCP
 with blocking reads, and as the app sets it up with its peers on one node ("as app": their Unix
 sockets, and the poll for a small exchange's replies), and as the app now runs it ("shm": the
-frames through a shared-memory segment set up over the Unix socket). The references: the same
+frames through a shared-memory segment set up over the Unix socket), also with the peers polling
+for their next request (`--shard-spin-us`, AppArgs.shard_spin_us: peers with CPUs to spare). The
+references: the same
 bytes with an 8-byte length prefix, echoed by a minimal server over a plain TCP socket (the floor
 for a Python process on this machine); and for shm, the same bytes through raw shared-memory
 mailboxes (copy in, post, the peer copies them to its reply area and posts; no framing, no
@@ -51,6 +53,8 @@ def parse_args():
     p.add_argument("--batches", default="1,64")
     p.add_argument("--peers", default="2,4")
     p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--shard-spin-us", type=int, default=1000,
+                   help="the 'peers poll' column: how long the peers poll for the next request (AppArgs.shard_spin_us)")
     p.add_argument("--netns", action="store_true", help="also across a veth pair into another network namespace")
     p.add_argument("--serve", choices=["raw", "channel"], help=argparse.SUPPRESS)  # a peer (inside the namespace)
     p.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
@@ -77,7 +81,7 @@ def _raw_server(ready, port_out, host="127.0.0.1"):
         c.sendmsg([h, mv[:n]])
 
 
-def _channel_server(ready, port_out, name_out, host="127.0.0.1"):
+def _channel_server(ready, port_out, name_out, host="127.0.0.1", spin_us=0):
     import torch
 
     torch.set_num_threads(1)
@@ -86,7 +90,7 @@ def _channel_server(ready, port_out, name_out, host="127.0.0.1"):
     def compute(layer, x, experts, counts, prefetch, out, top1=None):
         out.copy_(x)
 
-    server = ExchangeServer(compute, lambda: ["bench"], host=host, shm_spin_s=float(os.environ.get("SHM_SPIN", "0")))
+    server = ExchangeServer(compute, lambda: ["bench"], host=host, shm_spin_s=spin_us / 1e6)
     port_out.value = server.port
     name_out.value = (server.local_endpoint or "").encode()
     ready.set()
@@ -94,13 +98,13 @@ def _channel_server(ready, port_out, name_out, host="127.0.0.1"):
         time.sleep(3600)
 
 
-def _start(target, n, named: bool = False):
+def _start(target, n, named: bool = False, extra: tuple = ()):
     """n peer processes: (processes, their TCP ports[, their Unix socket endpoints when `named`])."""
     ctx = mp.get_context("spawn")
     procs, ports, names = [], [], []
     for _ in range(n):
         ready, port, name = ctx.Event(), ctx.Value("i", 0), ctx.Array("c", 128)
-        p = ctx.Process(target=target, args=(ready, port, *([name] if named else [])), daemon=True)
+        p = ctx.Process(target=target, args=(ready, port, *([name] if named else []), *extra), daemon=True)
         p.start()
         ready.wait(60)
         procs.append(p)
@@ -259,18 +263,19 @@ def raw_round_trip(peers: int, nbytes: int, iters: int, ns: Namespace | None = N
 
 
 def channel_round_trip(peers: int, rows: int, hidden: int, iters: int, as_app: bool = False,
-                       ns: Namespace | None = None, shared_memory: bool = False) -> float:
+                       ns: Namespace | None = None, shared_memory: bool = False, shard_spin_us: int = 0) -> float:
     """as_app: the channel as the app sets it up with its peers on one node (their Unix sockets,
     the default poll for a small exchange's replies), with the frames on the socket, or through
     shared memory (`shared_memory`, the app's default); else TCP, blocking reads. `ns`: the peers
-    in that namespace (another node: TCP across the veth, with the app's poll)."""
+    in that namespace (another node: TCP across the veth, with the app's poll). `shard_spin_us`: the
+    peers poll a shared-memory connection this long for the next request (AppArgs.shard_spin_us)."""
     import torch
 
     from moe_workers.serve.config import EXCHANGE_SPIN_US
     from moe_workers.transport import ExpertChannel, Member, Part
 
     if ns is None:
-        procs, ports, names = _start(_channel_server, peers, named=True)
+        procs, ports, names = _start(_channel_server, peers, named=True, extra=("127.0.0.1", shard_spin_us))
         host, node = "127.0.0.1", "bench"
     else:
         (procs, ports), names, host, node = ns.start("channel", peers), [""] * peers, ns.remote, "other"
@@ -307,7 +312,7 @@ def main() -> int:
     from moe_workers.serve.config import EXCHANGE_SPIN_US
 
     print(f"{'batch':>5} {'peers':>5} {'payload':>9} {'raw socket ms':>14} {'channel ms':>11} {'ratio':>6} "
-          f"{'as app ms':>10} {'ratio':>6} {'raw shm ms':>11} {'shm ms':>7} {'ratio':>6}")
+          f"{'as app ms':>10} {'ratio':>6} {'raw shm ms':>11} {'shm ms':>7} {'ratio':>6} {'shm, peers poll':>16} {'ratio':>6}")
     for b in batches:
         for n in peer_counts:
             nbytes = b * a.hidden * 4
@@ -316,15 +321,19 @@ def main() -> int:
             app = channel_round_trip(n, b, a.hidden, iters, as_app=True)
             raw_shm = raw_shm_round_trip(n, nbytes, iters, EXCHANGE_SPIN_US / 1e6)
             shared = channel_round_trip(n, b, a.hidden, iters, as_app=True, shared_memory=True)
+            polled = channel_round_trip(n, b, a.hidden, iters, as_app=True, shared_memory=True,
+                                        shard_spin_us=a.shard_spin_us)
             rows_out.append({"batch": b, "peers": n, "bytes": nbytes, "raw_ms": raw * 1e3, "channel_ms": ours * 1e3,
                              "channel_as_app_ms": app * 1e3, "raw_shm_ms": raw_shm * 1e3,
-                             "channel_shm_ms": shared * 1e3})
+                             "channel_shm_ms": shared * 1e3, "channel_shm_peers_poll_ms": polled * 1e3})
             print(f"{b:5} {n:5} {nbytes / 1024:7.0f} K {raw * 1e3:14.3f} {ours * 1e3:11.3f} {ours / raw:6.2f} "
                   f"{app * 1e3:10.3f} {app / raw:6.2f} {raw_shm * 1e3:11.3f} {shared * 1e3:7.3f} "
-                  f"{shared / raw_shm:6.2f}")
+                  f"{shared / raw_shm:6.2f} {polled * 1e3:16.3f} {polled / raw_shm:6.2f}")
             figures[f"channel-shm-ms-batch{b}-{n}-peers"] = shared * 1e3
             figures[f"raw-shm-ms-batch{b}-{n}-peers"] = raw_shm * 1e3
             figures[f"channel-shm-over-raw-shm-batch{b}-{n}-peers"] = shared / raw_shm
+            figures[f"channel-shm-peers-poll-ms-batch{b}-{n}-peers"] = polled * 1e3
+            figures[f"channel-shm-peers-poll-over-raw-shm-batch{b}-{n}-peers"] = polled / raw_shm
             figures[f"channel-ms-batch{b}-{n}-peers"] = ours * 1e3
             figures[f"channel-over-raw-batch{b}-{n}-peers"] = ours / raw
             figures[f"channel-as-app-over-raw-batch{b}-{n}-peers"] = app / raw

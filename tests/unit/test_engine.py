@@ -7,11 +7,12 @@ import asyncio
 import pytest
 import torch
 
-from checkpoints import make_mixtral
+from checkpoints import make_family, make_mixtral
 from moe_workers.model.checkpoint import Checkpoint
 from moe_workers.model.dense import DenseModel
 from moe_workers.model.kv_cache import PagedKVCache
 from moe_workers.model.experts import LocalExperts
+from moe_workers.model.family import SUPPORTED
 from moe_workers.model.inprocess import InProcessModel
 from moe_workers.model.sampling import SamplingParams
 from moe_workers.engine import Engine, FinishReason, GenerationRequest, Overloaded
@@ -162,6 +163,48 @@ def test_micro_batches_give_the_same_tokens(tmp_path):
         return await asyncio.gather(*(_collect(r) for r in reqs))
 
     assert asyncio.run(main()) == expected
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_decode_steps_split_in_two_micro_batches_match_transformers(tmp_path, family):
+    """Ping-pong micro-batches on decode steps (`micro_batch_min_tokens` 1: every step of two or
+    more sequences in two halves, one half's attention beside the other's experts): each
+    sequence's greedy tokens are transformers' and their logprobs within fp32's tolerance."""
+    ref = make_family(tmp_path, family)
+    prompts = [[3 + i, 9, 11 + i, 40 - i][: 2 + i % 3] for i in range(5)]
+    steps = 5
+    expected, logprobs = [], []
+    with torch.no_grad():
+        for p in prompts:
+            ids, toks, lps = list(p), [], []
+            for _ in range(steps):
+                row = torch.log_softmax(ref(torch.tensor([ids])).logits[0, -1].double(), -1)
+                toks.append(int(row.argmax()))
+                lps.append(float(row.max()))
+                ids.append(toks[-1])
+            expected.append(toks)
+            logprobs.append(lps)
+
+    async def main():
+        engine = _engine(tmp_path, slots=5, micro_batches=2, micro_batch_min_tokens=1)
+        forward = engine.runner._forward
+
+        def counted(batch):
+            forwards.append(batch)
+            return forward(batch)
+
+        engine.runner._forward = counted
+        reqs = [engine.submit(GenerationRequest(prompt=p, max_tokens=steps, stop_at_eos=False, logprobs=0))
+                for p in prompts]
+        outs = await asyncio.gather(*(_collect(r) for r in reqs))
+        return engine, reqs, outs
+
+    forwards = []
+    engine, reqs, outs = asyncio.run(main())
+    assert outs == expected
+    for req, lps in zip(reqs, logprobs):
+        assert [lp for lp, _ in req.token_logprobs] == pytest.approx(lps, abs=1e-4)
+    assert len(forwards) > engine.runner.timings.steps  # steps were split: two forwards for one step
 
 
 def test_failed_step_fails_its_requests_and_frees_their_slots(tmp_path):

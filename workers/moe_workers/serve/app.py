@@ -33,7 +33,7 @@ def build_app(args: AppArgs) -> serve.Application:
         shards[name] = ExpertShard.options(**options).bind(args.model_path, args.dtype, args.torch_threads,
                                                            args.allowed_weight_roots, board, args.family,
                                                            args.wake_latency_us(), args.pin_shard_cpus,
-                                                           args.realtime_priority)
+                                                           args.realtime_priority, args.shard_spin_us)
     autoscaling = ingress_autoscaling_config(args)
     options = {"name": INGRESS, "health_check_period_s": HEALTH_CHECK_PERIOD_S,
                **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": args.ingress_replicas}),

@@ -134,6 +134,11 @@ class AppArgs(BaseModel):
                                         "passed over that socket after the token check) instead of the socket; "
                                         "where one cannot be made, the socket, with a log line and "
                                         "moe_channel_shm_fallbacks counting it.")
+    shard_spin_us: int = Field(default=0, ge=0, le=100_000, description="After a small request (32 rows or "
+                               "fewer) on a shared-memory connection, how long a shard replica polls for the next "
+                               "one before it sleeps on a futex: worth it where shard replicas have CPUs of their "
+                               "own (the next layer's request then needs no wake-up); on CPUs shared with the "
+                               "ingress it only competes with it. 0: sleep at once.")
     max_request_bytes: int = Field(default=4 * 2**20, ge=1024, description="Largest HTTP request body; a larger "
                                    "one gets 413 before it is read.")
     request_body_timeout_s: float = Field(default=30.0, gt=0, description="How long a request body may take "

@@ -204,6 +204,7 @@ class Ingress:
             last = time.monotonic()
             try:
                 self.metrics.load(self.engine_stats())
+                self.metrics.channel(self.channel.stats)
                 window = self._routing_window()
                 if window.get("tokens") and any(window["tokens"]):
                     self.routing_window = window  # status shows the last window that saw traffic

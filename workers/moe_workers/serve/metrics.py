@@ -192,6 +192,10 @@ class IngressMetrics:
         self._profile: dict | None = None
         self.group_tokens = Counter("moe_group_tokens", description="Expert-tokens the ingress sent to each shard group.",
                                     tag_keys=tags + ("group",))
+        self.shm_fallbacks = Counter("moe_channel_shm_fallbacks", description="Connections to a shard replica on "
+                                     "this node that stayed on the Unix socket because a shared-memory segment could "
+                                     "not be made or was refused (status: channel.shm_error says why).",
+                                     tag_keys=tags)
         self.capacity_rerouted = Counter("moe_capacity_rerouted_tokens", description="Tokens routed again because "
                                          "an expert they chose was full (spec.routing.capacityFactor), per layer.",
                                          tag_keys=tags + ("layer",))
@@ -281,6 +285,15 @@ class IngressMetrics:
             if delta > 0:
                 counter.inc(delta, tags=base)
             self._last[name] = kv[name]
+
+    def channel(self, stats: dict) -> None:
+        """Counters from the expert channel's stats (by their increase)."""
+        if not self.enabled:
+            return
+        delta = stats["shm_fallbacks"] - self._last.get("shm_fallbacks", 0)
+        if delta > 0:
+            self.shm_fallbacks.inc(delta, tags=self._base())
+        self._last["shm_fallbacks"] = stats["shm_fallbacks"]
 
     def phases(self, profile: dict) -> None:
         """Each phase's mean seconds a step since the last call (`step_profile.per_step`), one

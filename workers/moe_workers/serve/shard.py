@@ -41,7 +41,8 @@ class ExpertShard:
 
     def __init__(self, model_path: str, dtype: str, torch_threads: int, allowed_weight_roots: list[str] | None = None,
                  board: DeploymentHandle | None = None, family: str | None = None,
-                 wake_latency_us: int | None = None, pin_cpus: bool = True, realtime_priority: int = 0):
+                 wake_latency_us: int | None = None, pin_cpus: bool = True, realtime_priority: int = 0,
+                 shm_spin_us: int = 0):
         torch.set_num_threads(torch_threads)
         self.cpu_claim = CpuClaim()
         if pin_cpus:  # before any thread of ours starts: they inherit it
@@ -78,7 +79,7 @@ class ExpertShard:
         self.baseline_rss_bytes = current_rss_bytes()  # torch + Ray + this code, before any expert
         self.channel = ExchangeServer(self._compute, lambda: self._tokens, host=node_address(),
                                       torch_threads=torch_threads, wake_latency_us=wake_latency_us,
-                                      realtime_priority=realtime_priority)
+                                      realtime_priority=realtime_priority, shm_spin_s=shm_spin_us / 1e6)
         threading.Thread(target=self._maintain, name="store-maintenance", daemon=True).start()
 
     def reconfigure(self, config: dict) -> None:

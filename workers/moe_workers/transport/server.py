@@ -259,9 +259,10 @@ class ExchangeServer:
         poller = readable_poller(conn)
         while True:
             if seg is not None:
-                if self._next_shared(conn, seg) == shm.IN_AREA:
+                if self._next_shared(conn, seg, shared.get("rows", 0) <= wire.SMALL_ROWS) == shm.IN_AREA:
                     self._shared_frame(seg, shared)
                     continue
+                shared["rows"] = 0  # a socket frame is a large one
             else:
                 poller.poll()  # the next request (not the ingress reading the last reply: readable_poller)
             got = _recv_at_least(conn, view, 0, head)
@@ -317,11 +318,13 @@ class ExchangeServer:
             self.handle_s += time.perf_counter() - t0
 
 
-    def _next_shared(self, conn: socket.socket, seg: shm.Segment) -> int:
-        """Where the next request is (shm.IN_AREA or ON_SOCKET); ConnectionError once the ingress
-        closed the connection or the server closes."""
+    def _next_shared(self, conn: socket.socket, seg: shm.Segment, small: bool) -> int:
+        """Where the next request is (shm.IN_AREA or ON_SOCKET), polling for `shm_spin_s` first
+        after a `small` request (a decode step's: the next layer's comes within a layer's dense
+        compute); ConnectionError once the ingress closed the connection or the server closes."""
+        spin = self.shm_spin_s if small else 0.0
         while True:
-            where = shm.wait_for(seg.request_box, conn, time.monotonic() + 1.0, self.shm_spin_s)
+            where = shm.wait_for(seg.request_box, conn, time.monotonic() + 1.0, spin)
             if where is not None:
                 return where
             if self._closed.is_set():
@@ -344,6 +347,7 @@ class ExchangeServer:
         if self.draining:
             self._shared_reply(seg, wire.encode_reply(seq, wire.DRAINING, message="replica is stopping"))
             return
+        views["rows"] = rows
         shape = (head + size, rows, hidden, dtype)
         if views.get("shape") != shape:  # decode steps repeat one shape
             views.update(shape=shape, x=wire.tensor_view(seg.request, head + size, rows, hidden, dtype),
