@@ -1,21 +1,27 @@
 /* A decode step's products in C: a few rows each (up to native.ROWS_MAX) through SwiGLU experts
- * (mixtral, qwen, olmoe, deepseek), bfloat16 weights in [out, in], many experts in one call; a
- * few rows through a dense projection. Built with native_decode.c and native_parallel.c into
- * one library (moe_workers/model/native.py). A step computes each
- * expert's gate/up rows (`moe_swiglu_up`), then its down rows (`moe_swiglu_down`); each call
- * takes a range of rows of every expert, so the caller's threads split the rows and one call
- * replaces a Python loop of three products per expert.
+ * (mixtral, qwen, olmoe, deepseek), bfloat16 weights in [out, in], many experts in one call; the
+ * same through gpt-oss' clamped SwiGLU with biases, its weights in [out, in] (decoded from mxfp4)
+ * or in transformers' [in, out] (its bf16 release); a few rows through a dense projection. Built
+ * with native_decode.c and native_parallel.c into one library (moe_workers/model/native.py). A
+ * step computes each expert's gate/up rows (`moe_swiglu_up`, `moe_gptoss_up`), then its down rows
+ * (`moe_swiglu_down`, `moe_gptoss_down`); each call takes a range of rows of every expert, so the
+ * caller's threads split the rows and one call replaces a Python loop of products and
+ * element-wise ops per expert.
  *
  * Arithmetic: each product row is a dot product of bfloat16 values accumulated in float32 (the
  * CPU's bfloat16 dot-product instruction where it has one), rounded once to bfloat16; the
- * activation follows torch's on bfloat16 tensors: silu(g) rounded, times u, rounded. The sums
- * run in another order than torch's, so results agree within bfloat16's rounding. */
+ * activation follows torch's on bfloat16 tensors, each op in float32 and rounded where torch
+ * rounds it (silu(g) rounded, times u, rounded; gpt-oss: product, plus bias, each rounded; see
+ * `gptoss_act`). The sums run in another order than torch's, so results agree within
+ * bfloat16's rounding. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#define ROWS_MAX 16 /* native.ROWS_MAX: rows of x an expert a call takes at most */
 
 static inline float bf16_to_f32(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 
@@ -125,6 +131,101 @@ int moe_swiglu_up(const uint16_t *const *w1, const uint16_t *const *w3, const ui
 int moe_swiglu_down(const uint16_t *const *w2, const uint16_t *const *h, const long *nx, long count, long inter,
                     long hidden, long r0, long r1, uint16_t *const *y) {
     for (long e = 0; e < count; e++) matmat_rows(w2[e], inter, h[e], nx[e], r0, r1, y[e], hidden);
+    return 0;
+}
+
+/* bf16(bf16(v) rounded from float32): torch's value after an op on bfloat16 tensors */
+static inline float rnd(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+/* gpt-oss' clamped SwiGLU of one (gate, up) pair as transformers computes it on bfloat16 tensors:
+ * gate = min(gate, limit), up = clamp(up, -limit, limit), glu = gate * sigmoid(gate * alpha),
+ * (up + 1) * glu; each op in float32, rounded to bfloat16 where torch's bfloat16 op rounds. */
+static inline uint16_t gptoss_act(float g, float u, float alpha, float limit) {
+    g = rnd(g < limit ? g : limit);
+    u = rnd(u < -limit ? -limit : (u > limit ? limit : u));
+    const float ga = rnd(g * alpha);
+    const float glu = rnd(g * rnd(1.0f / (1.0f + expf(-ga))));
+    return f32_to_bf16(rnd(u + 1.0f) * glu);
+}
+
+/* Columns [c0, c1) of Y = X W for nx rows of X [nx, n] and W [n, m] in [in, out] (gpt-oss' bf16
+ * experts as transformers stores them), rounded into Y [nx, ldy]. A tile of columns at a time
+ * (as wide as its float32 sums for all of X's rows fit in 16 KiB), W's rows four at a time
+ * (the sums as `moe_vecmat_rows` adds them): each row's slice of W is read from memory once for
+ * all of X, and a sum's order does not depend on nx. */
+static void inout_cols(const uint16_t *x, long nx, long n, const uint16_t *w, long m, long c0, long c1, uint16_t *y,
+                       long ldy) {
+    float acc[4096];
+    const long tile = (4096 / nx) & ~15L;
+    for (long t0 = c0; t0 < c1; t0 += tile) {
+        const long width = c1 - t0 < tile ? c1 - t0 : tile;
+        for (long c = 0; c < nx * width; c++) acc[c] = 0.f;
+        long i = 0;
+        for (; i + 4 <= n; i += 4) {
+            const uint16_t *w0 = w + i * m + t0, *w1 = w0 + m, *w2 = w1 + m, *w3 = w2 + m;
+            for (long b = 0; b < nx; b++) {
+                const float x0 = bf16_to_f32(x[b * n + i]), x1 = bf16_to_f32(x[b * n + i + 1]);
+                const float x2 = bf16_to_f32(x[b * n + i + 2]), x3 = bf16_to_f32(x[b * n + i + 3]);
+                float *a = acc + b * width;
+                for (long c = 0; c < width; c++)
+                    a[c] += x0 * bf16_to_f32(w0[c]) + x1 * bf16_to_f32(w1[c]) + x2 * bf16_to_f32(w2[c]) +
+                            x3 * bf16_to_f32(w3[c]);
+            }
+        }
+        for (; i < n; i++) {
+            const uint16_t *row = w + i * m + t0;
+            for (long b = 0; b < nx; b++) {
+                const float xi = bf16_to_f32(x[b * n + i]);
+                float *a = acc + b * width;
+                for (long c = 0; c < width; c++) a[c] += xi * bf16_to_f32(row[c]);
+            }
+        }
+        for (long b = 0; b < nx; b++)
+            for (long c = 0; c < width; c++) y[b * ldy + t0 + c] = f32_to_bf16(acc[b * width + c]);
+    }
+}
+
+/* For each of `count` gpt-oss experts, with nx[e] rows X_e [nx[e], hidden]: the (gate, up) pairs
+ * [j0, j1) of H_e [nx[e], inter] = act(X_e gate_up + bias), gate and up interleaved in gate_up's
+ * 2 * inter outputs (gate 2j, up 2j + 1) as the checkpoint stores them; gate_up [2 * inter,
+ * hidden] when out_in, else [hidden, 2 * inter]; bias [2 * inter]. `gu` is scratch [nx[e], 2 *
+ * inter] per expert (the products, then plus the bias, each rounded as torch rounds them). */
+int moe_gptoss_up(const uint16_t *const *gate_up, const uint16_t *const *bias, const uint16_t *const *x,
+                  const long *nx, long count, long hidden, long inter, int out_in, float alpha, float limit, long j0,
+                  long j1, uint16_t *const *gu, uint16_t *const *h) {
+    for (long e = 0; e < count; e++) {
+        if (nx[e] < 1 || nx[e] > ROWS_MAX) return -2;
+        if (out_in)
+            matmat_rows(gate_up[e], hidden, x[e], nx[e], 2 * j0, 2 * j1, gu[e], 2 * inter);
+        else
+            inout_cols(x[e], nx[e], hidden, gate_up[e], 2 * inter, 2 * j0, 2 * j1, gu[e], 2 * inter);
+        for (long b = 0; b < nx[e]; b++) {
+            const uint16_t *p = gu[e] + b * 2 * inter;
+            for (long j = j0; j < j1; j++) {
+                const float g = rnd(bf16_to_f32(p[2 * j]) + bf16_to_f32(bias[e][2 * j]));
+                const float u = rnd(bf16_to_f32(p[2 * j + 1]) + bf16_to_f32(bias[e][2 * j + 1]));
+                h[e][b * inter + j] = gptoss_act(g, u, alpha, limit);
+            }
+        }
+    }
+    return 0;
+}
+
+/* For each of `count` gpt-oss experts: outputs [c0, c1) of Y_e = H_e down + bias, down [hidden,
+ * inter] when out_in, else [inter, hidden]; bias [hidden]; Y_e [nx[e], hidden] (the product
+ * rounded, then plus the bias rounded, as torch's two ops). */
+int moe_gptoss_down(const uint16_t *const *down, const uint16_t *const *bias, const uint16_t *const *h, const long *nx,
+                    long count, long inter, long hidden, int out_in, long c0, long c1, uint16_t *const *y) {
+    for (long e = 0; e < count; e++) {
+        if (nx[e] < 1 || nx[e] > ROWS_MAX) return -2;
+        if (out_in)
+            matmat_rows(down[e], inter, h[e], nx[e], c0, c1, y[e], hidden);
+        else
+            inout_cols(h[e], nx[e], inter, down[e], hidden, c0, c1, y[e], hidden);
+        for (long b = 0; b < nx[e]; b++)
+            for (long c = c0; c < c1; c++)
+                y[e][b * hidden + c] = f32_to_bf16(bf16_to_f32(y[e][b * hidden + c]) + bf16_to_f32(bias[e][c]));
+    }
     return 0;
 }
 

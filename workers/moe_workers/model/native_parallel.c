@@ -18,6 +18,11 @@ int moe_swiglu_up(const uint16_t *const *w1, const uint16_t *const *w3, const ui
                   uint16_t *const *h);
 int moe_swiglu_down(const uint16_t *const *w2, const uint16_t *const *h, const long *nx, long count, long inter,
                     long hidden, long r0, long r1, uint16_t *const *y);
+int moe_gptoss_up(const uint16_t *const *gate_up, const uint16_t *const *bias, const uint16_t *const *x,
+                  const long *nx, long count, long hidden, long inter, int out_in, float alpha, float limit, long j0,
+                  long j1, uint16_t *const *gu, uint16_t *const *h);
+int moe_gptoss_down(const uint16_t *const *down, const uint16_t *const *bias, const uint16_t *const *h, const long *nx,
+                    long count, long inter, long hidden, int out_in, long c0, long c1, uint16_t *const *y);
 int moe_matvec_rows(const uint16_t *w, long n, const uint16_t *x, long nx, long rows, long r0, long r1, uint16_t *y);
 int moe_vecmat_rows(const uint16_t *x, const uint16_t *w, long m, long r0, long r1, float *acc);
 
@@ -67,6 +72,18 @@ int moe_swiglu_up_par(const uint16_t *const *w1, const uint16_t *const *w3, cons
 int moe_swiglu_down_par(const uint16_t *const *w2, const uint16_t *const *h, const long *nx, long count, long inter,
                         long hidden, uint16_t *const *y, int parts) {
     EACH_PART(hidden, parts, moe_swiglu_down(w2, h, nx, count, inter, hidden, a, b, y))
+}
+
+int moe_gptoss_up_par(const uint16_t *const *gate_up, const uint16_t *const *bias, const uint16_t *const *x,
+                      const long *nx, long count, long hidden, long inter, int out_in, float alpha, float limit,
+                      uint16_t *const *gu, uint16_t *const *h, int parts) {
+    EACH_PART(inter, parts, moe_gptoss_up(gate_up, bias, x, nx, count, hidden, inter, out_in, alpha, limit, a, b, gu, h))
+}
+
+int moe_gptoss_down_par(const uint16_t *const *down, const uint16_t *const *bias, const uint16_t *const *h,
+                        const long *nx, long count, long inter, long hidden, int out_in, uint16_t *const *y,
+                        int parts) {
+    EACH_PART(hidden, parts, moe_gptoss_down(down, bias, h, nx, count, inter, hidden, out_in, a, b, y))
 }
 
 int moe_matvec_par(const uint16_t *w, long rows, long n, const uint16_t *x, long nx, uint16_t *y, int parts) {
