@@ -109,8 +109,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     for name, args in (("moe_fp8_par", [p, p, n, n, n, n, p, i, i]), ("moe_mxfp4_par", [p, p, n, p, i, i]),
                        ("moe_swiglu_up_par", [p, p, p, p, n, n, n, p, p, p, i]),
                        ("moe_swiglu_down_par", [p, p, p, n, n, n, p, i]),
-                       ("moe_gptoss_up_par", [p, p, p, p, n, n, n, i, f, f, p, p, i]),
-                       ("moe_gptoss_down_par", [p, p, p, p, n, n, n, i, p, i]), ("moe_vecmat_par", [p, p, n, n, p, i]),
+                       ("moe_gptoss_up_par", [p, p, p, p, n, n, n, i, f, f, p, p, p, i]),
+                       ("moe_gptoss_down_par", [p, p, p, p, n, n, n, i, p, p, i]), ("moe_vecmat_par", [p, p, n, n, p, i]),
                        ("moe_matvec_par", [p, n, n, p, n, p, i])):
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, i
     lib.moe_native_isa.restype = ctypes.c_char_p
@@ -234,16 +234,19 @@ def gptoss_rows(xs: list[torch.Tensor], gate_up: list[torch.Tensor], gate_up_bia
             or any(tuple(t.shape) != s for ts in zip(gate_up, gate_up_bias, down, down_bias) for t, s in zip(ts, want)):
         raise ValueError(f"gpt-oss rows: inputs {[tuple(x.shape) for x in xs]}, outputs {[tuple(o.shape) for o in outs]} "
                          f"(want [1-{ROWS_MAX}, {hidden}] each, outputs alike), weights {want} each")
-    gu, h = torch.empty(sum(rows), 2 * inter, dtype=torch.bfloat16).split(rows), \
-        torch.empty(sum(rows), inter, dtype=torch.bfloat16).split(rows)
-    ptr = [_pointers(t) for t in (gate_up, gate_up_bias, down, down_bias, xs, outs, gu, h)]
-    p_gate_up, p_gate_up_bias, p_down, p_down_bias, p_x, p_out, p_gu, p_h = ptr
+    gu, h = (torch.empty(sum(rows), n, dtype=torch.bfloat16).split(rows) for n in (2 * inter, inter))
+    p_gate_up, p_gate_up_bias, p_down, p_down_bias, p_x, p_out, p_gu, p_h = (
+        _pointers(t) for t in (gate_up, gate_up_bias, down, down_bias, xs, outs, gu, h))
     p_rows = (ctypes.c_long * count)(*rows)
     nbytes = sum(w.nbytes for w in gate_up)
+    # [in, out]: the parts split the products' sums (W's rows) and add them after; [out, in]: the outputs
+    up_parts, down_parts = (_parts(n, b) for n, b in (
+        ((inter, nbytes), (hidden, nbytes // 2)) if out_in else ((hidden, nbytes), (inter, nbytes // 2))))
+    acc = torch.empty(0 if out_in else max(up_parts * 2 * inter, down_parts * hidden) * sum(rows), dtype=torch.float32)
     _check(lib.moe_gptoss_up_par(p_gate_up, p_gate_up_bias, p_x, p_rows, count, hidden, inter, int(out_in), alpha,
-                                 limit, p_gu, p_h, _parts(inter, nbytes)), "gpt-oss gate/up")
+                                 limit, p_gu, p_h, acc.data_ptr(), up_parts), "gpt-oss gate/up")
     _check(lib.moe_gptoss_down_par(p_down, p_down_bias, p_h, p_rows, count, inter, hidden, int(out_in), p_out,
-                                   _parts(hidden, nbytes // 2)), "gpt-oss down")
+                                   acc.data_ptr(), down_parts), "gpt-oss down")
 
 
 def matvec(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

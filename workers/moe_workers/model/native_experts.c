@@ -148,84 +148,124 @@ static inline uint16_t gptoss_act(float g, float u, float alpha, float limit) {
     return f32_to_bf16(rnd(u + 1.0f) * glu);
 }
 
-/* Columns [c0, c1) of Y = X W for nx rows of X [nx, n] and W [n, m] in [in, out] (gpt-oss' bf16
- * experts as transformers stores them), rounded into Y [nx, ldy]. A tile of columns at a time
- * (as wide as its float32 sums for all of X's rows fit in 16 KiB), W's rows four at a time
- * (the sums as `moe_vecmat_rows` adds them): each row's slice of W is read from memory once for
- * all of X, and a sum's order does not depend on nx. */
-static void inout_cols(const uint16_t *x, long nx, long n, const uint16_t *w, long m, long c0, long c1, uint16_t *y,
-                       long ldy) {
-    float acc[4096];
-    const long tile = (4096 / nx) & ~15L;
-    for (long t0 = c0; t0 < c1; t0 += tile) {
-        const long width = c1 - t0 < tile ? c1 - t0 : tile;
-        for (long c = 0; c < nx * width; c++) acc[c] = 0.f;
-        long i = 0;
-        for (; i + 4 <= n; i += 4) {
-            const uint16_t *w0 = w + i * m + t0, *w1 = w0 + m, *w2 = w1 + m, *w3 = w2 + m;
-            for (long b = 0; b < nx; b++) {
-                const float x0 = bf16_to_f32(x[b * n + i]), x1 = bf16_to_f32(x[b * n + i + 1]);
-                const float x2 = bf16_to_f32(x[b * n + i + 2]), x3 = bf16_to_f32(x[b * n + i + 3]);
-                float *a = acc + b * width;
-                for (long c = 0; c < width; c++)
-                    a[c] += x0 * bf16_to_f32(w0[c]) + x1 * bf16_to_f32(w1[c]) + x2 * bf16_to_f32(w2[c]) +
-                            x3 * bf16_to_f32(w3[c]);
-            }
-        }
-        for (; i < n; i++) {
-            const uint16_t *row = w + i * m + t0;
-            for (long b = 0; b < nx; b++) {
-                const float xi = bf16_to_f32(x[b * n + i]);
-                float *a = acc + b * width;
-                for (long c = 0; c < width; c++) a[c] += xi * bf16_to_f32(row[c]);
-            }
-        }
-        for (long b = 0; b < nx; b++)
-            for (long c = 0; c < width; c++) y[b * ldy + t0 + c] = f32_to_bf16(acc[b * width + c]);
-    }
-}
-
-/* For each of `count` gpt-oss experts, with nx[e] rows X_e [nx[e], hidden]: the (gate, up) pairs
- * [j0, j1) of H_e [nx[e], inter] = act(X_e gate_up + bias), gate and up interleaved in gate_up's
- * 2 * inter outputs (gate 2j, up 2j + 1) as the checkpoint stores them; gate_up [2 * inter,
- * hidden] when out_in, else [hidden, 2 * inter]; bias [2 * inter]. `gu` is scratch [nx[e], 2 *
- * inter] per expert (the products, then plus the bias, each rounded as torch rounds them). */
-int moe_gptoss_up(const uint16_t *const *gate_up, const uint16_t *const *bias, const uint16_t *const *x,
-                  const long *nx, long count, long hidden, long inter, int out_in, float alpha, float limit, long j0,
-                  long j1, uint16_t *const *gu, uint16_t *const *h) {
+/* For each of `count` experts, with nx[e] rows X_e [nx[e], n] and W_e [n, m] in [in, out] (gpt-oss'
+ * bf16 experts as transformers stores them): the float32 sums over W's rows [i0, i1) of X_e W_e,
+ * into acc [all experts' rows, m] (expert e's rows after those of the experts before it). A
+ * range of W's rows is read once, in order, eight rows at a time, for all of X_e's rows (as
+ * `moe_vecmat_rows` streams W for one row): each thread streams a contiguous part of W, the
+ * caller adds the parts' sums; a sum's order does not depend on nx. */
+int moe_inout_sums(const uint16_t *const *w, const uint16_t *const *x, const long *nx, long count, long n, long m,
+                   long i0, long i1, float *acc) {
     for (long e = 0; e < count; e++) {
         if (nx[e] < 1 || nx[e] > ROWS_MAX) return -2;
-        if (out_in)
-            matmat_rows(gate_up[e], hidden, x[e], nx[e], 2 * j0, 2 * j1, gu[e], 2 * inter);
-        else
-            inout_cols(x[e], nx[e], hidden, gate_up[e], 2 * inter, 2 * j0, 2 * j1, gu[e], 2 * inter);
-        for (long b = 0; b < nx[e]; b++) {
-            const uint16_t *p = gu[e] + b * 2 * inter;
-            for (long j = j0; j < j1; j++) {
-                const float g = rnd(bf16_to_f32(p[2 * j]) + bf16_to_f32(bias[e][2 * j]));
-                const float u = rnd(bf16_to_f32(p[2 * j + 1]) + bf16_to_f32(bias[e][2 * j + 1]));
-                h[e][b * inter + j] = gptoss_act(g, u, alpha, limit);
+        for (long c = 0; c < nx[e] * m; c++) acc[c] = 0.f;
+        long i = i0;
+        for (; i + 8 <= i1; i += 8) {
+            const uint16_t *r[8];
+            for (int k = 0; k < 8; k++) r[k] = w[e] + (i + k) * m;
+            for (long b = 0; b < nx[e]; b++) {
+                float v[8];
+                for (int k = 0; k < 8; k++) v[k] = bf16_to_f32(x[e][b * n + i + k]);
+                float *a = acc + b * m;
+                for (long c = 0; c < m; c++)
+                    a[c] += (v[0] * bf16_to_f32(r[0][c]) + v[1] * bf16_to_f32(r[1][c]) + v[2] * bf16_to_f32(r[2][c]) +
+                             v[3] * bf16_to_f32(r[3][c])) +
+                            (v[4] * bf16_to_f32(r[4][c]) + v[5] * bf16_to_f32(r[5][c]) + v[6] * bf16_to_f32(r[6][c]) +
+                             v[7] * bf16_to_f32(r[7][c]));
             }
         }
+        for (; i < i1; i++)
+            for (long b = 0; b < nx[e]; b++) {
+                const float xi = bf16_to_f32(x[e][b * n + i]);
+                const uint16_t *row = w[e] + i * m;
+                float *a = acc + b * m;
+                for (long c = 0; c < m; c++) a[c] += xi * bf16_to_f32(row[c]);
+            }
+        acc += nx[e] * m;
     }
     return 0;
 }
 
-/* For each of `count` gpt-oss experts: outputs [c0, c1) of Y_e = H_e down + bias, down [hidden,
- * inter] when out_in, else [inter, hidden]; bias [hidden]; Y_e [nx[e], hidden] (the product
- * rounded, then plus the bias rounded, as torch's two ops). */
-int moe_gptoss_down(const uint16_t *const *down, const uint16_t *const *bias, const uint16_t *const *h, const long *nx,
-                    long count, long inter, long hidden, int out_in, long c0, long c1, uint16_t *const *y) {
+/* Columns [c0, c1) of row `row` of `total` rows [total, m]: the `parts` partial sums of
+ * `moe_inout_sums` (acc [parts, total, m]) added in part order and rounded into y [m] */
+static void add_parts(const float *acc, int parts, long total, long m, long row, long c0, long c1, uint16_t *y) {
+    for (long c = c0; c < c1; c++) {
+        float s = acc[row * m + c];
+        for (int p = 1; p < parts; p++) s += acc[(p * total + row) * m + c];
+        y[c] = f32_to_bf16(s);
+    }
+}
+
+/* (gate, up) pairs [j0, j1) of one row's products gu [2 * inter] (rounded), plus bias [2 * inter]
+ * (rounded), through gpt-oss' activation into h [inter] */
+static void gptoss_up_row(const uint16_t *gu, const uint16_t *bias, long j0, long j1, float alpha, float limit,
+                          uint16_t *h) {
+    for (long j = j0; j < j1; j++) {
+        const float g = rnd(bf16_to_f32(gu[2 * j]) + bf16_to_f32(bias[2 * j]));
+        const float u = rnd(bf16_to_f32(gu[2 * j + 1]) + bf16_to_f32(bias[2 * j + 1]));
+        h[j] = gptoss_act(g, u, alpha, limit);
+    }
+}
+
+/* For each of `count` gpt-oss experts, with nx[e] rows X_e [nx[e], hidden]: the (gate, up) pairs
+ * [j0, j1) of H_e [nx[e], inter] = act(X_e gate_up^T + bias), gate and up interleaved in gate_up's
+ * rows (gate 2j, up 2j + 1) as the checkpoint stores them; gate_up [2 * inter, hidden] ([out, in],
+ * decoded from mxfp4), bias [2 * inter]. `gu` is scratch [nx[e], 2 * inter] per expert (the
+ * products, rounded as torch rounds them, before the bias). */
+int moe_gptoss_up(const uint16_t *const *gate_up, const uint16_t *const *bias, const uint16_t *const *x,
+                  const long *nx, long count, long hidden, long inter, float alpha, float limit, long j0, long j1,
+                  uint16_t *const *gu, uint16_t *const *h) {
     for (long e = 0; e < count; e++) {
         if (nx[e] < 1 || nx[e] > ROWS_MAX) return -2;
-        if (out_in)
-            matmat_rows(down[e], inter, h[e], nx[e], c0, c1, y[e], hidden);
-        else
-            inout_cols(h[e], nx[e], inter, down[e], hidden, c0, c1, y[e], hidden);
+        matmat_rows(gate_up[e], hidden, x[e], nx[e], 2 * j0, 2 * j1, gu[e], 2 * inter);
+        for (long b = 0; b < nx[e]; b++)
+            gptoss_up_row(gu[e] + b * 2 * inter, bias[e], j0, j1, alpha, limit, h[e] + b * inter);
+    }
+    return 0;
+}
+
+/* The same from `moe_inout_sums`' parts (gate_up in [in, out]): pairs [j0, j1) of every
+ * expert's rows. */
+int moe_gptoss_up_sums(const float *acc, int parts, const uint16_t *const *bias, const long *nx, long count,
+                       long inter, float alpha, float limit, long j0, long j1, uint16_t *const *gu,
+                       uint16_t *const *h) {
+    long total = 0;
+    for (long e = 0; e < count; e++) total += nx[e];
+    for (long e = 0, row = 0; e < count; e++)
+        for (long b = 0; b < nx[e]; b++, row++) {
+            add_parts(acc, parts, total, 2 * inter, row, 2 * j0, 2 * j1, gu[e] + b * 2 * inter);
+            gptoss_up_row(gu[e] + b * 2 * inter, bias[e], j0, j1, alpha, limit, h[e] + b * inter);
+        }
+    return 0;
+}
+
+/* For each of `count` gpt-oss experts: outputs [c0, c1) of Y_e = H_e down^T + bias, down [hidden,
+ * inter] ([out, in]), bias [hidden], Y_e [nx[e], hidden]: the product rounded, then plus the bias
+ * rounded, as torch's two ops. */
+int moe_gptoss_down(const uint16_t *const *down, const uint16_t *const *bias, const uint16_t *const *h, const long *nx,
+                    long count, long inter, long hidden, long c0, long c1, uint16_t *const *y) {
+    for (long e = 0; e < count; e++) {
+        if (nx[e] < 1 || nx[e] > ROWS_MAX) return -2;
+        matmat_rows(down[e], inter, h[e], nx[e], c0, c1, y[e], hidden);
         for (long b = 0; b < nx[e]; b++)
             for (long c = c0; c < c1; c++)
                 y[e][b * hidden + c] = f32_to_bf16(bf16_to_f32(y[e][b * hidden + c]) + bf16_to_f32(bias[e][c]));
     }
+    return 0;
+}
+
+/* The same from `moe_inout_sums`' parts (down in [in, out]): outputs [c0, c1) of every expert's
+ * rows. */
+int moe_gptoss_down_sums(const float *acc, int parts, const uint16_t *const *bias, const long *nx, long count,
+                         long hidden, long c0, long c1, uint16_t *const *y) {
+    long total = 0;
+    for (long e = 0; e < count; e++) total += nx[e];
+    for (long e = 0, row = 0; e < count; e++)
+        for (long b = 0; b < nx[e]; b++, row++) {
+            uint16_t *out = y[e] + b * hidden;
+            add_parts(acc, parts, total, hidden, row, c0, c1, out);
+            for (long c = c0; c < c1; c++) out[c] = f32_to_bf16(bf16_to_f32(out[c]) + bf16_to_f32(bias[e][c]));
+        }
     return 0;
 }
 
