@@ -238,10 +238,14 @@ def gptoss_rows(xs: list[torch.Tensor], gate_up: list[torch.Tensor], gate_up_bia
     p_gate_up, p_gate_up_bias, p_down, p_down_bias, p_x, p_out, p_gu, p_h = (
         _pointers(t) for t in (gate_up, gate_up_bias, down, down_bias, xs, outs, gu, h))
     p_rows = (ctypes.c_long * count)(*rows)
-    nbytes = sum(w.nbytes for w in gate_up)
-    # [in, out]: the parts split the products' sums (W's rows) and add them after; [out, in]: the outputs
-    up_parts, down_parts = (_parts(n, b) for n, b in (
-        ((inter, nbytes), (hidden, nbytes // 2)) if out_in else ((hidden, nbytes), (inter, nbytes // 2))))
+    # [out, in]: the parts split the outputs (any split gives the same bits); [in, out]: they split
+    # the products' sums (W's rows) and add them after, so their number is one expert's (a row's
+    # values do not depend on which experts share its call)
+    if out_in:
+        nbytes = sum(w.nbytes for w in gate_up)
+        up_parts, down_parts = _parts(inter, nbytes), _parts(hidden, nbytes // 2)
+    else:
+        up_parts, down_parts = _parts(hidden, gate_up[0].nbytes), _parts(inter, down[0].nbytes)
     acc = torch.empty(0 if out_in else max(up_parts * 2 * inter, down_parts * hidden) * sum(rows), dtype=torch.float32)
     _check(lib.moe_gptoss_up_par(p_gate_up, p_gate_up_bias, p_x, p_rows, count, hidden, inter, int(out_in), alpha,
                                  limit, p_gu, p_h, acc.data_ptr(), up_parts), "gpt-oss gate/up")
