@@ -152,8 +152,10 @@ static inline uint16_t gptoss_act(float g, float u, float alpha, float limit) {
  * bf16 experts as transformers stores them): the float32 sums over W's rows [i0, i1) of X_e W_e,
  * into acc [all experts' rows, m] (expert e's rows after those of the experts before it). A
  * range of W's rows is read once, in order, eight rows at a time, for all of X_e's rows (as
- * `moe_vecmat_rows` streams W for one row): each thread streams a contiguous part of W, the
- * caller adds the parts' sums; a sum's order does not depend on nx. */
+ * `moe_vecmat_rows` streams W for one row), a tile of columns at a time: each thread streams a
+ * contiguous part of W, the caller adds the parts' sums; a sum's order does not depend on nx. */
+#define INOUT_TILE 512 /* columns: 8 rows of W's tile, 8 KiB */
+
 int moe_inout_sums(const uint16_t *const *w, const uint16_t *const *x, const long *nx, long count, long n, long m,
                    long i0, long i1, float *acc) {
     for (long e = 0; e < count; e++) {
@@ -163,15 +165,18 @@ int moe_inout_sums(const uint16_t *const *w, const uint16_t *const *x, const lon
         for (; i + 8 <= i1; i += 8) {
             const uint16_t *r[8];
             for (int k = 0; k < 8; k++) r[k] = w[e] + (i + k) * m;
-            for (long b = 0; b < nx[e]; b++) {
-                float v[8];
-                for (int k = 0; k < 8; k++) v[k] = bf16_to_f32(x[e][b * n + i + k]);
-                float *a = acc + b * m;
-                for (long c = 0; c < m; c++)
-                    a[c] += (v[0] * bf16_to_f32(r[0][c]) + v[1] * bf16_to_f32(r[1][c]) + v[2] * bf16_to_f32(r[2][c]) +
-                             v[3] * bf16_to_f32(r[3][c])) +
-                            (v[4] * bf16_to_f32(r[4][c]) + v[5] * bf16_to_f32(r[5][c]) + v[6] * bf16_to_f32(r[6][c]) +
-                             v[7] * bf16_to_f32(r[7][c]));
+            for (long t = 0; t < m; t += INOUT_TILE) {  /* the eight rows' tile stays in L1 for all of X_e */
+                const long t1 = t + INOUT_TILE < m ? t + INOUT_TILE : m;
+                for (long b = 0; b < nx[e]; b++) {
+                    float v[8];
+                    for (int k = 0; k < 8; k++) v[k] = bf16_to_f32(x[e][b * n + i + k]);
+                    float *a = acc + b * m;
+                    for (long c = t; c < t1; c++)
+                        a[c] += (v[0] * bf16_to_f32(r[0][c]) + v[1] * bf16_to_f32(r[1][c]) +
+                                 v[2] * bf16_to_f32(r[2][c]) + v[3] * bf16_to_f32(r[3][c])) +
+                                (v[4] * bf16_to_f32(r[4][c]) + v[5] * bf16_to_f32(r[5][c]) +
+                                 v[6] * bf16_to_f32(r[6][c]) + v[7] * bf16_to_f32(r[7][c]));
+                }
             }
         }
         for (; i < i1; i++)
