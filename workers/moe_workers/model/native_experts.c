@@ -141,8 +141,8 @@ static inline float rnd(float v) { return bf16_to_f32(f32_to_bf16(v)); }
  * gate = min(gate, limit), up = clamp(up, -limit, limit), glu = gate * sigmoid(gate * alpha),
  * (up + 1) * glu; each op in float32, rounded to bfloat16 where torch's bfloat16 op rounds. */
 static inline uint16_t gptoss_act(float g, float u, float alpha, float limit) {
-    g = rnd(g < limit ? g : limit);
-    u = rnd(u < -limit ? -limit : (u > limit ? limit : u));
+    g = rnd(g > limit ? limit : g); /* a NaN stays one, as through torch's clamp */
+    u = rnd(u > limit ? limit : (u < -limit ? -limit : u));
     const float ga = rnd(g * alpha);
     const float glu = rnd(g * rnd(1.0f / (1.0f + expf(-ga))));
     return f32_to_bf16(rnd(u + 1.0f) * glu);
