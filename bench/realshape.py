@@ -6,6 +6,8 @@ sets.
     python bench/realshape.py                      # every family, 5 alternating rounds
     python bench/realshape.py --families mixtral-8x7b --rounds 3
     python bench/realshape.py --only kernels       # the matrix-vector kernels at these shapes
+    python bench/realshape.py --only experts --families gpt-oss-20b,gpt-oss-20b-mxfp4   # a decode
+                                                   # step's experts, torch against the C kernels
     python bench/realshape.py --no-served          # in process and transformers only
 
 Shapes (`moe_workers.model.published`, written by `moectl init-model --shape`, bf16, byte
@@ -62,7 +64,7 @@ PROMPT, DECODE_TOKENS, PREFILL = 8, 16, 256
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default=",".join(SHAPES), help="comma-separated shapes (default: all)")
-    p.add_argument("--only", choices=["kernels", "models"], default=None)
+    p.add_argument("--only", choices=["kernels", "experts", "models"], default=None)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--batches", default="1,16")
     p.add_argument("--no-served", action="store_true", help="skip the served app (no Ray)")
@@ -140,7 +142,7 @@ def kernels(shapes: list[str], reps: int = 3) -> tuple[list[dict], dict]:
                   f"ours {row['ours_gbs']:.1f}{extra}", flush=True)
     for name in dict.fromkeys(SHAPES[s][0] for s in shapes):
         if published.family_of(name) != "gpt_oss":
-            rows.append(_experts_step(name, reps))
+            rows.append(_experts_step(next(s for s in shapes if SHAPES[s][0] == name), reps))
     for name in dict.fromkeys(SHAPES[s][0] for s in shapes):
         mine = [r for r in rows if r["shape"] == name and "ours_gbs" in r]
         figures[f"matvec-vs-read-{name}"] = min(r["ours_gbs"] / r["read_gbs"] for r in mine)
@@ -150,41 +152,82 @@ def kernels(shapes: list[str], reps: int = 3) -> tuple[list[dict], dict]:
     return rows, figures
 
 
-def _experts_step(name: str, reps: int) -> dict:
-    """One decode step's routed experts at the shape (top-k SwiGLU experts, one row each):
-    expert by expert through torch (`layers.expert_mlp`, three products) against the C kernels
-    (`experts.native_rows`: every expert's gate/up rows in one call, then the down rows), over
-    more weights than L3 holds; GB/s of weights read, and a plain read of the same bytes."""
+def _experts_step(label: str, reps: int, batch: int = 1, bandwidth: "Bandwidth | None" = None) -> dict:
+    """One decode step's routed experts at the shape: `batch` tokens, each routed to top-k of the
+    layer's experts at random (fixed seed; batch 1: k experts of one row each). Expert by expert
+    through torch (`layers.expert_forward`: SwiGLU's three products, or gpt_oss' two with their
+    biases and its clamped activation; the products the C matrix-vector kernels where they apply)
+    against the C kernels (`experts.native_rows`: every expert's gate/up rows in one call, then
+    the down rows), over more weights than L3 holds; GB/s of weights read and ms a step, against
+    a plain read of the same bytes and, given `bandwidth`, the step's bound (its bytes over the
+    machine's read rate). gpt_oss' experts as the hot tier keeps them: bf16 in transformers'
+    [in, out], or decoded from mxfp4 into [out, in] (the `-mxfp4` label)."""
     from types import SimpleNamespace
 
     from moe_workers.model.experts import native_rows
-    from moe_workers.model.layers import expert_mlp
+    from moe_workers.model.layers import expert_forward
 
+    name, form = SHAPES[label][0], SHAPES[label][3]
     fields = published.overrides(name, num_layers=1)
     h = fields["hidden_size"]
     i = fields.get("moe_intermediate_size", fields["intermediate_size"])
-    k = fields["num_experts_per_tok"]
-    per_step = 3 * i * h * 2 * k
-    sets = max(2, (1536 << 20) // per_step)
-    steps = [[{p: torch.randn(*shape).to(torch.bfloat16) for p, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i)))}
-              for _ in range(k)] for _ in range(sets)]
-    xs = [torch.randn(1, h).to(torch.bfloat16) for _ in range(k)]
-    out = torch.empty(k, h, dtype=torch.bfloat16)
-    cfg = SimpleNamespace(expert_act="silu")  # all native_rows asks of the config: not gpt_oss' activation
+    k, n_experts = fields["num_experts_per_tok"], published.expert_count(name)
+    gpt_oss, out_in = published.family_of(name) == "gpt_oss", form == "mxfp4"
+    cfg = SimpleNamespace(expert_act="gpt_oss" if gpt_oss else "silu", swiglu_alpha=1.702, swiglu_limit=7.0,
+                          experts_out_in=out_in)  # all expert_forward and native_rows ask of the config
+    if not gpt_oss:
+        shapes = (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i)))
+    elif out_in:
+        shapes = (("gate_up", (2 * i, h)), ("gate_up_bias", (2 * i,)), ("down", (h, i)), ("down_bias", (h,)))
+    else:
+        shapes = (("gate_up", (h, 2 * i)), ("gate_up_bias", (2 * i,)), ("down", (i, h)), ("down_bias", (h,)))
+    g = torch.Generator().manual_seed(batch)
+    picks = [e for _ in range(batch) for e in torch.randperm(n_experts, generator=g)[:k].tolist()]
+    counts = [picks.count(e) for e in sorted(set(picks))]
+    per_step = len(counts) * sum(2 * torch.Size(shape).numel() for _, shape in shapes)
+    sets = max(1, round((1536 << 20) / per_step))
+    steps = [[{p: (torch.randn(*shape) * 0.02).to(torch.bfloat16) for p, shape in shapes} for _ in counts]
+             for _ in range(sets)]
+    xs = [torch.randn(c, h).to(torch.bfloat16) for c in counts]
+    outs = [torch.empty(c, h, dtype=torch.bfloat16) for c in counts]
 
     def rate(fn) -> float:
         fn(steps[0])
         best = min(_timed(lambda: [fn(st) for st in steps]) for _ in range(reps))
         return sets * per_step / best / 1e9
 
-    row = {"shape": name, "matrix": f"{k} experts x 3 x {i}x{h}",
+    def native(st):
+        assert native_rows(cfg, xs, st, outs), "the C kernels do not apply here"
+
+    row = {"shape": label, "batch": batch, "experts": len(counts), "rows": counts,
+           "matrix": f"{len(counts)} experts x {len(shapes) if not gpt_oss else 2} x {i}x{h}",
            "read_gbs": rate(lambda st: [w[p].view(torch.int32).max() for w in st for p in w]),
-           "step_torch_gbs": rate(lambda st: [expert_mlp(x, w["w1"], w["w2"], w["w3"]) for x, w in zip(xs, st)]),
-           "step_native_gbs": rate(lambda st: native_rows(cfg, xs, st, list(out.split(1))))}
-    print(f"{name:14s} {row['matrix']:>24s}: read {row['read_gbs']:.1f} GB/s, expert by expert (torch) "
-          f"{row['step_torch_gbs']:.1f}, one call a phase (C) {row['step_native_gbs']:.1f}", flush=True)
+           "step_torch_gbs": rate(lambda st: [expert_forward(cfg, x, w) for x, w in zip(xs, st)]),
+           "step_native_gbs": rate(native)}
+    row["step_torch_ms"], row["step_native_ms"] = (per_step / row[f"step_{s}_gbs"] / 1e6 for s in ("torch", "native"))
+    bound = ""
+    if bandwidth is not None:
+        row["bandwidth_gbs"] = bandwidth.measure() / 1e9
+        row["bound_ms"] = per_step / row["bandwidth_gbs"] / 1e6
+        bound = f"; bound {row['bound_ms']:.2f} ms ({row['bandwidth_gbs']:.1f} GB/s)"
+    print(f"{label:18s} b{batch:<3d} {row['matrix']:>24s} (rows {min(counts)}-{max(counts)}): read "
+          f"{row['read_gbs']:.1f} GB/s; expert by expert (torch) {row['step_torch_ms']:.2f} ms "
+          f"({row['step_torch_gbs']:.1f} GB/s), one call a phase (C) {row['step_native_ms']:.2f} ms "
+          f"({row['step_native_gbs']:.1f} GB/s): {row['step_torch_ms'] / row['step_native_ms']:.2f}x{bound}",
+          flush=True)
     return row
 
+
+def experts(labels: list[str], batches: list[int], reps: int = 3) -> tuple[list[dict], dict]:
+    """`_experts_step` at each shape and batch, with the step's bound; figures
+    experts-step-native-over-torch-<shape>-b<batch> (torch's step time over the C kernels')."""
+    bandwidth, rows, figures = Bandwidth(), [], {}
+    for label in labels:
+        for b in batches:
+            row = _experts_step(label, reps, b, bandwidth)
+            rows.append(row)
+            figures[f"experts-step-native-over-torch-{label}-b{b}"] = row["step_torch_ms"] / row["step_native_ms"]
+    return rows, figures
 
 
 def _timed(fn) -> float:
@@ -424,6 +467,10 @@ def main() -> int:
     if a.only in (None, "kernels"):
         print("matrix-vector products at the experts' shapes (bf16, one row):")
         results["kernels"], f = kernels(names)
+        figures.update(f)
+    if a.only == "experts":
+        print("a decode step's routed experts (bf16), expert by expert in torch against the C kernels:")
+        results["experts"], f = experts(names, batches)
         figures.update(f)
     if a.only in (None, "models") and len(names) > 1:
         # a process per shape: each starts its own Ray head (Serve keeps its first cluster's

@@ -191,6 +191,117 @@ def test_x_times_w_in_transformers_layout_in_c_equals_torchs_within_bf16_roundin
     torch.testing.assert_close(ours, theirs, rtol=2 ** -5, atol=2 ** -5 * theirs.abs().max().item())
 
 
+def _gpt_oss_experts(g: torch.Generator, n: int, hidden: int, inter: int, out_in: bool) -> list[dict]:
+    """n random gpt-oss experts as the hot tier keeps them ([out, in] or [in, out]), their gate and
+    up products well beyond the clamp limit (7) for unit-variance rows, biases not zero."""
+    def w(rows, cols):
+        m = (torch.randn(rows, cols, generator=g) * 12 / rows ** 0.5).bfloat16()
+        return m.t().contiguous() if out_in else m
+
+    return [{"gate_up": w(hidden, 2 * inter), "gate_up_bias": torch.randn(2 * inter, generator=g).bfloat16(),
+             "down": w(inter, hidden) * 0.1, "down_bias": torch.randn(hidden, generator=g).bfloat16()}
+            for _ in range(n)]
+
+
+def _gpt_oss_rows(ws: list[dict], xs: list[torch.Tensor], out_in: bool, limit: float = 7.0) -> list[torch.Tensor]:
+    outs = [torch.full_like(x, float("nan")) for x in xs]
+    native.gptoss_rows(xs, *([w[k] for w in ws] for k in ("gate_up", "gate_up_bias", "down", "down_bias")), 1.702,
+                       limit, out_in, outs)
+    return outs
+
+
+@pytest.mark.parametrize("out_in", [True, False], ids=["out-in (mxfp4)", "in-out (bf16 release)"])
+def test_gpt_oss_experts_in_c_equal_torchs_within_bf16_rounding(cache, monkeypatch, out_in):
+    """gpt-oss' clamped SwiGLU with biases through the C kernels (1, 16, 3 and 7 rows of four experts
+    in one call; weights split across three parts, rows of 516 / pairs of 260 that are not whole
+    vectors or blocks) against `layers.expert_forward` by torch alone (MOE_NATIVE=0), in bf16.
+
+    Tolerance: both sides round each product (gate/up, down) once to bf16 from float32 sums taken
+    in different orders, so a product differs by at most a bf16 ulp or two (2^-8 relative) and the
+    activation passes that on; 2^-6 (4 ulps) of the row's largest output, as for the SwiGLU
+    experts. Where torch's products are the C matrix-vector kernel itself ([out, in], the library
+    on), the activation rounds where torch's ops round: all but a few values in 10^3 bit-equal.
+    The rows reach far past the clamp limit: without the clamp the outputs are others."""
+    from types import SimpleNamespace
+
+    from moe_workers.model.layers import expert_forward
+
+    g = torch.Generator().manual_seed(9)
+    hidden, inter, counts = 516, 260, [1, native.ROWS_MAX, 3, 7]
+    ws = _gpt_oss_experts(g, len(counts), hidden, inter, out_in)
+    xs = [torch.randn(c, hidden, generator=g).bfloat16() for c in counts]
+    cfg = SimpleNamespace(expert_act="gpt_oss", swiglu_alpha=1.702, swiglu_limit=7.0, experts_out_in=out_in)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(native, "PARALLEL_BYTES", 1 << 16)
+    assert native._parts(hidden, ws[0]["gate_up"].nbytes) == 3
+    ours = _gpt_oss_rows(ws, xs, out_in)
+    with_c = [expert_forward(cfg, x, w) for x, w in zip(xs, ws)]
+    unclamped = _gpt_oss_rows(ws, xs, out_in, limit=float("inf"))
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    native.reset()
+    gate_up = torch.cat([x @ (w["gate_up"].t() if out_in else w["gate_up"]) for x, w in zip(xs, ws)]).float()
+    assert (gate_up.abs() > 2 * cfg.swiglu_limit).float().mean() > 0.2  # the clamp is in play
+    for x, w, got, c_products, free in zip(xs, ws, ours, with_c, unclamped):
+        want = expert_forward(cfg, x, w).float()
+        tol = 2 ** -6 * want.abs().max().item()
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -6, atol=tol)
+        assert (free.float() - want).abs().max() > 100 * tol
+        if out_in:
+            assert (got.view(torch.int16) == c_products.view(torch.int16)).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("out_in", [True, False], ids=["out-in (mxfp4)", "in-out (bf16 release)"])
+def test_a_gpt_oss_rows_values_do_not_depend_on_the_rows_and_experts_beside_it(cache, monkeypatch, out_in):
+    """A row through the C gpt-oss kernels alone gives the same bits as among ROWS_MAX rows of its
+    expert and beside another expert's rows in the same call (the sums' order and their split
+    across threads are fixed by the shape, not by the call)."""
+    g = torch.Generator().manual_seed(10)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(native, "PARALLEL_BYTES", 1 << 16)
+    ws = _gpt_oss_experts(g, 2, 300, 136, out_in)
+    xs = [torch.randn(native.ROWS_MAX, 300, generator=g).bfloat16(), torch.randn(5, 300, generator=g).bfloat16()]
+    together = _gpt_oss_rows(ws, xs, out_in)[0]
+    for i in (0, 7, native.ROWS_MAX - 1):
+        alone = _gpt_oss_rows(ws[:1], [xs[0][i:i + 1]], out_in)[0]
+        assert torch.equal(alone.view(torch.int16), together[i:i + 1].view(torch.int16))
+
+
+def test_a_gpt_oss_shard_call_takes_the_c_path_for_a_few_rows_each_and_torch_beyond(cache, tmp_path, monkeypatch):
+    """gpt_oss' bf16 experts ([in, out], as its release stores them) in a shard's compute_rows: every
+    expert with up to ROWS_MAX rows in one `native.gptoss_rows` call, within bf16 rounding of
+    torch's; an expert with more rows through torch; no C kernels (MOE_NATIVE=0): torch."""
+    from checkpoints import make_family
+    from moe_workers.model.checkpoint import Checkpoint
+    from moe_workers.model.experts import LocalExperts, compute_rows
+    from moe_workers.model.layers import expert_forward
+
+    make_family(tmp_path, "gpt_oss", hidden_size=128, intermediate_size=64)
+    ckpt = Checkpoint(tmp_path)
+    experts = LocalExperts(ckpt, torch.bfloat16)
+    cfg, layer = ckpt.config, ckpt.config.sparse_layers[0]
+    assert not cfg.experts_out_in
+    keys = [(layer, e) for e in range(3)]
+    calls = []
+    real = native.gptoss_rows
+    monkeypatch.setattr(native, "gptoss_rows", lambda *a: (calls.append([t.shape[0] for t in a[0]]), real(*a))[1])
+    counts = [1, native.ROWS_MAX + 1, 5]
+    x = torch.randn(sum(counts), cfg.hidden_size).bfloat16()
+    out = torch.full_like(x, float("nan"))
+    compute_rows(experts.weights, keys, counts, x, out, cfg)
+    assert calls == [[1, 5]]
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    native.reset()
+    at = 0
+    for key, c in zip(keys, counts):
+        want = expert_forward(cfg, x[at:at + c], experts.weights[key]).float()
+        torch.testing.assert_close(out[at:at + c].float(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+        at += c
+    again = torch.empty_like(x)
+    compute_rows(experts.weights, keys, counts, x, again, cfg)
+    assert calls == [[1, 5]]  # torch served it
+    torch.testing.assert_close(again.float(), out.float(), rtol=2 ** -6, atol=2 ** -6 * out.float().abs().max().item())
+
+
 def test_a_dense_projections_decode_row_in_c_equals_torchs_within_bf16_rounding(cache, monkeypatch):
     """layers.linear on a few bf16 rows: the C product (w's rows split across torch's threads; row
     counts that are not a multiple of 4 or of the parts, a row length with a vector tail, a bias,

@@ -106,19 +106,25 @@ def compute_rows(weights: dict, keys: list[tuple[int, int]], counts: list[int], 
 
 def native_rows(cfg, xs: list[torch.Tensor], ws: list[dict[str, torch.Tensor]], outs: list[torch.Tensor]) -> bool:
     """A decode step's SwiGLU experts, up to `native.ROWS_MAX` bfloat16 rows each on the CPU,
-    through the C kernels (`native.swiglu_rows`: every expert's gate/up rows in one call, then its
-    down rows, each weight row read once for all of its expert's rows, split across torch's
-    threads) instead of three products and two element-wise ops per expert in Python; the same
-    values within bfloat16's rounding, and a row's values do not depend on how many rows share
-    its expert. False, with nothing done, where they do not apply: gpt_oss' activation, another
-    dtype or device, more rows, no C compiler."""
-    if not xs or cfg.expert_act == "gpt_oss" or xs[0].dtype != torch.bfloat16 or xs[0].device.type != "cpu":
+    through the C kernels (`native.swiglu_rows`, gpt_oss' clamped SwiGLU with biases through
+    `native.gptoss_rows`: every expert's gate/up rows in one call, then its down rows, each weight
+    row read once for all of its expert's rows, split across torch's threads) instead of products
+    and element-wise ops per expert in Python; the same values within bfloat16's rounding, and a
+    row's values do not depend on how many rows share its expert. False, with nothing done, where
+    they do not apply: another dtype or device, more rows, no C compiler."""
+    if not xs or xs[0].dtype != torch.bfloat16 or xs[0].device.type != "cpu":
         return False
-    parts = [(w["w1"], w["w3"], w["w2"]) for w in ws]
+    gpt_oss = cfg.expert_act == "gpt_oss"
+    parts = [(w["gate_up"], w["gate_up_bias"], w["down"], w["down_bias"]) if gpt_oss else (w["w1"], w["w3"], w["w2"])
+             for w in ws]
     if any(not 0 < x.shape[0] <= native.ROWS_MAX for x in xs) or any(
             t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous() for p in parts for t in p):
         return False
     if native.library() is None:
         return False
-    native.swiglu_rows(xs, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], outs)
+    if gpt_oss:
+        native.gptoss_rows(xs, *([p[k] for p in parts] for k in range(4)), cfg.swiglu_alpha, cfg.swiglu_limit,
+                           cfg.experts_out_in, outs)
+    else:
+        native.swiglu_rows(xs, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], outs)
     return True

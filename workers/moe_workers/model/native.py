@@ -1,5 +1,5 @@
 """The C kernels (`native_decode.c`: the quantized experts' decoder; `native_experts.c`: a decode
-step's SwiGLU experts), built for this machine on first use.
+step's SwiGLU experts, gpt-oss' among them), built for this machine on first use.
 
 A promotion of an fp8 or mxfp4 expert into a hot slot is a decode, and through torch ops (table
 lookups a few rows at a time) it runs at 1.5-4 GB/s of output on the CPUs we measure on, slower
@@ -116,10 +116,12 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib, why = build_library(SOURCES, FLAGS, "moe_decode")
     if lib is None:
         return None, why
-    p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    p, n, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     for name, args in (("moe_fp8_par", [p, p, n, n, n, n, p, i, i]), ("moe_mxfp4_par", [p, p, n, p, i, i]),
                        ("moe_swiglu_up_par", [p, p, p, p, n, n, n, p, p, p, i]),
-                       ("moe_swiglu_down_par", [p, p, p, n, n, n, p, i]), ("moe_vecmat_par", [p, p, n, n, p, i]),
+                       ("moe_swiglu_down_par", [p, p, p, n, n, n, p, i]),
+                       ("moe_gptoss_up_par", [p, p, p, p, n, n, n, i, f, f, p, p, p, i]),
+                       ("moe_gptoss_down_par", [p, p, p, p, n, n, n, i, p, p, i]), ("moe_vecmat_par", [p, p, n, n, p, i]),
                        ("moe_matvec_par", [p, n, n, p, n, p, i])):
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, i
     lib.moe_native_isa.restype = ctypes.c_char_p
@@ -221,6 +223,45 @@ def swiglu_rows(xs: list[torch.Tensor], w1: list[torch.Tensor], w3: list[torch.T
                                  _parts(inter, nbytes)), "swiglu gate/up")
     _check(lib.moe_swiglu_down_par(p_w2, p_h, p_rows, count, inter, hidden, p_out, _parts(hidden, nbytes // 2)),
            "swiglu down")
+
+
+def gptoss_rows(xs: list[torch.Tensor], gate_up: list[torch.Tensor], gate_up_bias: list[torch.Tensor],
+                down: list[torch.Tensor], down_bias: list[torch.Tensor], alpha: float, limit: float, out_in: bool,
+                outs: list[torch.Tensor]) -> None:
+    """outs[e] = act(xs[e] gate_up[e] + gate_up_bias[e]) down[e] + down_bias[e], gpt-oss' clamped
+    SwiGLU (`layers.gpt_oss_expert`: gate and up interleaved in gate_up's outputs), for a few
+    bfloat16 rows an expert, in one call per phase as `swiglu_rows`. The weights as the hot tier
+    keeps them: [out, in] when `out_in` (decoded from mxfp4), else transformers' [in, out]. Every
+    tensor bfloat16, contiguous, on the CPU."""
+    lib, count = library(), len(xs)
+    hidden = xs[0].shape[1]
+    inter = down[0].shape[1] if out_in else down[0].shape[0]
+    xs = [x.contiguous() for x in xs]
+    rows = [x.shape[0] for x in xs]
+    want = ((2 * inter, hidden), (2 * inter,), (hidden, inter), (hidden,)) if out_in else (
+        (hidden, 2 * inter), (2 * inter,), (inter, hidden), (hidden,))
+    if any(x.dim() != 2 or x.shape[1] != hidden or not 0 < x.shape[0] <= ROWS_MAX for x in xs) or any(
+            tuple(o.shape) != tuple(x.shape) or not o.is_contiguous() for o, x in zip(outs, xs)) or len(outs) != count \
+            or any(tuple(t.shape) != s for ts in zip(gate_up, gate_up_bias, down, down_bias) for t, s in zip(ts, want)):
+        raise ValueError(f"gpt-oss rows: inputs {[tuple(x.shape) for x in xs]}, outputs {[tuple(o.shape) for o in outs]} "
+                         f"(want [1-{ROWS_MAX}, {hidden}] each, outputs alike), weights {want} each")
+    gu, h = (torch.empty(sum(rows), n, dtype=torch.bfloat16).split(rows) for n in (2 * inter, inter))
+    p_gate_up, p_gate_up_bias, p_down, p_down_bias, p_x, p_out, p_gu, p_h = (
+        _pointers(t) for t in (gate_up, gate_up_bias, down, down_bias, xs, outs, gu, h))
+    p_rows = (ctypes.c_long * count)(*rows)
+    # [out, in]: the parts split the outputs (any split gives the same bits); [in, out]: they split
+    # the products' sums (W's rows) and add them after, so their number is one expert's (a row's
+    # values do not depend on which experts share its call)
+    if out_in:
+        nbytes = sum(w.nbytes for w in gate_up)
+        up_parts, down_parts = _parts(inter, nbytes), _parts(hidden, nbytes // 2)
+    else:
+        up_parts, down_parts = _parts(hidden, gate_up[0].nbytes), _parts(inter, down[0].nbytes)
+    acc = torch.empty(0 if out_in else max(up_parts * 2 * inter, down_parts * hidden) * sum(rows), dtype=torch.float32)
+    _check(lib.moe_gptoss_up_par(p_gate_up, p_gate_up_bias, p_x, p_rows, count, hidden, inter, int(out_in), alpha,
+                                 limit, p_gu, p_h, acc.data_ptr(), up_parts), "gpt-oss gate/up")
+    _check(lib.moe_gptoss_down_par(p_down, p_down_bias, p_h, p_rows, count, inter, hidden, int(out_in), p_out,
+                                   acc.data_ptr(), down_parts), "gpt-oss down")
 
 
 def matvec(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,18 @@ int moe_swiglu_up(const uint16_t *const *w1, const uint16_t *const *w3, const ui
                   uint16_t *const *h);
 int moe_swiglu_down(const uint16_t *const *w2, const uint16_t *const *h, const long *nx, long count, long inter,
                     long hidden, long r0, long r1, uint16_t *const *y);
+int moe_gptoss_up(const uint16_t *const *gate_up, const uint16_t *const *bias, const uint16_t *const *x,
+                  const long *nx, long count, long hidden, long inter, float alpha, float limit, long j0, long j1,
+                  uint16_t *const *gu, uint16_t *const *h);
+int moe_gptoss_down(const uint16_t *const *down, const uint16_t *const *bias, const uint16_t *const *h, const long *nx,
+                    long count, long inter, long hidden, long c0, long c1, uint16_t *const *y);
+int moe_inout_sums(const uint16_t *const *w, const uint16_t *const *x, const long *nx, long count, long n, long m,
+                   long i0, long i1, float *acc);
+int moe_gptoss_up_sums(const float *acc, int parts, const uint16_t *const *bias, const long *nx, long count,
+                       long inter, float alpha, float limit, long j0, long j1, uint16_t *const *gu,
+                       uint16_t *const *h);
+int moe_gptoss_down_sums(const float *acc, int parts, const uint16_t *const *bias, const long *nx, long count,
+                         long hidden, long c0, long c1, uint16_t *const *y);
 int moe_matvec_rows(const uint16_t *w, long n, const uint16_t *x, long nx, long rows, long r0, long r1, uint16_t *y);
 int moe_vecmat_rows(const uint16_t *x, const uint16_t *w, long m, long r0, long r1, float *acc);
 
@@ -67,6 +79,49 @@ int moe_swiglu_up_par(const uint16_t *const *w1, const uint16_t *const *w3, cons
 int moe_swiglu_down_par(const uint16_t *const *w2, const uint16_t *const *h, const long *nx, long count, long inter,
                         long hidden, uint16_t *const *y, int parts) {
     EACH_PART(hidden, parts, moe_swiglu_down(w2, h, nx, count, inter, hidden, a, b, y))
+}
+
+/* gpt-oss' experts in [in, out]: part p's sums over its range of W's rows into acc [parts, all
+ * experts' rows, m] (the next call adds the parts) */
+static int inout_sums_par(const uint16_t *const *w, const uint16_t *const *x, const long *nx, long count, long n,
+                          long m, float *acc, int parts) {
+    long total = 0;
+    for (long e = 0; e < count; e++) total += nx[e];
+    EACH_PART(n, parts, moe_inout_sums(w, x, nx, count, n, m, a, b, acc + p * total * m))
+}
+
+static int gptoss_up_sums_par(const float *acc, const uint16_t *const *bias, const long *nx, long count, long inter,
+                              float alpha, float limit, uint16_t *const *gu, uint16_t *const *h, int parts) {
+    EACH_PART(inter, parts, moe_gptoss_up_sums(acc, parts, bias, nx, count, inter, alpha, limit, a, b, gu, h))
+}
+
+static int gptoss_down_sums_par(const float *acc, const uint16_t *const *bias, const long *nx, long count,
+                                long hidden, uint16_t *const *y, int parts) {
+    EACH_PART(hidden, parts, moe_gptoss_down_sums(acc, parts, bias, nx, count, hidden, a, b, y))
+}
+
+/* out_in: gate_up [2 * inter, hidden] rows split across the parts; else [hidden, 2 * inter], its
+ * rows (the sums) split, then the pairs; acc [parts, all experts' rows, 2 * inter] float32
+ * (unused when out_in) */
+int moe_gptoss_up_par(const uint16_t *const *gate_up, const uint16_t *const *bias, const uint16_t *const *x,
+                      const long *nx, long count, long hidden, long inter, int out_in, float alpha, float limit,
+                      uint16_t *const *gu, uint16_t *const *h, float *acc, int parts) {
+    if (!out_in) {
+        const int rc = inout_sums_par(gate_up, x, nx, count, hidden, 2 * inter, acc, parts);
+        return rc ? rc : gptoss_up_sums_par(acc, bias, nx, count, inter, alpha, limit, gu, h, parts);
+    }
+    EACH_PART(inter, parts, moe_gptoss_up(gate_up, bias, x, nx, count, hidden, inter, alpha, limit, a, b, gu, h))
+}
+
+/* the same for down ([hidden, inter] when out_in, else [inter, hidden]; acc [parts, rows, hidden]) */
+int moe_gptoss_down_par(const uint16_t *const *down, const uint16_t *const *bias, const uint16_t *const *h,
+                        const long *nx, long count, long inter, long hidden, int out_in, uint16_t *const *y,
+                        float *acc, int parts) {
+    if (!out_in) {
+        const int rc = inout_sums_par(down, h, nx, count, inter, hidden, acc, parts);
+        return rc ? rc : gptoss_down_sums_par(acc, bias, nx, count, hidden, y, parts);
+    }
+    EACH_PART(hidden, parts, moe_gptoss_down(down, bias, h, nx, count, inter, hidden, a, b, y))
 }
 
 int moe_matvec_par(const uint16_t *w, long rows, long n, const uint16_t *x, long nx, uint16_t *y, int parts) {
