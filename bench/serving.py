@@ -41,7 +41,7 @@ def parse_args():
     p.add_argument("--ingress-threads", type=int, default=None,
                    help="torch threads of the served ingress (default: --threads)")
     p.add_argument("--shard-threads", type=int, default=1)
-    p.add_argument("--only", choices=["prefill", "deep"], default=None,
+    p.add_argument("--only", choices=["prefill", "deep", "pingpong"], default=None,
                    help="run only this part: prefill of the default shape, or the --layers sweep")
     p.add_argument("--layers", default="4,16,32",
                    help="batch-1 decode sweep over model depth (hidden 256, intermediate 512, 8 experts, top-2, "
@@ -450,6 +450,45 @@ def deep_point(a, n: int) -> dict:
             "rounds": rounds}
 
 
+def pingpong(a, layers: int, batches: list[int], rounds: int) -> tuple[list[dict], dict]:
+    """Decode at each batch with ping-pong micro-batches (every step of 8 or more tokens split in
+    two halves whose attention and experts interleave) against unsplit steps, alternating in
+    one window on one served app (the depth sweep's model: hidden 256, 8 experts top-2, 2 groups);
+    medians over rounds."""
+    shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=layers, num_heads=8,
+                 num_kv_heads=2, num_experts=8, top_k=2, max_position_embeddings=512)
+    path = ensure_checkpoint(a.cache_dir, shape, a.family)
+    tokens = a.decode_tokens or 16
+    print(f"\nping-pong micro-batches: {layers} layers ({shape}), {a.micro_batches} micro-batches, "
+          f"{tokens} new tokens, ingress threads {a.deep_threads}", flush=True)
+    rows, figures = [], {}
+    with served_app(path, 2, a.deep_threads, a.shard_threads, layers, shape["num_experts"], a.micro_batches,
+                    dict(kv.split("=", 1) for kv in a.serve_env), max(batches)) as (url, stats, _):
+        from ray import serve
+
+        ingress = serve.get_app_handle("bench")
+
+        def decode_tps(b: int, split: bool) -> float:
+            ingress.tune_steps.remote(8 if split else 1 << 30).result()
+            ps = prompts(b, 8, shape["vocab_size"], 2)
+            one = _concurrent(url, [{"prompt": p, "max_tokens": 1, "temperature": 0} for p in ps])
+            full = _concurrent(url, [{"prompt": p, "max_tokens": tokens, "temperature": 0} for p in ps])
+            return b * (tokens - 1) / (full - one)
+
+        for b in batches:
+            decode_tps(b, True), decode_tps(b, False)  # warm-up
+            on, off = [], []
+            for _ in range(rounds):
+                on.append(decode_tps(b, True))
+                off.append(decode_tps(b, False))
+                print(f"  batch {b}: ping-pong {on[-1]:.1f} tok/s, unsplit {off[-1]:.1f} tok/s "
+                      f"({on[-1] / off[-1]:.3f})", flush=True)
+            ratio = statistics.median(x / y for x, y in zip(on, off))
+            rows.append({"batch": b, "layers": layers, "on_tps": on, "off_tps": off, "ratio": ratio})
+            figures[f"pingpong-over-unsplit-decode{b}-{layers}-layers"] = ratio
+    return rows, figures
+
+
 def deep_sweep(a, layer_counts: list[int]) -> tuple[list[dict], dict]:
     """Each depth in a fresh process (a Ray driver cannot reconnect to a second head in one
     process); what dispatch costs per layer."""
@@ -495,6 +534,14 @@ def main() -> int:
     layer_counts = [int(n) for n in a.layers.split(",") if n.strip()]
     if a.deep_point:
         Path(a.out).write_text(json.dumps(deep_point(a, a.deep_point)))
+        return 0
+    if a.only == "pingpong":
+        rows, figures = pingpong(a, layer_counts[0] if layer_counts else 4, [16, 64], a.deep_rounds)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"pingpong": rows, "figures": figures}, indent=2))
+        print()
+        for name, value in figures.items():
+            print(f"{name}: {value:.3f}")
         return 0
     if a.only == "deep":
         rows, figures = deep_sweep(a, layer_counts)

@@ -296,6 +296,12 @@ class Ingress:
         if realtime_priority is not None:
             self.engine.realtime.set_priority(realtime_priority)
 
+    def tune_steps(self, micro_batch_min_tokens: int) -> None:
+        """Split steps of at least this many tokens into micro-batches from the next step on
+        (AppArgs.micro_batch_min_tokens); bench/serving.py compares ping-pong on and off in one
+        window."""
+        self.engine.runner.micro_batch_min_tokens = max(1, micro_batch_min_tokens)
+
     def profile(self) -> dict:
         """The step's phases since start (`StepTimings.profile`), with the exchange's parts as
         "exchange.<part>" (`dispatch.ExchangeTimes`)."""
