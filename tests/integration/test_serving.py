@@ -466,7 +466,7 @@ def test_shard_replicas_run_on_cpus_of_their_own_while_there_are_free_ones(serve
 def test_every_shard_replica_is_on_the_expert_channel_at_rays_node_address(served):
     """The per-layer traffic goes over the expert channel: each shard replica listens on the
     address Ray registered for its node (no other interface) and the ingress knows every one;
-    on one node it reaches them on their Unix sockets."""
+    on one node it reaches them on their Unix sockets, the frames through shared memory."""
     import ray
 
     url = served[0]
@@ -479,13 +479,17 @@ def test_every_shard_replica_is_on_the_expert_channel_at_rays_node_address(serve
         assert len(replicas) == 1
         host = replicas[0]["endpoint"].rsplit(":", 1)[0]
         assert host in node_addresses, (host, node_addresses)
-        assert replicas[0]["via"] == "unix", replicas  # one node: the ingress uses the replicas' Unix sockets
+        assert replicas[0]["via"] == "shm", replicas  # one node: shared memory set up over the Unix sockets
     assert status["channel"]["exchanges"] >= 3 * NUM_LAYERS and status["channel"]["unavailable"] == 0
+    assert status["channel"]["shm_connections"] >= 4 and status["channel"]["shm_fallbacks"] == 0, status["channel"]
 
     def computed_on_channel():  # replicas report every 2 s
         return sum(r["channel"]["requests"] for r in requests.get(url + "/moe/v1/status", timeout=30).json()["replicas"])
 
     wait_for(lambda: computed_on_channel() >= 3, timeout_s=10, what="channel requests in the replicas' reports")
+    replicas = requests.get(url + "/moe/v1/status", timeout=30).json()["replicas"]
+    assert all(r["channel"]["shm_connections"] >= 1 and not r["channel"]["shm_refused"] for r in replicas), \
+        [r["channel"] for r in replicas]
     # each request says which of its experts the tokens chose first: the shards' RankAware policy is told
     replicas = requests.get(url + "/moe/v1/status", timeout=30).json()["replicas"]
     assert all(r["policy"]["name"] == "RankAware" for r in replicas), [r["policy"] for r in replicas]

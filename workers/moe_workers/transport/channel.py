@@ -248,6 +248,8 @@ class ExpertChannel:
         self.shared_memory = shared_memory
         self.shm_area_bytes = shm_area_bytes
         self.shm_error = ""  # why the last segment could not be used ("" when none failed)
+        if shared_memory:
+            shm.library()  # built (once per machine) now, not on a step's first exchange
         self.node = node
         self.local_sockets = local_sockets
         self.cpus = cpus or available_cpus()

@@ -105,6 +105,8 @@ class ExchangeServer:
         self.hello_timeout_s = hello_timeout_s
         self.draining = False
         self.shm_spin_s = shm_spin_s
+        if local:
+            shm.library()  # the mailboxes, built (once per machine) before an ingress offers a segment
         self.shm_connections = 0  # connections that took a segment
         self.shm_refused = ""  # why the last offered segment was not taken
         self.requests = 0
