@@ -303,3 +303,19 @@ def test_a_stalled_replica_on_shared_memory_is_hedged_to_another(servers):
         ch.exchange(0, {"g0": Part([1], [2], x)})
     assert slow.requests > served
     ch.close()
+
+
+def test_a_segment_that_cannot_be_made_leaves_the_connection_on_the_socket(servers, monkeypatch):
+    """memfd_create refused (a seccomp profile, no memory): the Unix socket carries the frames,
+    the channel counts the fallback and says why."""
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(os, "memfd_create", refuse)
+    s = servers()
+    ch = _channel([_member(s)])
+    x = torch.randn(2, 8)
+    assert torch.equal(ch.exchange(0, {"g0": Part([1], [2], x)})["g0"], _expected(0, x, [1], [2]))
+    assert ch.members()["g0"][0]["via"] == "unix" and s.shm_connections == 0
+    assert ch.stats["shm_fallbacks"] == 1 and "memfd_create: Cannot allocate memory" in ch.shm_error
+    ch.close()
