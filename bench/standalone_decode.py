@@ -6,7 +6,8 @@ against the same checkpoint in process, alternating in one window.
 
 The model is the depth sweep's (`bench/serving.py --only deep`: hidden 256, intermediate 512, 8
 experts top-2, vocab 4096). The manifest sets only what a user would (2 expert groups, `numCpus`
-0.5 for the Ingress and 0.25 a group, as the standalone examples do on this 2-core machine); every
+0.5 for the Ingress and 0.25 a group, as the standalone examples do on this 2-core machine; hot
+and warm tiers of 1 GiB, which hold every expert); every
 channel and thread setting is the app's default, unlike bench/serving.py, which sets the torch
 threads and CPUs of each side by hand. The client streams one completion of 33 tokens
 (`"stream": true`, `requests` reading the SSE lines) and takes the median gap between tokens
@@ -87,7 +88,8 @@ def point(a, n: int) -> dict:
     os.symlink(path, work / "model")
     manifest = {"apiVersion": "serving.moe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "decode"},
                 "spec": {"model": {"path": "model"}, "ingress": {"numCpus": 0.5},
-                         "experts": {"groups": 2, "numCpus": 0.25}}}
+                         "experts": {"groups": 2, "numCpus": 0.25,
+                                     "tiers": {"hot": {"budget": "1Gi"}, "warm": {"budget": "1Gi"}}}}}
     (work / "decode.yaml").write_text(yaml.safe_dump(manifest))
     port = free_port()
     log = open(work / "up.log", "w+")
@@ -99,7 +101,7 @@ def point(a, n: int) -> dict:
     try:
         deadline = time.monotonic() + 600
         while "is serving at" not in (work / "up.log").read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is not None or time.monotonic() > deadline or "InvalidSpec" in (work / "up.log").read_text():
                 raise RuntimeError("moectl up did not serve: " + (work / "up.log").read_text()[-3000:])
             time.sleep(0.5)
         streamed_gaps_ms(url, prompt)  # warm-up
