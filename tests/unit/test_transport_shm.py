@@ -6,6 +6,7 @@ and the fallbacks to the socket."""
 from __future__ import annotations
 
 import fcntl
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -44,6 +45,26 @@ def _segments() -> int:
     """Shared-memory segments this process has mapped now."""
     with open("/proc/self/maps") as f:
         return sum("memfd:moe-exchange" in line for line in f)
+
+
+def _segment_fds() -> int:
+    """Open fds of this process that are segments."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:moe-exchange")
+        except OSError:
+            pass
+    return count
+
+
+@pytest.fixture
+def unmapped():
+    """Start from no segment mapped in this process: earlier tests' replica threads unmap theirs
+    once they notice their ingress gone (within `shm.IDLE_SLICE_S`)."""
+    gc.collect()
+    wait_for(lambda: _segments() == 0 and _segment_fds() == 0, timeout_s=10,
+             what="earlier tests' segments released", interval_s=0.02)
 
 
 @pytest.fixture
@@ -139,32 +160,61 @@ def test_a_post_wakes_a_sleeping_waiter_with_a_syscall_and_a_spinning_one_withou
 
 @pytest.mark.parametrize("spin_s", [0.0, 0.0002])
 def test_no_wake_up_is_lost_in_a_long_ping_pong(spin_s):
-    """Two threads hand a counter back and forth through the two mailboxes; a lost wake-up
-    would leave one asleep until the 5 s wait runs out."""
+    """Two threads hand a counter back and forth through the two mailboxes, their sequence words
+    wrapping past 2^32 halfway; a lost wake-up would leave one asleep until the 5 s wait runs out."""
     seg, fd = shm.Segment.create()
     os.close(fd)
-    words = seg.bytes[:shm.HEAD].view("uint32")
-    lib = shm.library()
-    ping_in, pong_in = shm.Mailbox(lib, words, shm.REQUEST_BOX), shm.Mailbox(lib, words, shm.REPLY_BOX)
     rounds, misses = 3000, []
+    words = seg.bytes[:shm.HEAD].view("uint32")
+    words[shm.REQUEST_BOX // 4] = words[shm.REPLY_BOX // 4] = 0xFFFFFFFF - rounds // 2
+    lib = shm.library()
+    ping_out, ping_in = (shm.Mailbox(lib, words, shm.REQUEST_BOX) for _ in range(2))  # each end's view
+    pong_out, pong_in = (shm.Mailbox(lib, words, shm.REPLY_BOX) for _ in range(2))
 
     def pong():
         for _ in range(rounds):
             if ping_in.wait(spin_s, 5.0) is None:
                 misses.append("pong")
                 return
-            seg.reply_box.post()
+            pong_out.post()
 
     t = threading.Thread(target=pong)
     t.start()
     t0 = time.monotonic()
     for _ in range(rounds):
-        seg.request_box.post()
+        ping_out.post()
         if pong_in.wait(spin_s, 5.0) is None:
             misses.append("ping")
             break
     t.join(10)
     assert misses == [] and time.monotonic() - t0 < 20
+    assert ping_in.seen == (0xFFFFFFFF - rounds // 2 + rounds) & 0xFFFFFFFF < rounds  # it wrapped
+    seg.close()
+
+
+def test_a_frame_sent_on_the_socket_is_not_taken_for_a_close():
+    """The replica's sleep ran out just before the ingress posted ON_SOCKET and sent a large frame:
+    the readable socket is the frame, not the ingress' close."""
+    seg, fd = shm.Segment.create()
+    os.close(fd)
+    replica_end, ingress_end = socket.socketpair()
+    real = seg.request_box
+
+    class SliceRanOut:  # the first wait returns empty-handed, as a slice that ends before the post
+        calls = 0
+
+        def wait(self, spin_s, wait_s):
+            self.calls += 1
+            return None if self.calls == 1 else real.wait(spin_s, wait_s)
+
+    poster = shm.Mailbox(shm.library(), seg.bytes[:shm.HEAD].view("uint32"), shm.REQUEST_BOX)
+    poster.post(shm.ON_SOCKET)
+    ingress_end.sendall(b"a large frame")
+    assert shm.wait_for(SliceRanOut(), replica_end, time.monotonic() + 5) == shm.ON_SOCKET
+    ingress_end.close()  # now a readable socket with nothing posted is the close
+    with pytest.raises(ConnectionError):
+        shm.wait_for(real, replica_end, time.monotonic() + 5)
+    replica_end.close()
     seg.close()
 
 
@@ -183,7 +233,7 @@ def _replica_process(ready, endpoints, stall):
     time.sleep(120)
 
 
-def test_a_replica_killed_mid_exchange_fails_over_and_its_segment_is_freed(servers):
+def test_a_replica_killed_mid_exchange_fails_over_and_its_segment_is_freed(unmapped, servers):
     ctx = mp.get_context("spawn")
     ready, endpoints, stall = ctx.Event(), ctx.Queue(), ctx.Event()
     proc = ctx.Process(target=_replica_process, args=(ready, endpoints, stall), daemon=True)
@@ -224,9 +274,10 @@ def test_a_replica_killed_mid_exchange_fails_over_and_its_segment_is_freed(serve
         proc.join(5)
 
 
-def test_the_token_is_checked_before_a_segment_is_mapped(servers):
+def test_the_token_is_checked_before_a_segment_is_mapped(unmapped, servers):
     s = servers()
     seg, fd = shm.Segment.create()
+    ours = _segment_fds()  # the fd and the mapping's own
     family, address = wire.parse_endpoint(s.local_endpoint)
     with socket.socket(family, socket.SOCK_STREAM) as c:
         c.settimeout(5)
@@ -234,8 +285,10 @@ def test_the_token_is_checked_before_a_segment_is_mapped(servers):
         shm.send_hello(c, wire.encode_hello("not-the-token", {shm.OFFER: seg.size}), fd)
         status, n = wire.decode_ack_header(c.recv(wire.ACK_HEADER.size))
         assert status == wire.DENIED and b"wrong channel token" in c.recv(n)
+    wait_for(lambda: _segment_fds() == ours, timeout_s=5, what="the replica's copy of the fd closed",
+             interval_s=0.01)
     os.close(fd)
-    assert _segments() == 1 and s.shm_connections == 0  # only ours: the replica closed its fd unmapped
+    assert _segments() == 1 and s.shm_connections == 0  # only ours: it never mapped it
     seg.close()
     assert _segments() == 0
 
@@ -285,7 +338,7 @@ def test_a_stalled_replica_on_shared_memory_is_hedged_to_another(servers):
         _scale_by_expert(layer, x, experts, counts, prefetch, out)
 
     slow, fast = servers(stalls), servers()
-    ch = _channel([_member(slow, replica="r0"), _member(fast, replica="r1")], hedge_after_s=0.2, hedge_factor=4.0)
+    ch = _channel([_member(slow, replica="r0"), _member(fast, replica="r1")], hedge_after_s=0.2, hedge_factor=0.0)
     x = torch.randn(2, 8)
     for _ in range(4):
         ch.exchange(0, {"g0": Part([1], [2], x)})

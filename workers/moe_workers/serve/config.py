@@ -138,7 +138,8 @@ class AppArgs(BaseModel):
                                "fewer) on a shared-memory connection, how long a shard replica polls for the next "
                                "one before it sleeps on a futex: worth it where shard replicas have CPUs of their "
                                "own (the next layer's request then needs no wake-up); on CPUs shared with the "
-                               "ingress it only competes with it. 0: sleep at once.")
+                               "ingress it only competes with it; a replica thread in the real-time class "
+                               "(realtime_priority) keeps fair-class work off its CPU while it polls. 0: sleep at once.")
     max_request_bytes: int = Field(default=4 * 2**20, ge=1024, description="Largest HTTP request body; a larger "
                                    "one gets 413 before it is read.")
     request_body_timeout_s: float = Field(default=30.0, gt=0, description="How long a request body may take "

@@ -211,7 +211,8 @@ class _Peer:
         self.sent = 0
         self.down_until = 0.0
         self.retired = False
-        self.via = ""  # "unix" or "tcp": how the last connection was made
+        self.via = ""  # "shm", "unix" or "tcp": how the last connection was made
+        self.no_shm = False  # it refused a segment offer outright: offer it none
 
     def close_idle(self) -> None:
         for c in self.idle:
@@ -450,8 +451,9 @@ class ExpertChannel:
         self.stats["hedged"] += 1
         with self._lock:
             peer.down_until = max(peer.down_until, deadline)  # no new work until its late reply arrives
-        if conn.in_area or conn2.in_area:  # a reply in shared memory: no fd says it came; ask each in turn
-            while not conn.ready(min(deadline, time.monotonic() + 0.0005)) and not conn2.ready(time.monotonic()) \
+        if conn.in_area or conn2.in_area:  # a reply in shared memory: no fd says it came; ask each in turn,
+            # sleeping on the new replica's (the likelier first), the straggler's asked without waiting
+            while not conn2.ready(min(deadline, time.monotonic() + 0.002)) and not conn.ready(time.monotonic()) \
                     and time.monotonic() < deadline:
                 pass
             first_ready = (conn.arrived or conn.peer_closed) if conn.in_area else conn.ready(time.monotonic())
@@ -578,7 +580,7 @@ class ExpertChannel:
                 store, port = PairLink.host_store(self.link_host, self.timeout_s)
                 sock.sendall(wire.encode_hello(token, LinkOffer(self.device_link, self.link_host, port).as_dict()))
                 link = PairLink(self.device_link, 0, store, self.timeout_s)  # meets the replica's rank 1
-            elif self.shared_memory and sock.family == socket.AF_UNIX:
+            elif self.shared_memory and sock.family == socket.AF_UNIX and not peer.no_shm:
                 try:
                     seg, fd = shm.Segment.create(self.shm_area_bytes)
                 except shm.ShmUnavailable as err:
@@ -593,6 +595,9 @@ class ExpertChannel:
                 sock.sendall(wire.encode_hello(token))
             status, n = wire.decode_ack_header(recv_bytes(sock, wire.ACK_HEADER.size))
             message = recv_bytes(sock, n).decode(errors="replace")
+            if status == wire.ERROR and seg is not None:  # a replica that does not know the offer (an
+                peer.no_shm = True  # older version, mid-upgrade): the next connection offers none
+                self._shm_fallback(f"replica {member.replica}: {message}")
             if status != wire.OK:
                 raise wire.ProtocolError(f"{member.endpoint} refused the channel: {message}")
             if seg is not None and message != shm.ACCEPTED:
@@ -685,9 +690,9 @@ class ExpertChannel:
             if reply.status != wire.OK:
                 message = bytes(area[shm.REPLY_TENSOR_AT:shm.REPLY_TENSOR_AT + n]).decode(errors="replace")
                 return (message or "error") if reply.status == wire.ERROR else None
-            out, raw = wire.empty_rows(reply.rows, reply.hidden, reply.dtype)
-            if shm.REPLY_TENSOR_AT + len(raw) > len(area):
+            if shm.REPLY_TENSOR_AT + reply.rows * reply.hidden * reply.dtype.itemsize > len(area):
                 raise wire.ProtocolError("reply larger than the segment")
+            out, raw = wire.empty_rows(reply.rows, reply.hidden, reply.dtype)
             raw[:] = area[shm.REPLY_TENSOR_AT:shm.REPLY_TENSOR_AT + len(raw)]
             return out
         except wire.ProtocolError:

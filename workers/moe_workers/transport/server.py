@@ -228,7 +228,6 @@ class ExchangeServer:
                         raise shm.ShmUnavailable("no segment came with the hello")
                     seg = shm.Segment.attach(fds[0])
                     note = shm.ACCEPTED
-                    self.shm_connections += 1
                 except shm.ShmUnavailable as err:
                     note = self.shm_refused = f"shared memory refused: {err}"
             elif offer is not None:
@@ -239,7 +238,15 @@ class ExchangeServer:
                 except (LinkError, RuntimeError, KeyError, ValueError) as err:
                     conn.sendall(wire.encode_ack(wire.ERROR, f"device link refused: {err}"))
                     return False, None, None
-            conn.sendall(wire.encode_ack(wire.OK, note))
+            try:
+                conn.sendall(wire.encode_ack(wire.OK, note))
+            except BaseException:
+                if seg is not None:
+                    seg.close()
+                raise
+            if seg is not None:
+                with self._lock:
+                    self.shm_connections += 1
             conn.settimeout(None)
             return True, link, seg
         finally:
@@ -326,7 +333,7 @@ class ExchangeServer:
         compute); ConnectionError once the ingress closed the connection or the server closes."""
         spin = self.shm_spin_s if small else 0.0
         while True:
-            where = shm.wait_for(seg.request_box, conn, time.monotonic() + 1.0, spin)
+            where = shm.wait_for(seg.request_box, conn, time.monotonic() + 1.0, spin, shm.IDLE_SLICE_S)
             if where is not None:
                 return where
             if self._closed.is_set():

@@ -28,11 +28,12 @@ closes it unmapped otherwise. The memory goes back to the kernel with the last m
 peer's segment is freed when the survivor closes the connection (`close()`), and nothing is left
 when both are gone.
 
-Faults: a wait sleeps in slices of `SLICE_S` and between them asks the socket whether the peer
-closed it (a process that dies closes it), so a peer killed mid-exchange is noticed within a
-slice and the step fails over as on the socket path. Where the segment cannot be made (no memfd,
-no compiler for the mailboxes, the replica refuses it) the connection stays on the socket path;
-the channel counts it and logs the reason once.
+Faults: a wait sleeps in slices and between them asks the socket whether the peer closed it (a
+process that dies closes it): the ingress every `SLICE_S`, so a replica killed mid-exchange is
+noticed within one and the step fails over as on the socket path; an idle replica every
+`IDLE_SLICE_S`, only to free a gone ingress' segment. Where the segment cannot be made (no
+memfd, no compiler for the mailboxes or MOE_NATIVE=0, the replica refuses it or does not know the
+offer) the connection stays on the socket path; the channel counts it and logs the reason once.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ REPLY_TENSOR_AT = 64  # in the reply area: the reply header ends here, the rows 
 REPLY_AT = REPLY_TENSOR_AT - wire.REPLY_HEADER.size
 OFFER, ACCEPTED = "shm", "shm"  # the hello's key (the segment's size) and the ack's message taking it
 IN_AREA, ON_SOCKET = 0, 1  # where a posted frame is (the word after the mailbox's two)
-SLICE_S = 0.02  # a sleeping wait checks on its peer this often
+SLICE_S = 0.02  # a sleeping ingress checks on its replica this often (a dead one fails over)
+IDLE_SLICE_S = 0.25  # an idle replica connection checks whether its ingress is gone (cleanup only)
 SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
 F_ADD_SEALS, F_GET_SEALS, F_SEAL_SEAL = (getattr(fcntl, n, v) for n, v in (
     ("F_ADD_SEALS", 1033), ("F_GET_SEALS", 1034), ("F_SEAL_SEAL", 1)))
@@ -88,8 +90,13 @@ def library() -> ctypes.CDLL | None:
                 lib, why = native.build_library((SOURCE,), FLAGS, "moe_mailbox")
                 if lib is not None:
                     p, u, n, i = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_long, ctypes.c_int
-                    lib.moe_box_post.argtypes, lib.moe_box_post.restype = [p, u], i
+                    # a post is a store (and at most a wake-up): called holding the GIL, which a
+                    # release and re-take would cost more than (up to a switch interval when
+                    # another thread is runnable); a wait releases it
+                    post = ctypes.PyDLL(lib._name).moe_box_post
+                    post.argtypes, post.restype = [p, u], i
                     lib.moe_box_wait.argtypes, lib.moe_box_wait.restype = [p, u, n, n, i], u
+                    _state["post"] = post
                 _state.update(lib=lib, why=why)
     return _state["lib"]  # type: ignore[return-value]
 
@@ -103,7 +110,7 @@ class Mailbox:
     """One direction's mailbox at byte `offset` of a mapping (one poster, one waiter)."""
 
     def __init__(self, lib: ctypes.CDLL, words: np.ndarray, offset: int):
-        self._post, self._wait = lib.moe_box_post, lib.moe_box_wait
+        self._post, self._wait = _state["post"], lib.moe_box_wait
         self.addr = words.ctypes.data + offset
         self._words = words[offset // 4:offset // 4 + 16]  # uint32: seq, sleeping, where
         self.seen = int(self._words[0])  # the last seq this side posted or took
@@ -180,8 +187,9 @@ class Segment:
             raise ShmUnavailable(f"not a sealed memfd: {err.strerror or err}") from None
         if seals & SEALS != SEALS:
             raise ShmUnavailable("segment not sealed against shrinking and growing")
-        if not HEAD + 2 * MIN_AREA <= size <= MAX_SEGMENT:
-            raise ShmUnavailable(f"segment of {size} bytes (want {HEAD + 2 * MIN_AREA} to {MAX_SEGMENT})")
+        if not HEAD + 2 * MIN_AREA <= size <= MAX_SEGMENT or (size - HEAD) % (2 * mmap.PAGESIZE):
+            raise ShmUnavailable(f"segment of {size} bytes (want {HEAD + 2 * MIN_AREA} to {MAX_SEGMENT}, "
+                                 f"two areas of whole pages after {HEAD})")
         return Segment(fd, size)
 
     def close(self) -> None:
@@ -193,22 +201,29 @@ class Segment:
             pass
 
 
-def wait_for(box: Mailbox, sock: socket.socket, until_s: float, spin_s: float = 0.0) -> int | None:
+def wait_for(box: Mailbox, sock: socket.socket, until_s: float, spin_s: float = 0.0,
+             slice_s: float = SLICE_S) -> int | None:
     """Where the next frame posted to `box` is, waiting until `until_s` (monotonic) at most:
-    None when the time passed, ConnectionError when the peer closed `sock` (or sent on it, which
-    it never does unasked) meanwhile. Polls for `spin_s` first, then sleeps in slices."""
-    where = box.wait(spin_s, min(spin_s + SLICE_S, max(0.0, until_s - time.monotonic())))
+    None when the time passed, ConnectionError when the peer closed `sock` meanwhile. Polls for
+    `spin_s` first, then sleeps in slices of `slice_s`, asking the socket between them. The
+    socket turns readable on the peer's close, and also when the ingress sends a frame too large
+    for the area: it posts ON_SOCKET before it sends, so the mailbox is asked once more before a
+    readable socket counts as a close."""
+    where = box.wait(spin_s, min(spin_s + slice_s, max(0.0, until_s - time.monotonic())))
     poller = None
     while where is None:
         if poller is None:
             poller = select.poll()
             poller.register(sock, select.POLLIN)
         if poller.poll(0):
-            raise ConnectionError("peer closed the connection")
+            where = box.wait(0.0, 0.0)
+            if where is None:
+                raise ConnectionError("peer closed the connection")
+            return where
         left = until_s - time.monotonic()
         if left <= 0:
             return None
-        where = box.wait(0.0, min(SLICE_S, left))
+        where = box.wait(0.0, min(slice_s, left))
     return where
 
 
