@@ -68,6 +68,8 @@ def parse_args():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--batches", default="1,16")
     p.add_argument("--no-served", action="store_true", help="skip the served app (no Ray)")
+    p.add_argument("--channel", choices=["shm", "unix"], default="shm",
+                   help="served: the frames through shared memory (the app's default) or on the Unix socket")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--threads", type=int, default=2, help="torch threads in process and of the served Ingress")
     p.add_argument("--shard-threads", type=int, default=2,
@@ -444,13 +446,17 @@ def print_table(name: str, out: dict, batches: list[int], sides: list[str]) -> N
 
 
 @contextlib.contextmanager
-def served(path: Path, threads: int, shard_threads: int, batch: int, env: dict[str, str]):
+def served(path: Path, threads: int, shard_threads: int, batch: int, env: dict[str, str], channel: str = "shm"):
     from serving import served_app
 
     from moe_workers.model.config import MoEConfig
 
     cfg = MoEConfig.from_dir(path)
     with served_app(path, 2, threads, shard_threads, cfg.num_layers, cfg.num_experts, 1, env, batch) as (url, stats, _):
+        if channel != "shm":  # the frames on the Unix socket (the app's default is shared memory)
+            from ray import serve
+
+            serve.get_app_handle("bench").tune_channel.remote(shared_memory=False).result()
         yield Served(url, stats)
 
 
@@ -500,7 +506,8 @@ def main() -> int:
             with contextlib.ExitStack() as stack:
                 if not a.no_served:
                     sides.append(stack.enter_context(served(path, a.threads, a.shard_threads, max(batches),
-                                                            dict(kv.split("=", 1) for kv in a.serve_env))))
+                                                            dict(kv.split("=", 1) for kv in a.serve_env),
+                                                            a.channel)))
                 runs = measure(sides, bandwidth, a.rounds, batches)
             labels = [s.label for s in sides]
             out, f = summarize(name, path, runs, batches, labels)
