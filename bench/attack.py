@@ -41,7 +41,7 @@ import torch
 import yaml
 
 from figures import report, scratch
-from serving import REPO, ensure_checkpoint, model_shape, prompts
+from serving import REPO, ensure_checkpoint, model_shape, prompts, wait_until_serving
 
 
 def parse_args():
@@ -184,11 +184,7 @@ def main() -> int:
 
     marks: dict[str, float] = {}
     try:
-        deadline = time.monotonic() + 600
-        while "is serving at" not in (work / "up.log").read_text():
-            if proc.poll() is not None or time.monotonic() > deadline or "InvalidSpec" in (work / "up.log").read_text():
-                raise RuntimeError("moectl up did not serve: " + (work / "up.log").read_text()[-3000:])
-            time.sleep(0.5)
+        wait_until_serving(proc, work / "up.log")
         threads = [threading.Thread(target=client, args=("normal", i), daemon=True) for i in range(2)]
         for t in threads:
             t.start()

@@ -338,6 +338,25 @@ def print_breakdown(title: str, bd: dict) -> None:
     print(f"    dispatch overhead (wait - slowest compute) {bd['expert_wait_s'] - bd['shard_compute_max_s']:7.2f} s")
 
 
+def inprocess_ms_per_token(model, prompt: list[int], tokens: int) -> float:
+    """Batch-1 decode in process: ms a token after the first (a 1-token run subtracted)."""
+    t0 = time.perf_counter()
+    model.generate([prompt], max_tokens=1)
+    t1 = time.perf_counter()
+    model.generate([prompt], max_tokens=tokens)
+    return ((time.perf_counter() - t1) - (t1 - t0)) / (tokens - 1) * 1000
+
+
+def wait_until_serving(proc, log: Path, timeout_s: float = 600) -> None:
+    """Until `moectl up` (its process and its log file) says it serves; RuntimeError with the
+    log's tail when it exits, refuses the manifest or takes longer."""
+    deadline = time.monotonic() + timeout_s
+    while "is serving at" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline or "InvalidSpec" in log.read_text():
+            raise RuntimeError("moectl up did not serve: " + log.read_text()[-3000:])
+        time.sleep(0.5)
+
+
 def deep_point(a, n: int) -> dict:
     """Batch-1 decode of one model depth, served against in-process, interleaved: the two sides
     alternate --deep-rounds times in one window (this machine's speed drifts by 20-30% over
@@ -355,11 +374,7 @@ def deep_point(a, n: int) -> dict:
     model.generate([prompt], max_tokens=4)  # warm-up
 
     def local_ms() -> float:
-        t0 = time.perf_counter()
-        model.generate([prompt], max_tokens=1)
-        t1 = time.perf_counter()
-        model.generate([prompt], max_tokens=tokens)
-        return ((time.perf_counter() - t1) - (t1 - t0)) / (tokens - 1) * 1000
+        return inprocess_ms_per_token(model, prompt, tokens)
 
     rounds = []
     with served_app(path, 2, a.deep_threads, a.shard_threads, n, shape["num_experts"], a.micro_batches,
@@ -537,20 +552,10 @@ def main() -> int:
         return 0
     if a.only == "pingpong":
         rows, figures = pingpong(a, layer_counts[0] if layer_counts else 4, [16, 64], a.deep_rounds)
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"pingpong": rows, "figures": figures}, indent=2))
-        print()
-        for name, value in figures.items():
-            print(f"{name}: {value:.3f}")
-        return 0
+        return report(a.out, {"pingpong": rows}, figures)
     if a.only == "deep":
         rows, figures = deep_sweep(a, layer_counts)
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"deep": rows, "figures": figures}, indent=2))
-        print()
-        for name, value in figures.items():
-            print(f"{name}: {value:.3f}")
-        return 0
+        return report(a.out, {"deep": rows}, figures)
     shape = model_shape(a.quick)
     work = (dict(prefill_n=8, prefill_len=64, decode_batches=[1, 4, 8], decode_tokens=a.decode_tokens or 8)
             if a.quick else

@@ -33,7 +33,7 @@ import torch
 import yaml
 
 from figures import report, scratch
-from serving import REPO, ensure_checkpoint
+from serving import REPO, ensure_checkpoint, inprocess_ms_per_token, wait_until_serving
 
 sys.path.insert(0, str(REPO / "workers"))
 sys.path.insert(0, str(REPO / "operator"))
@@ -75,13 +75,6 @@ def point(a, n: int) -> dict:
     prompt = [5, 6, 7]
     model.generate([prompt], max_tokens=4)
 
-    def local_ms() -> float:
-        t0 = time.perf_counter()
-        model.generate([prompt], max_tokens=1)
-        t1 = time.perf_counter()
-        model.generate([prompt], max_tokens=TOKENS)
-        return ((time.perf_counter() - t1) - (t1 - t0)) / (TOKENS - 1) * 1000
-
     moectl = str(Path(sys.executable).with_name("moectl"))
     work = scratch("moe-bench-standalone-")
     env = {**os.environ, "MOE_STATE_DIR": str(work / "state")}
@@ -99,14 +92,10 @@ def point(a, n: int) -> dict:
     url = f"http://127.0.0.1:{port}"
     rounds = []
     try:
-        deadline = time.monotonic() + 600
-        while "is serving at" not in (work / "up.log").read_text():
-            if proc.poll() is not None or time.monotonic() > deadline or "InvalidSpec" in (work / "up.log").read_text():
-                raise RuntimeError("moectl up did not serve: " + (work / "up.log").read_text()[-3000:])
-            time.sleep(0.5)
+        wait_until_serving(proc, work / "up.log")
         streamed_gaps_ms(url, prompt)  # warm-up
         for _ in range(a.rounds):
-            lm = local_ms()
+            lm = inprocess_ms_per_token(model, prompt, TOKENS)
             sm = statistics.median(streamed_gaps_ms(url, prompt))
             rounds.append({"in_process_ms": lm, "streamed_ms": sm})
             print(f"  {n} layers: in-process {lm:.2f} ms a token, streamed through moectl up {sm:.2f} ms "
